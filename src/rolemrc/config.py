@@ -1,0 +1,179 @@
+"""Structured-config schemas: a typo in an override or a YAML file fails at compose time.
+
+``register()`` stores them in Hydra's ConfigStore; ``conf/train.yaml`` lists ``train_schema``
+first in its defaults so every group file is merged into (and checked against) these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class PeftConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    merge_on_export: bool = True  # False: export the adapter alone (PEFT format)
+
+
+@dataclass
+class QuantizationConfig:
+    load_in_4bit: bool = False  # QLoRA: 4-bit NF4 base weights (bitsandbytes), needs peft.enabled
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # Hub id or local folder with HF weights. None: random init from ``init`` (tiny models).
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None  # defaults to ``path``
+    # Random-init architecture (used when path is None): "llama" or "qwen2" + config kwargs.
+    arch: str = "llama"
+    init: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # weights dtype when loading: float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    gradient_checkpointing: bool = False
+    chat_template: Optional[str] = None  # override: llama3 | chatml | path to .jinja
+    eot_token: Optional[str] = None  # override the detected end-of-turn marker
+    trust_remote_code: bool = False
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = MISSING  # sft | dpo
+    # DPO
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0  # optional NLL term on the chosen response
+    reference: str = "copy"  # copy | adapter | precomputed
+    reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/../ref_cache
+    share_prompt: bool = False  # prompt, chosen, rejected in one sequence (perf issue)
+    logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
+
+
+@dataclass
+class SourceConfig:
+    path: str = MISSING
+    weight: float = 1.0
+    split: Optional[str] = None
+    name: Optional[str] = None
+    data_files: Optional[Any] = None
+    format: str = "auto"  # auto | rolebench (adapter to the SFT shape)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    dir: Optional[str] = None  # for data=local: folder holding sft.jsonl, pairs.jsonl, test.jsonl
+    sft: list[SourceConfig] = field(default_factory=list)
+    pairs: list[SourceConfig] = field(default_factory=list)
+    test: list[SourceConfig] = field(default_factory=list)
+    sft_val: list[SourceConfig] = field(default_factory=list)  # explicit validation sources
+    pairs_val: list[SourceConfig] = field(default_factory=list)
+    val_fraction: float = 0.05  # held out of train when no explicit validation source
+    max_length: int = 1024
+    max_prompt_length: int = 768
+    on_error: str = "raise"  # raise | skip
+    batch_size: int = 4  # per device
+    num_workers: int = 0
+    packing: bool = False
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: str = "cosine"  # cosine | linear | constant
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: Any = 1
+    num_nodes: int = 1
+    precision: str = "32-true"  # 32-true | bf16-mixed | bf16-true | 16-mixed
+    max_epochs: int = 1
+    max_steps: int = -1
+    matmul_precision: Optional[str] = "high"  # TF32 matmuls on Ampere+ GPUs (paper: tf32)
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    log_every_n_steps: int = 1
+    val_check_interval: Optional[Any] = None
+    check_val_every_n_epoch: Optional[int] = 1
+    limit_train_batches: Optional[Any] = None
+    limit_val_batches: Optional[Any] = None
+    num_sanity_val_steps: int = 0
+    deterministic: bool = False
+    enable_progress_bar: bool = True
+    checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch only
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "single"  # single | ddp | fsdp
+    # fsdp (FSDP2 fully_shard per decoder layer)
+    param_dtype: Optional[str] = None  # e.g. bfloat16 for a bf16 mixed-precision policy
+    reduce_dtype: Optional[str] = None  # float32 keeps gradient reduction in fp32
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    dir: str = "export"  # relative to the run directory
+    safe_serialization: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    objective: ObjectiveConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logger: Any = None  # {_target_: ...} (third-party classes are swappable)
+    callbacks: Any = field(default_factory=dict)  # name -> {_target_: ...}
+    seed: int = 42
+    run_dir: str = "${hydra:runtime.output_dir}"
+    ckpt_path: Optional[str] = None  # a .ckpt, a checkpoint folder, or "last"
+    task_name: str = "train"
+
+
+def _asset(name: str) -> str:
+    from rolemrc import asset
+
+    return asset(name)
+
+
+def register() -> None:
+    """Register schemas and the ``${asset:...}`` resolver (idempotent)."""
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", _asset)
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+
+
+

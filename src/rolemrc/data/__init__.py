@@ -1,0 +1,1 @@
+"""Data: schemas and validation, readers and mixing, chat templating, collation, datamodule."""

@@ -1,0 +1,167 @@
+"""LightningDataModule: read + validate + mix sources, encode with the chat template,
+report what will be trained on, serve dynamically padded batches."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from rolemrc.data.collate import PairCollator, SFTCollator
+from rolemrc.data.readers import read_examples
+from rolemrc.data.sampler import ResumableSampler
+from rolemrc.data.schemas import Conversation, Pair
+from rolemrc.data.templates import ChatFormat
+
+log = logging.getLogger(__name__)
+
+
+def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int) -> tuple[list[dict], dict]:
+    """Encoded rows and the mask report; conversations left with no trained token are dropped."""
+    rows: list[dict] = []
+    tokens = trained = truncated = 0
+    empty: list[str] = []
+    for ex in tqdm(examples, desc="encode sft", leave=False, disable=len(examples) < 2000):
+        enc = chat.encode_conversation(ex.messages, max_length)
+        truncated += enc.truncated
+        if enc.n_trained == 0:
+            empty.append(ex.origin)
+            continue
+        tokens += len(enc.input_ids)
+        trained += enc.n_trained
+        rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    report = {
+        "examples": len(rows),
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "trained_fraction": round(trained / max(tokens, 1), 4),
+        "truncated": truncated,
+        "dropped_no_trainable_token": len(empty),
+        "dropped_examples": empty[:5],
+    }
+    return rows, report
+
+
+def encode_pairs(
+    examples: list[Pair], chat: ChatFormat, max_length: int, max_prompt_length: int
+) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    prompt_tokens = response_tokens = prompt_cut = response_cut = 0
+    empty: list[str] = []
+    for ex in tqdm(examples, desc="encode pairs", leave=False, disable=len(examples) < 2000):
+        enc = chat.encode_pair(ex.prompt, ex.chosen, ex.rejected, max_length, max_prompt_length)
+        prompt_cut += enc.prompt_truncated
+        response_cut += enc.response_truncated
+        if not enc.chosen_ids or not enc.rejected_ids:
+            empty.append(ex.origin)
+            continue
+        prompt_tokens += len(enc.prompt_ids)
+        response_tokens += len(enc.chosen_ids) + len(enc.rejected_ids)
+        rows.append({"prompt_ids": enc.prompt_ids, "chosen_ids": enc.chosen_ids, "rejected_ids": enc.rejected_ids})
+    for i, row in enumerate(rows):
+        row["index"] = i
+    report = {
+        "examples": len(rows),
+        "prompt_tokens": prompt_tokens,
+        "response_tokens": response_tokens,
+        "prompt_truncated": prompt_cut,
+        "response_truncated": response_cut,
+        "dropped_no_trainable_token": len(empty),
+        "dropped_examples": empty[:5],
+    }
+    return rows, report
+
+
+class ChatDataModule(L.LightningDataModule):
+    """``kind="sft"`` (conversations) or ``kind="pairs"`` (preference pairs)."""
+
+    def __init__(self, cfg: Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None) -> None:
+        super().__init__()
+        if kind not in ("sft", "pairs"):
+            raise ValueError(f"kind must be 'sft' or 'pairs', got {kind!r}")
+        self.cfg, self.kind, self.chat, self.seed = cfg, kind, chat, seed
+        self.report_dir = report_dir
+        self.train_rows: list[dict] | None = None
+        self.val_rows: list[dict] = []
+        self.report: dict[str, Any] = {}
+        self.resume_batches = 0  # set on restart: batches of the current epoch already trained
+        self._sampler: ResumableSampler | None = None
+
+    def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
+        if self.kind == "sft":
+            return encode_sft(examples, self.chat, self.cfg.max_length)
+        return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is not None:
+            return
+        sources = self.cfg.sft if self.kind == "sft" else self.cfg.pairs
+        val_sources = self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val
+        train, read_report = read_examples(list(sources), self.kind, self.cfg.on_error, self.seed)
+        if val_sources:
+            val, _ = read_examples(list(val_sources), self.kind, self.cfg.on_error, self.seed)
+        elif self.cfg.val_fraction > 0 and len(train) > 1:
+            order = list(range(len(train)))
+            random.Random(self.seed).shuffle(order)
+            n_val = max(1, int(round(self.cfg.val_fraction * len(train))))
+            val = [train[i] for i in order[:n_val]]
+            train = [train[i] for i in order[n_val:]]
+        else:
+            val = []
+        self.train_rows, train_report = self._encode(train)
+        self.val_rows, val_report = self._encode(val) if val else ([], {})
+        if not self.train_rows:
+            raise ValueError(f"no {self.kind} example left to train on after encoding: {train_report}")
+        self.report = {"sources": read_report.kept, "skipped": read_report.skipped,
+                       "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
+        for line in read_report.lines():
+            log.info(line)
+        log.info("mask report (train): %s", json.dumps(train_report))
+        if val_report:
+            log.info("mask report (val): %s", json.dumps(val_report))
+        if train_report["dropped_no_trainable_token"]:
+            log.warning("%d example(s) had no trainable token after truncation and are not trained on: %s",
+                        train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
+        if self.report_dir:
+            Path(self.report_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
+
+    def collator(self) -> Any:
+        pad_id = self.chat.tokenizer.pad_token_id
+        return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_rows is not None, "call setup() first"
+        rank, world = self._rank_world()
+        self._sampler = ResumableSampler(len(self.train_rows), self.cfg.shuffle, self.seed, rank, world)
+        if self.trainer is not None:
+            self._sampler.set_epoch(self.trainer.current_epoch)
+        self._sampler.skip = self.resume_batches * self.cfg.batch_size
+        self.resume_batches = 0
+        return DataLoader(
+            self.train_rows,
+            batch_size=self.cfg.batch_size,
+            sampler=self._sampler,
+            collate_fn=self.collator(),
+            num_workers=self.cfg.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:
+            return []
+        rank, world = self._rank_world()
+        sampler = ResumableSampler(len(self.val_rows), False, self.seed, rank, world)
+        return DataLoader(self.val_rows, batch_size=self.cfg.batch_size, sampler=sampler,
+                          collate_fn=self.collator(), num_workers=self.cfg.num_workers)

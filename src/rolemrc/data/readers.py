@@ -1,0 +1,170 @@
+"""Read local JSONL/JSON/Parquet files or hub datasets, validate every record, mix sources.
+
+A source is ``{path, weight, split, name, data_files}``: ``path`` is a local file, folder or
+glob, or else a hub dataset id loaded with ``datasets``. Bad records stop the run with one
+error listing file, line and problem for each; ``on_error="skip"`` drops them and reports.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolemrc.data.schemas import PARSERS, DataError, RecordError
+
+log = logging.getLogger(__name__)
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class ReadReport:
+    """What reading one kind of data found, per source; printed before training."""
+
+    kept: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)  # first few skip reasons
+
+    def lines(self) -> list[str]:
+        out = [f"{src}: {n} records kept, {self.skipped.get(src, 0)} skipped" for src, n in self.kept.items()]
+        out += [f"  skipped {e}" for e in self.examples]
+        return out
+
+
+def _local_files(path: str) -> list[Path] | None:
+    """Files a local path stands for, or None if it is not local (then it is a hub id)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix in LOCAL_SUFFIXES)
+        if not files:
+            raise FileNotFoundError(f"{p}: folder has no {'/'.join(LOCAL_SUFFIXES)} files")
+        return files
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(str(p)))
+        if not files:
+            raise FileNotFoundError(f"{path}: glob matches no files")
+        return files
+    if p.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"data file not found: {p}")
+    return None
+
+
+def iter_file(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` pairs; an undecodable line yields a RecordError instead."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, row
+        return
+    if path.suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield err.lineno, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
+            return
+        for i, row in enumerate(data if isinstance(data, list) else [data], start=1):
+            yield i, row
+        return
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield i, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
+
+
+def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
+    """``(file, line, record)`` over a local path or a hub dataset (row numbers from 1)."""
+    path = str(source["path"])
+    files = _local_files(path)
+    if files is not None:
+        for f in files:
+            for line, record in iter_file(f):
+                yield str(f), line, record
+        return
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(
+            path, source.get("name"), data_files=source.get("data_files"), split=source.get("split") or "train"
+        )
+    except Exception as err:  # re-raised with the source named: hub ids fail offline
+        raise DataError(
+            f"could not load {path!r} as a local file or a hub dataset ({type(err).__name__}: {err}). "
+            "Offline? Point data paths at local files."
+        ) from err
+    for i, record in enumerate(ds, start=1):
+        yield f"{path}[{source.get('split') or 'train'}]", i, record
+
+
+def read_examples(
+    sources: list[Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20
+) -> tuple[list[Any], ReadReport]:
+    """Read, validate and mix ``sources`` of one ``kind`` ("sft", "pairs" or "test").
+
+    ``weight`` per source: 1 keeps every record, 0.5 a seeded random half, 2 each record twice.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
+    if not sources:
+        raise DataError(f"no {kind} sources configured (data.{kind} is empty)")
+    parse: Callable[[Any], Any] = PARSERS[kind]
+    report = ReadReport()
+    mixed: list[Any] = []
+    errors: list[str] = []
+    for index, source in enumerate(sources):
+        label = str(source["path"])
+        kept: list[Any] = []
+        n_bad = 0
+        for file, line, record in iter_source(source):
+            try:
+                if isinstance(record, RecordError):
+                    raise record
+                example = parse(record)
+            except RecordError as err:
+                n_bad += 1
+                msg = f"{file}:{line}: {err}"
+                if on_error == "raise":
+                    errors.append(msg)
+                elif len(report.examples) < 5:
+                    report.examples.append(msg)
+                continue
+            example.origin = f"{file}:{line}"
+            kept.append(example)
+        report.kept[label] = len(kept)
+        report.skipped[label] = n_bad
+        mixed.extend(_weighted(kept, float(source.get("weight", 1.0)), seed + index))
+    if errors:
+        shown = "\n  ".join(errors[:max_shown])
+        more = f"\n  ... and {len(errors) - max_shown} more" if len(errors) > max_shown else ""
+        raise DataError(
+            f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}"
+        )
+    total_skipped = sum(report.skipped.values())
+    if total_skipped:
+        log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s",
+                    total_skipped, kind, "; ".join(report.examples))
+    return mixed, report
+
+
+def _weighted(items: list[Any], weight: float, seed: int) -> list[Any]:
+    if weight < 0:
+        raise ValueError(f"source weight must be >= 0, got {weight}")
+    whole, frac = int(math.floor(weight)), weight - math.floor(weight)
+    out = items * whole
+    if frac > 0:
+        out += random.Random(seed).sample(items, round(frac * len(items)))
+    return out

@@ -1,0 +1,165 @@
+"""The record shapes rolemrc trains and evaluates on, and their validation.
+
+Every reader yields ``(line, record)``; the functions here turn one raw record into a typed
+example or raise :class:`RecordError` saying what is wrong. The caller adds the file and line.
+Roles are normalised to lowercase (RoleMRC writes ``System``/``User``/``Assistant``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+
+Message = dict[str, str]
+
+
+class RecordError(ValueError):
+    """A single record is malformed; the message says which field and why."""
+
+
+class DataError(ValueError):
+    """Bad records in a data file; the message names file, line and problem for each."""
+
+
+@dataclass
+class Conversation:
+    """An SFT example: messages with lowercase roles; loss goes on the assistant turns."""
+
+    messages: list[Message]
+    task: str | None = None
+    origin: str = ""  # "file:line", for reports
+
+
+@dataclass
+class Pair:
+    """A preference pair: ``prompt`` messages ending in a user (or system-only) turn."""
+
+    prompt: list[Message]
+    chosen: str
+    rejected: str
+    task: str | None = None
+    origin: str = ""
+
+
+@dataclass
+class TestItem:
+    task: str
+    question: list[Message]
+    reference: str
+    rule: dict[str, Any] | None = None
+    origin: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _field(record: Any, name: str) -> Any:
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
+    if name not in record or record[name] is None:
+        raise RecordError(f"missing field {name!r} (has: {', '.join(map(str, record)) or 'nothing'})")
+    return record[name]
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise RecordError(f"field {name!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RecordError(f"field {name!r} is empty")
+    return value
+
+
+def normalise_messages(raw: Any, name: str) -> list[Message]:
+    """Check a message list's fields and roles; return it with lowercase roles.
+
+    Turn order is checked by :func:`check_turn_order`.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise RecordError(f"field {name!r} must be a non-empty list of messages")
+    messages: list[Message] = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict):
+            raise RecordError(f"{name}[{i}] must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise RecordError(f"{name}[{i}].role: unknown role {role!r} (expected System, User or Assistant)")
+        content = msg.get("content")
+        if content is None:
+            raise RecordError(f"{name}[{i}]: missing field 'content'")
+        messages.append({"role": role.lower(), "content": _text(content, f"{name}[{i}].content")})
+    return messages
+
+
+def check_turn_order(messages: list[Message], name: str, last: str | None) -> None:
+    """System only first; then user and assistant strictly alternate (either may start).
+
+    ``last`` requires the final message's role ("assistant" for SFT, "user" for prompts).
+    """
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    for i, msg in enumerate(body):
+        index = i + len(messages) - len(body)
+        if msg["role"] == "system":
+            raise RecordError(f"{name}[{index}]: a System message may only come first")
+        if i and msg["role"] == body[i - 1]["role"]:
+            raise RecordError(f"{name}[{index}]: two {msg['role']} turns in a row (turns must alternate)")
+    if last is not None and body and body[-1]["role"] != last:
+        raise RecordError(f"{name}: last message must be {last}, got {body[-1]['role']}")
+
+
+def parse_conversation(record: Any) -> Conversation:
+    """RoleMRC SFT shape ``{"conversations": [...]}``, or the common ``{"messages": [...]}``."""
+    key = "conversations" if isinstance(record, dict) and "conversations" in record else None
+    if key is None and isinstance(record, dict) and "messages" in record:
+        key = "messages"
+    messages = normalise_messages(_field(record, key or "conversations"), key or "conversations")
+    check_turn_order(messages, key or "conversations", last=None)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError(f"{key}: no Assistant turn, nothing to train on")
+    task = record.get("task")
+    return Conversation(messages=messages, task=task if isinstance(task, str) else None)
+
+
+def parse_pair(record: Any) -> Pair:
+    """RoleMRC pairs (``prompt`` messages + ``chosen``/``rejected`` strings) or
+    UltraFeedback-style pairs (``chosen``/``rejected`` full message lists sharing a prefix)."""
+    chosen_raw, rejected_raw = _field(record, "chosen"), _field(record, "rejected")
+    if isinstance(chosen_raw, list) or isinstance(rejected_raw, list):
+        chosen_msgs = normalise_messages(chosen_raw, "chosen")
+        rejected_msgs = normalise_messages(rejected_raw, "rejected")
+        for name, msgs in (("chosen", chosen_msgs), ("rejected", rejected_msgs)):
+            if msgs[-1]["role"] != "assistant":
+                raise RecordError(f"{name}: last message must be the assistant response")
+        if chosen_msgs[:-1] != rejected_msgs[:-1]:
+            raise RecordError("chosen and rejected conversations differ before the final response")
+        prompt = chosen_msgs[:-1]
+        if not prompt:
+            raise RecordError("chosen: no prompt messages before the response")
+        chosen, rejected = chosen_msgs[-1]["content"], rejected_msgs[-1]["content"]
+    else:
+        prompt = normalise_messages(_field(record, "prompt"), "prompt")
+        chosen, rejected = _text(chosen_raw, "chosen"), _text(rejected_raw, "rejected")
+    only_system = len(prompt) == 1 and prompt[0]["role"] == "system"
+    check_turn_order(prompt, "prompt", last=None if only_system else "user")
+    if chosen.strip() == rejected.strip():
+        raise RecordError("chosen and rejected are identical")
+    task = record.get("task")
+    return Pair(prompt=prompt, chosen=chosen, rejected=rejected, task=task if isinstance(task, str) else None)
+
+
+def parse_test_item(record: Any) -> TestItem:
+    from rolemrc.tasks import TASKS
+
+    task = _text(_field(record, "task"), "task")
+    if task not in TASKS:
+        raise RecordError(f"task {task!r} is not one of the 18 RoleMRC test tasks")
+    question = normalise_messages(_field(record, "question"), "question")
+    check_turn_order(question, "question", last="user")
+    reference = _text(_field(record, "reference"), "reference")
+    rule = record.get("rule")
+    if rule is not None and not (isinstance(rule, dict) and isinstance(rule.get("type"), str)):
+        raise RecordError("field 'rule' must be an object with a string 'type'")
+    extra = {k: v for k, v in record.items() if k not in {"task", "question", "reference", "rule"}}
+    return TestItem(task=task, question=question, reference=reference, rule=rule, extra=extra)
+
+
+PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item}

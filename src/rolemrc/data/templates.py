@@ -1,0 +1,160 @@
+"""Messages -> token ids and loss labels: the ONE place that renders chat templates.
+
+Works with any tokenizer chat template, including the official Llama-3.1 and Qwen2.5 ones,
+which carry no ``{% generation %}`` markers: the text of assistant turn ``i`` is found by
+rendering ``messages[:i]`` with the generation prompt (the prefix) and ``messages[:i+1]``
+(the prefix plus the turn). The trained span is the turn's text up to and including the
+end-of-turn marker (``<|eot_id|>``, ``<|im_end|>``); anything the template adds after it
+(ChatML's newline) is context, not target.
+
+The rendered text is cut at span boundaries and each piece tokenised on its own, so the
+labelled tokens decode to exactly the assistant turns, and a prompt tokenises exactly as it
+does at generation time (prompt ids, then the model's own tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolemrc.data.schemas import Message
+
+IGNORE = -100
+SHIPPED_TEMPLATES = {"llama3": "llama3.jinja", "chatml": "chatml.jinja"}
+
+
+def load_template(spec: str) -> str:
+    """``llama3``/``chatml`` (shipped), or a path to a Jinja file."""
+    from rolemrc import asset
+
+    if spec in SHIPPED_TEMPLATES:
+        return Path(asset(f"templates/{SHIPPED_TEMPLATES[spec]}")).read_text()
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"chat template {spec!r}: not a shipped name ({', '.join(SHIPPED_TEMPLATES)}) nor a file")
+    return path.read_text()
+
+
+@dataclass
+class EncodedConversation:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE except on assistant content + end-of-turn tokens
+    truncated: bool
+
+    @property
+    def n_trained(self) -> int:
+        return sum(label != IGNORE for label in self.labels)
+
+
+@dataclass
+class EncodedPair:
+    prompt_ids: list[int]
+    chosen_ids: list[int]  # response tokens incl. end-of-turn
+    rejected_ids: list[int]
+    prompt_truncated: bool
+    response_truncated: bool
+
+
+class ChatFormat:
+    """Renders conversations with ``tokenizer``'s chat template and tokenises them.
+
+    Args:
+        tokenizer: a fast HF tokenizer with ``chat_template`` set (or pass ``template``).
+        template: overrides the tokenizer's template (shipped name or Jinja file).
+        eot: end-of-turn marker; detected from the template when None.
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None, eot: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        if template is not None:
+            tokenizer.chat_template = load_template(template)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template; set model.chat_template to 'llama3', 'chatml' or a Jinja file"
+            )
+        self.eot = eot or self._detect_eot()
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        # The template already wrote BOS and special tokens into the text.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _detect_eot(self) -> str:
+        probe = [{"role": "user", "content": "Q7x"}, {"role": "assistant", "content": "A9z"}]
+        full = self.render(probe)
+        after = full[full.rindex("A9z") + 3 :].strip()
+        if not after:
+            raise ValueError("could not detect the end-of-turn marker from the chat template; set model.eot_token")
+        return after
+
+    def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the ``[start, end)`` character span of each
+        assistant turn's content plus its end-of-turn marker."""
+        full = self.render(messages)
+        spans: list[tuple[int, int]] = []
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            prefix = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(prefix) and full.startswith(upto)):
+                raise ValueError(
+                    f"chat template is not prefix-consistent at message {i}: rendering a conversation's "
+                    "first turns does not give a prefix of the whole; loss masks cannot be derived"
+                )
+            end = upto.rfind(self.eot, len(prefix))
+            if end < 0:
+                raise ValueError(f"end-of-turn marker {self.eot!r} not found after assistant message {i}")
+            spans.append((len(prefix), end + len(self.eot)))
+        return full, spans
+
+    def encode_conversation(self, messages: list[Message], max_length: int | None = None) -> EncodedConversation:
+        """``input_ids``/``labels`` for SFT; long conversations lose their start (left cut)."""
+        text, spans = self.assistant_spans(messages)
+        ids: list[int] = []
+        labels: list[int] = []
+        cursor = 0
+        for start, end in spans:
+            context = self.tokenize(text[cursor:start])
+            target = self.tokenize(text[start:end])
+            ids += context + target
+            labels += [IGNORE] * len(context) + target
+            cursor = end
+        tail = self.tokenize(text[cursor:])
+        ids += tail
+        labels += [IGNORE] * len(tail)
+        truncated = max_length is not None and len(ids) > max_length
+        if truncated:
+            ids, labels = ids[-max_length:], labels[-max_length:]
+        return EncodedConversation(ids, labels, truncated)
+
+    def encode_prompt(self, messages: list[Message]) -> list[int]:
+        """Prompt ids ending with the generation prompt, as used for generation."""
+        return self.tokenize(self.render(messages, add_generation_prompt=True))
+
+    def encode_response(self, prompt: list[Message], response: str) -> list[int]:
+        """Tokens of ``response`` as the assistant turn after ``prompt``, plus end-of-turn."""
+        _, spans = self.assistant_spans(prompt + [{"role": "assistant", "content": response}])
+        text = self.render(prompt + [{"role": "assistant", "content": response}])
+        start, end = spans[-1]
+        return self.tokenize(text[start:end])
+
+    def encode_pair(
+        self, prompt: list[Message], chosen: str, rejected: str, max_length: int, max_prompt_length: int
+    ) -> EncodedPair:
+        """Prompt cut from the left to ``max_prompt_length``, then each response cut from the
+        right so prompt + response fits ``max_length``."""
+        prompt_ids = self.encode_prompt(prompt)
+        prompt_truncated = len(prompt_ids) > max_prompt_length
+        if prompt_truncated:
+            prompt_ids = prompt_ids[-max_prompt_length:]
+        room = max_length - len(prompt_ids)
+        chosen_ids = self.encode_response(prompt, chosen)
+        rejected_ids = self.encode_response(prompt, rejected)
+        response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
+        return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)

@@ -1,0 +1,153 @@
+"""Load a tokenizer and a causal LM from config: hub id, local folder, or random init."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+RANDOM_INIT_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+
+
+def load_tokenizer(cfg: Any) -> Any:
+    """Fast tokenizer for ``cfg.tokenizer`` (or ``cfg.path``), chat template overridden if asked."""
+    from transformers import AutoTokenizer
+
+    from rolemrc.data.templates import load_template
+
+    source = cfg.tokenizer or cfg.path
+    if source is None:
+        raise ValueError("model.tokenizer or model.path must be set")
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        tokenizer.chat_template = load_template(cfg.chat_template)
+    if tokenizer.pad_token is None:  # padded positions are masked out of attention and loss
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """``auto`` picks flash_attention_2 on a GPU when flash-attn is installed, else sdpa."""
+    have_flash = importlib.util.find_spec("flash_attn") is not None
+    if name == "auto":
+        return "flash_attention_2" if have_flash and torch.cuda.is_available() else "sdpa"
+    if name == "flash_attention_2" and not have_flash:
+        raise ImportError(
+            "model.attn_implementation=flash_attention_2 needs flash-attn, which is not installed "
+            "(GPU nodes: pip install 'rolemrc[gpu]'); use model.attn_implementation=sdpa"
+        )
+    return name
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"model.dtype: unknown dtype {name!r}")
+    return dtype
+
+
+def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
+    """The causal LM, with LoRA/QLoRA applied and the lm_head able to return chunked log-probs."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    attn = resolve_attn_implementation(cfg.attn_implementation)
+    dtype = _dtype(cfg.dtype)
+    quant = cfg.quantization.load_in_4bit
+    if quant and not cfg.peft.enabled:
+        raise ValueError("model.quantization.load_in_4bit=true trains only adapters: set model.peft.enabled=true")
+    if cfg.path is None:
+        if cfg.arch not in RANDOM_INIT_CONFIGS:
+            raise ValueError(f"model.arch must be one of {sorted(RANDOM_INIT_CONFIGS)}, got {cfg.arch!r}")
+        config_cls = getattr(transformers, RANDOM_INIT_CONFIGS[cfg.arch])
+        config = config_cls(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **dict(cfg.init),
+        )
+        if quant:
+            raise ValueError("4-bit quantization needs pretrained weights (model.path)")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    else:
+        kwargs: dict[str, Any] = {}
+        if quant:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=cfg.quantization.quant_type,
+                bnb_4bit_use_double_quant=cfg.quantization.double_quant,
+                bnb_4bit_compute_dtype=_dtype(cfg.quantization.compute_dtype),
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code, **kwargs
+        )
+    model.config.use_cache = False
+    if quant:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    elif cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.peft.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.peft.r,
+                lora_alpha=cfg.peft.alpha,
+                lora_dropout=cfg.peft.dropout,
+                target_modules=list(cfg.peft.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
+    install_logprob_head(model)
+    return model
+
+
+class LogprobHead(nn.Linear):
+    """The model's lm_head, also able to return log-probs of given targets without ever
+    holding the [tokens x vocab] logits. Called as a module so FSDP's hooks gather its weight."""
+
+    chunk_size: int = 1024
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        if labels is None:
+            return super().forward(hidden)
+        from rolemrc.objectives.logprobs import token_logprobs
+
+        logps, _ = token_logprobs(hidden, self.weight, labels, chunk_size=self.chunk_size, bias=self.bias)
+        return logps
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def install_logprob_head(model: nn.Module) -> None:
+    head = unwrap(model).get_output_embeddings()
+    if type(head) is nn.Linear:
+        head.__class__ = LogprobHead  # same parameters, one more way to call it
+    elif not isinstance(head, LogprobHead):
+        raise TypeError(f"unsupported lm_head type {type(head).__name__}: expected nn.Linear")
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, LogprobHead]:
+    base = unwrap(model)
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

@@ -1,0 +1,1 @@
+"""LightningModules: own the forward, the reference model and the logging."""

@@ -1,0 +1,65 @@
+"""``strategy=single|ddp|fsdp`` -> a Lightning strategy; FSDP2 sharding of HF decoders."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def build_strategy(cfg: Any) -> Any:
+    """The Lightning strategy for ``cfg.strategy`` (checked against model options first)."""
+    s = cfg.strategy
+    if s.name == "single":
+        return "auto"
+    if s.name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(find_unused_parameters=False)
+    if s.name == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if cfg.model.quantization.load_in_4bit:
+            raise ValueError(
+                "strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "
+                "cannot be sharded by FSDP2); use strategy=single or ddp for QLoRA"
+            )
+        # Pure data parallel: every device holds one shard (no tensor parallelism).
+        return ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True)
+    raise ValueError(f"strategy.name must be single, ddp or fsdp, got {s.name!r}")
+
+
+def shard_model(model: nn.Module, device_mesh: Any, s: Any) -> None:
+    """FSDP2 ``fully_shard`` on each decoder layer, the decoder (embeddings + norm) and lm_head.
+
+    rolemrc calls the decoder and the lm_head as modules (not the top-level model), so each
+    is its own FSDP unit and its forward hooks gather its parameters.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from rolemrc.models.loading import unwrap
+
+    # The full mesh would silently become HSDP; shard over the data-parallel dimension.
+    mesh = device_mesh["data_parallel"]
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(s.param_dtype), reduce_dtype=_dtype(s.reduce_dtype)),
+        offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy(),
+    )
+    base = unwrap(model)
+    if s.activation_checkpointing and not getattr(base, "is_gradient_checkpointing", False):
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    decoder = base.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(decoder, **kwargs)
+    fully_shard(base.get_output_embeddings(), **kwargs)
+    log.info("FSDP2: sharded %d decoder layers over %d ranks", len(decoder.layers), mesh.size())

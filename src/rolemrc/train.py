@@ -1,0 +1,124 @@
+"""The training pipeline behind ``python train.py``: model -> data -> module -> trainer -> fit -> export."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rolemrc.data.datamodule import ChatDataModule
+from rolemrc.data.templates import ChatFormat
+from rolemrc.models.export import export_pretrained
+from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
+from rolemrc.strategies import build_strategy
+
+log = logging.getLogger(__name__)
+
+
+def build_loggers(cfg: DictConfig) -> list[Any]:
+    loggers = []
+    for name, spec in (cfg.logger or {}).items():
+        spec = OmegaConf.to_container(spec, resolve=True)
+        if spec.get("_target_", "").endswith("WandbLogger") and spec.get("offline") is None:
+            # No key: log offline into the run folder rather than failing or prompting.
+            spec["offline"] = not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online"
+        loggers.append(hydra.utils.instantiate(spec))
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig) -> list[Any]:
+    callbacks = []
+    for name, spec in (cfg.callbacks or {}).items():
+        if spec is None:
+            continue
+        if name == "checkpoint" and cfg.trainer.checkpoint_every_n_steps:
+            spec = OmegaConf.merge(spec, {"every_n_train_steps": cfg.trainer.checkpoint_every_n_steps})
+        callbacks.append(hydra.utils.instantiate(spec))
+    return callbacks
+
+
+def build_module(cfg: DictConfig, model: torch.nn.Module, datamodule: ChatDataModule) -> L.LightningModule:
+    if cfg.objective.name == "sft":
+        from rolemrc.modules.sft import SFTModule
+
+        return SFTModule(model, cfg)
+    if cfg.objective.name == "dpo":
+        from rolemrc.modules.dpo import DPOModule
+
+        return DPOModule(model, cfg, datamodule)
+    raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
+
+
+def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    t = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key in ("matmul_precision", "checkpoint_every_n_steps"):
+        t.pop(key)
+    return {k: v for k, v in t.items() if v is not None}
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path=last`` -> ``<run_dir>/checkpoints/last.ckpt`` if present (None on a fresh run)."""
+    if cfg.ckpt_path in (None, ""):
+        return None
+    if cfg.ckpt_path == "last":
+        last = Path(cfg.run_dir) / "checkpoints" / "last.ckpt"
+        return str(last) if last.exists() else None
+    if not Path(cfg.ckpt_path).exists():
+        raise FileNotFoundError(f"ckpt_path not found: {cfg.ckpt_path}")
+    return cfg.ckpt_path
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train as configured; return the paths written and the final logged metrics."""
+    if cfg.trainer.matmul_precision:
+        torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)
+    L.seed_everything(cfg.seed, workers=True)
+    run_dir = Path(cfg.run_dir)
+
+    tokenizer = load_tokenizer(cfg.model)
+    chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
+    kind = "sft" if cfg.objective.name == "sft" else "pairs"
+    datamodule = ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(run_dir))
+    strategy = build_strategy(cfg)  # fails on impossible combinations before loading weights
+    model = load_model(cfg.model, tokenizer)
+    trainable, total = count_parameters(model)
+    log.info("model %s: %s parameters, %s trainable", cfg.model.name, f"{total:,}", f"{trainable:,}")
+    module = build_module(cfg, model, datamodule)
+
+    trainer = L.Trainer(
+        **trainer_kwargs(cfg),
+        strategy=strategy,
+        logger=build_loggers(cfg) or False,
+        callbacks=build_callbacks(cfg),
+        default_root_dir=str(run_dir),
+        use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+
+    result: dict[str, Any] = {"run_dir": str(run_dir), "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if cfg.export.enabled:
+        result["export"] = str(export_after_fit(cfg, trainer, module, tokenizer))
+    return result
+
+
+def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any, tokenizer: Any) -> Path:
+    out = Path(cfg.run_dir) / cfg.export.dir
+    if cfg.strategy.name == "fsdp":
+        from rolemrc.checkpoints import full_state_dict
+
+        state = full_state_dict(module.model)  # collective: every rank takes part
+        if trainer.is_global_zero:
+            export_pretrained(module.model, tokenizer, out, cfg.model.peft.merge_on_export, state_dict=state)
+    elif trainer.is_global_zero:
+        export_pretrained(module.model, tokenizer, out, cfg.model.peft.merge_on_export)
+    trainer.strategy.barrier("export")
+    if trainer.is_global_zero:
+        log.info("exported model: %s", out)
+        print(f"exported model: {out}")
+    return out

@@ -1,0 +1,26 @@
+"""Train with SFT or DPO.
+
+    python train.py                                   # tiny model, sample data, CPU
+    python train.py model=qwen objective=dpo model.path=<SFT export>
+    python train.py experiment=rolemrc_llama_sft
+    python train.py -m objective.beta=0.05,0.1,0.2    # sweep (hydra/launcher=slurm on a cluster)
+    python train.py --cfg job                         # print the resolved config
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from rolemrc.config import register
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    from rolemrc.train import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -155,7 +155,7 @@ class TrainConfig:
     logger: Any = None  # {_target_: ...} (third-party classes are swappable)
     callbacks: Any = field(default_factory=dict)  # name -> {_target_: ...}
     seed: int = 42
-    run_dir: str = "${hydra:runtime.output_dir}"
+    run_dir: Optional[str] = "${hydra:runtime.output_dir}"  # None only in `--cfg job --resolve`
     ckpt_path: Optional[str] = None  # a .ckpt, a checkpoint folder, or "last"
     task_name: str = "train"
 

@@ -1,0 +1,46 @@
+"""Shared fixtures: compose the real Hydra configs (shrunk for CPU) and run them in-process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from rolemrc.config import register
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+register()
+
+
+def compose_train(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides or []), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} interpolations
+    # Compose mode has no hydra.runtime.output_dir: give every test config its own folder.
+    with open_dict(cfg):
+        cfg.run_dir = str(run_dir) if run_dir is not None else "/tmp/rolemrc-compose-only"
+    return cfg
+
+
+# Fast CPU settings for in-process training runs.
+FAST = ["trainer.enable_progress_bar=false", "callbacks=none", "logger=csv"]
+
+
+@pytest.fixture
+def train_cfg(tmp_path: Path):
+    def make(*overrides: str) -> DictConfig:
+        return compose_train([*FAST, *overrides], run_dir=tmp_path / "run")
+
+    return make

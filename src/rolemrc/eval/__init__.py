@@ -1,0 +1,1 @@
+"""Evaluation: generation backends, reference metrics, LLM judge, rule verifiers, reports."""

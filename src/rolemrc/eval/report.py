@@ -1,0 +1,141 @@
+"""Write an evaluation's results: ``metrics.json``, ``judge.jsonl`` and ``summary.md``.
+
+``metrics.json`` holds everything numeric (metric summaries and per-sample scores with their
+provenance, judge accuracy and counts per dimension, verifier agreement); ``judge.jsonl`` one
+raw verdict per line; ``summary.md`` the human-readable tables (Table-3-style metric rows,
+per-dimension judge table, judge-vs-verifier agreement).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rolemrc.eval.judge import DimensionSummary, Verdict, aggregate
+from rolemrc.eval.metrics import DISPLAY_NAMES, MetricsResult
+from rolemrc.eval.verifiers import Agreement
+from rolemrc.tasks import Dimension
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf -> None so metrics.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Mapping):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def render_summary(
+    *,
+    metrics: MetricsResult | None = None,
+    judge: Mapping[str, DimensionSummary] | None = None,
+    agreement: Agreement | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> str:
+    """The markdown of ``summary.md``."""
+    meta = dict(meta or {})
+    lines = [f"# Evaluation: {meta.get('name', 'rolemrc')}", ""]
+    for k, v in meta.items():
+        if k != "name":
+            lines.append(f"- {k}: {v}")
+    if len(lines) > 2:
+        lines.append("")
+
+    if metrics is not None:
+        lines += [f"## Reference-based metrics (n = {metrics.n}; mean ± population std per sample)", ""]
+        lines += ["| metric | mean ± std |", "|---|---|"]
+        for name, s in metrics.summary().items():
+            lines.append(f"| {DISPLAY_NAMES.get(name, name)} | {_fmt(s['mean'])} ± {_fmt(s['std'])} |")
+        bs = metrics.info.get("bertscore")
+        if bs:
+            lines += ["", f"BERTScore model: {bs['model']}, layer {bs['num_layers']}, no baseline rescaling."]
+        if "meteor" in metrics.info:
+            lines.append(f"METEOR: {metrics.info['meteor']}.")
+        lines.append("")
+
+    if judge is not None:
+        model = meta.get("judge_model")
+        lines += [f"## LLM judge{f' ({model})' if model else ''}", ""]
+        lines += [
+            "| dimension | accuracy | n ok | unparseable | failed | budget exhausted |",
+            "|---|---|---|---|---|---|",
+        ]
+        for short, s in judge.items():
+            title = Dimension[short].title if short in Dimension.__members__ else short
+            lines.append(
+                f"| {title} ({short}) | {_pct(s.accuracy)} | {s.n_ok} | {s.n_unparseable} | "
+                f"{s.n_failed} | {s.n_budget_exhausted} |"
+            )
+        lines += [
+            "",
+            "Accuracy is over parseable verdicts only; unparseable, failed and unsent "
+            "judgements are counted above, never scored as 0.",
+            "",
+        ]
+
+    if agreement is not None:
+        c = agreement.confusion
+        lines += ["## NI rule verifier vs judge", ""]
+        lines.append(
+            f"Agreement {_pct(agreement.rate)} over {agreement.n} items with both a rule and a usable "
+            f"judge verdict ({agreement.n_without_verdict} rule items without one)."
+        )
+        lines += [
+            "",
+            "| | verifier: pass | verifier: fail |",
+            "|---|---|---|",
+            f"| judge: 1 | {c['judge1_verifier1']} | {c['judge1_verifier0']} |",
+            f"| judge: 0 | {c['judge0_verifier1']} | {c['judge0_verifier0']} |",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def write_report(
+    out_dir: str | Path,
+    *,
+    metrics: MetricsResult | None = None,
+    verdicts: Sequence[Verdict] | None = None,
+    agreement: Agreement | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Write the report files that have content; returns {name: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    judge = aggregate(verdicts) if verdicts is not None else None
+    paths: dict[str, Path] = {}
+
+    doc: dict[str, Any] = {"meta": dict(meta or {})}
+    if metrics is not None:
+        doc["metrics"] = metrics.to_dict()
+    if judge is not None:
+        doc["judge"] = {k: s.to_dict() for k, s in judge.items()}
+    if agreement is not None:
+        doc["verifier_agreement"] = agreement.to_dict()
+    paths["metrics.json"] = out / "metrics.json"
+    paths["metrics.json"].write_text(json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+    if verdicts is not None:
+        paths["judge.jsonl"] = out / "judge.jsonl"
+        with paths["judge.jsonl"].open("w", encoding="utf-8") as f:
+            for v in verdicts:
+                f.write(json.dumps(v.to_dict(), ensure_ascii=False) + "\n")
+
+    paths["summary.md"] = out / "summary.md"
+    paths["summary.md"].write_text(
+        render_summary(metrics=metrics, judge=judge, agreement=agreement, meta=meta), encoding="utf-8"
+    )
+    return paths

@@ -1,0 +1,128 @@
+"""The DPO loss family as pure functions over per-sequence log-probs.
+
+Inputs are ``[B]`` tensors of summed (or, for IPO, length-averaged) sequence log-probs, e.g. from
+:func:`rolemrc.objectives.logprobs.sequence_logprobs`. With the implicit reward margin
+
+    h = (pi_chosen - pi_rejected) - (ref_chosen - ref_rejected)
+
+the losses per pair are
+
+* ``sigmoid`` (DPO; Rafailov et al. 2023), conservative with label smoothing ``eps``
+  (the preference label is flipped with probability ``eps``):
+  ``-(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)``;
+* ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 * beta)) ** 2``. The paper's log-likelihoods are
+  averaged over the sequence's tokens, not summed: the CALLER passes length-normalised log-probs
+  (see :func:`average_logps`); this function does not know the lengths;
+* ``hinge`` (SLiC-style): ``relu(1 - beta * h)``.
+
+An SFT term on the chosen responses (RoleMRC/RPO-style mixing) belongs to the caller:
+``loss = dpo.losses.mean() + sft_weight * nll_chosen``, with ``nll_chosen`` from
+:func:`rolemrc.objectives.logprobs.sft_loss` on the chosen half of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LossType = Literal["sigmoid", "ipo", "hinge"]
+LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
+
+__all__ = ["LOSS_TYPES", "DPOOutput", "LossType", "average_logps", "dpo_loss", "metrics"]
+
+
+class DPOOutput(NamedTuple):
+    """Per-pair results, all ``[B]``.
+
+    ``losses``: differentiable per-pair loss (reduce it yourself, usually ``.mean()``).
+    ``chosen_rewards`` / ``rejected_rewards``: ``beta * (pi - ref)``, detached.
+    ``logits``: the margin ``h`` above (before ``beta``), still attached to the graph.
+    """
+
+    losses: Tensor
+    chosen_rewards: Tensor
+    rejected_rewards: Tensor
+    logits: Tensor
+
+
+def average_logps(logps: Tensor, num_tokens: Tensor) -> Tensor:
+    """Length-normalise summed sequence log-probs ``[S]`` by token counts ``[S]`` (for IPO).
+
+    Empty sequences (0 tokens) give 0 instead of NaN.
+    """
+    return logps / num_tokens.clamp_min(1).to(logps.dtype)
+
+
+def _validate(
+    tensors: tuple[Tensor, ...], beta: float, loss_type: str, label_smoothing: float
+) -> None:
+    if loss_type not in LOSS_TYPES:
+        options = ", ".join(LOSS_TYPES)
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {options}")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss_type != "sigmoid":
+        raise ValueError(f"label_smoothing only applies to loss_type='sigmoid', not {loss_type!r}")
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"all four log-prob tensors must share one shape, got {sorted(shapes)}")
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: LossType = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> DPOOutput:
+    """DPO / conservative DPO / IPO / hinge loss per preference pair; all inputs ``[B]``.
+
+    The reference log-probs are treated as constants (detached here): the reference model is
+    fixed by definition, and a reference computed from the same weights with a LoRA adapter
+    disabled would otherwise route gradients into the policy.
+    """
+    _validate(
+        (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps),
+        beta,
+        loss_type,
+        label_smoothing,
+    )
+    ref_chosen_logps = ref_chosen_logps.detach()
+    ref_rejected_logps = ref_rejected_logps.detach()
+
+    h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h)
+        if label_smoothing:
+            losses = losses - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:  # hinge
+        losses = torch.relu(1.0 - beta * h)
+
+    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()
+    return DPOOutput(losses, chosen_rewards, rejected_rewards, h)
+
+
+def metrics(
+    out: DPOOutput, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor
+) -> dict[str, Tensor]:
+    """Batch-mean scalars under the ecosystem's names (TRL-compatible W&B panels), detached."""
+    chosen, rejected = out.chosen_rewards, out.rejected_rewards
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+        "logps/chosen": policy_chosen_logps.detach().mean(),
+        "logps/rejected": policy_rejected_logps.detach().mean(),
+    }

@@ -1,0 +1,56 @@
+"""Report files: metrics.json, judge.jsonl, summary.md."""
+
+from __future__ import annotations
+
+import json
+
+from rolemrc.eval.judge import Verdict, read_verdicts
+from rolemrc.eval.metrics import compute_metrics
+from rolemrc.eval.report import write_report
+from rolemrc.eval.verifiers import agreement
+
+
+def test_write_report(tmp_path):
+    metrics = compute_metrics(
+        ["Arr, it sailed in 1820.", "I cannot say."], ["Arr, she sailed in 1820.", "I can't tell."],
+        metrics=["bleu", "rouge1", "rougeL"],
+    )  # fmt: skip
+    verdicts = [
+        Verdict("0", "role_related_mrc_answer_with_narration", "KB", 1, "ok", "…\nVERDICT: 1", 1),
+        Verdict("0", "role_related_mrc_answer_with_narration", "RS", 0, "ok", "VERDICT: 0", 2),
+        Verdict("1", "role_related_mrc_answer_no_narration", "KB", None, "unparseable", "maybe", 1),
+        Verdict("2", "role_related_mrc_answer_no_narration-special-format", "NI", 1, "ok", "VERDICT: 1", 1),
+        Verdict("3", "role_related_mrc_answer_no_narration-special-format", "NI", None, "failed", None, 5,
+                error="HTTP 503"),
+        Verdict("4", "role_related_mrc_answer_no_narration-refused", "PI", None, "budget_exhausted", None, 0),
+    ]  # fmt: skip
+    ag = agreement(verdicts, {"2": True, "3": False})
+    paths = write_report(
+        tmp_path / "out", metrics=metrics, verdicts=verdicts, agreement=ag, meta={"name": "t", "judge_model": "j"}
+    )
+
+    doc = json.loads(paths["metrics.json"].read_text())
+    assert set(doc) == {"meta", "metrics", "judge", "verifier_agreement"}
+    assert doc["metrics"]["summary"]["bleu"]["n"] == 2 and len(doc["metrics"]["per_sample"]["rougeL"]) == 2
+    assert doc["judge"]["KB"] == {
+        "dimension": "KB", "accuracy": 1.0, "n_ok": 1, "n_unparseable": 1, "n_failed": 0,
+        "n_budget_exhausted": 0, "n_total": 2, "by_task": doc["judge"]["KB"]["by_task"],
+    }  # fmt: skip
+    assert doc["judge"]["PI"]["accuracy"] is None and doc["judge"]["PI"]["n_budget_exhausted"] == 1
+    assert doc["verifier_agreement"]["n"] == 1 and doc["verifier_agreement"]["n_without_verdict"] == 1
+
+    assert [v.to_dict() for v in read_verdicts(paths["judge.jsonl"])] == [v.to_dict() for v in verdicts]
+
+    md = paths["summary.md"].read_text()
+    assert "| BLEU | " in md and "| ROUGE-L | " in md and " ± " in md
+    assert "| Knowledge Boundary (KB) | 100.00% | 1 | 1 | 0 | 0 |" in md
+    assert "| Nested Instruction-following (NI) | 100.00% | 1 | 0 | 1 | 0 |" in md
+    assert "| Prioritized Instruction-following (PI) | n/a | 0 | 0 | 0 | 1 |" in md
+    assert "Agreement 100.00% over 1 items" in md
+
+
+def test_report_metrics_only(tmp_path):
+    metrics = compute_metrics(["a b c d"], ["a b c d"], metrics=["bleu"])
+    paths = write_report(tmp_path, metrics=metrics)
+    assert set(paths) == {"metrics.json", "summary.md"}
+    assert "LLM judge" not in paths["summary.md"].read_text()

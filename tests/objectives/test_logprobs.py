@@ -1,0 +1,203 @@
+"""The chunked log-prob function against full-logits references: values, gradients, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rolemrc.objectives import (
+    naive_token_logprobs,
+    sequence_logprobs,
+    sft_loss,
+    shift_labels,
+    token_logprobs,
+)
+
+B, T, H, V = 3, 11, 16, 37
+
+
+def make_case(dtype: torch.dtype, *, with_bias: bool = False, seed: int = 0, scale: float = 1.0):
+    """Random hidden [B, T, H], weight [V, H], bias [V] | None, labels [B, T] with masked spans."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(B, T, H, generator=gen) * scale).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) / H**0.5).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=gen).to(dtype).requires_grad_() if with_bias else None
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels[0, :4] = -100  # a prompt
+    labels[1, -3:] = -100  # padding
+    labels[2, 5] = -100  # a hole in the middle
+    return hidden, weight, bias, labels
+
+
+def grads(out: torch.Tensor, upstream: torch.Tensor, inputs: list[torch.Tensor]):
+    return torch.autograd.grad((out * upstream).sum(), inputs)
+
+
+# (chunk_size, vocab_chunk_size): single-row tiles, ragged tiles, one tile bigger than N and V.
+CHUNKS = [(1, 5), (4, 16), (7, 37), (10_000, 10_000)]
+
+
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", CHUNKS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_values_and_grads_match_full_logits(chunk_size, vocab_chunk_size, with_bias):
+    hidden, weight, bias, labels = make_case(torch.float32, with_bias=with_bias)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    logps, mask = token_logprobs(
+        hidden, weight, labels, chunk_size, bias=bias, vocab_chunk_size=vocab_chunk_size
+    )
+    ref, ref_mask = naive_token_logprobs(hidden, weight, labels, bias=bias)
+
+    assert logps.dtype == torch.float32 and logps.shape == (int(mask.sum()),)
+    assert torch.equal(mask, ref_mask)
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
+    for got, want in zip(grads(logps, upstream, inputs), grads(ref, upstream, inputs)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", CHUNKS)
+def test_bf16_inputs_computed_in_fp32(chunk_size, vocab_chunk_size):
+    hidden, weight, bias, labels = make_case(torch.bfloat16, with_bias=True)
+    logps, _ = token_logprobs(
+        hidden, weight, labels, chunk_size, bias=bias, vocab_chunk_size=vocab_chunk_size
+    )
+    # The reference upcasts the same bf16 values to fp32, so values agree to fp32 precision:
+    # nothing is rounded to bf16 on the way (a bf16 logits tensor would be off by ~1e-2).
+    ref, _ = naive_token_logprobs(hidden, weight, labels, bias=bias)
+    assert logps.dtype == torch.float32
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+
+    upstream = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
+    got = grads(logps, upstream, [hidden, weight, bias])
+    want = grads(ref, upstream, [hidden, weight, bias])
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16  # grads come back in the parameter's dtype
+        torch.testing.assert_close(g, w)  # bf16 tolerances: one rounding at the end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_logits_stay_finite_and_exact(dtype):
+    # Logits in the hundreds overflow a naive exp; the per-tile max shift must hold across blocks.
+    hidden, weight, _, labels = make_case(dtype, scale=200.0)
+    logps, _ = token_logprobs(hidden, weight, labels, 4, vocab_chunk_size=8)
+    ref, _ = naive_token_logprobs(hidden.double(), weight.double(), labels)
+    assert torch.isfinite(logps).all() and (logps <= 0).all()
+    assert logps.dtype == dtype
+    # fp32 logits of ~500 carry ~5e-5 absolute round-off; fp64 agrees to its default tolerance.
+    tol = {"atol": 1e-3, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(logps, ref.to(dtype), **tol)
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.tensor([[1, -100, 5], [0, 2, -100]])
+
+    # float64 inputs are computed in float64, so gradcheck's default tolerances apply; the small
+    # chunks make every row and vocabulary tile boundary part of the check.
+    def fn(h, w, b):
+        return token_logprobs(h, w, labels, 2, bias=b, vocab_chunk_size=4)[0]
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
+def test_no_supervised_tokens_gives_empty_result_and_zero_loss():
+    hidden, weight, bias, labels = make_case(torch.float32, with_bias=True)
+    labels = torch.full_like(labels, -100)
+
+    logps, mask = token_logprobs(hidden, weight, labels, bias=bias)
+    assert logps.shape == (0,) and not mask.any()
+
+    loss = sft_loss(hidden, weight, labels, bias=bias)
+    assert loss.item() == 0.0
+    loss.backward()  # still attached: DDP ranks with an all-prompt batch can step with the rest
+    for t in (hidden, weight, bias):
+        assert t.grad is not None and not t.grad.isnan().any() and not t.grad.any()
+
+    seq = sequence_logprobs(hidden, weight, labels)
+    assert seq.logps.tolist() == [0.0] * B and seq.num_tokens.tolist() == [0] * B
+
+
+def test_only_weight_or_only_hidden_requires_grad():
+    hidden, weight, _, labels = make_case(torch.float32)
+    (gh,) = torch.autograd.grad(sft_loss(hidden, weight.detach(), labels), [hidden])
+    (gw,) = torch.autograd.grad(sft_loss(hidden.detach(), weight, labels), [weight])
+    rh, rw = torch.autograd.grad(
+        -naive_token_logprobs(hidden, weight, labels)[0].mean(), [hidden, weight]
+    )
+    torch.testing.assert_close(gh, rh)
+    torch.testing.assert_close(gw, rw)
+
+
+def test_sft_loss_equals_cross_entropy_on_unshifted_labels():
+    # The Hugging Face convention: labels == input_ids, logits[:, t] predicts labels[:, t + 1].
+    hidden, weight, bias, input_labels = make_case(torch.float32, with_bias=True)
+    logits = F.linear(hidden, weight, bias)
+    want = F.cross_entropy(
+        logits[:, :-1].reshape(-1, V), input_labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    got = sft_loss(hidden, weight, shift_labels(input_labels), 3, bias=bias, vocab_chunk_size=10)
+    torch.testing.assert_close(got, want)
+
+    nll = sft_loss(hidden, weight, shift_labels(input_labels), reduction="none", bias=bias)
+    torch.testing.assert_close(
+        sft_loss(hidden, weight, shift_labels(input_labels), reduction="sum", bias=bias), nll.sum()
+    )
+    with pytest.raises(ValueError, match="reduction"):
+        sft_loss(hidden, weight, input_labels, reduction="avg")  # type: ignore[arg-type]
+
+
+def test_shift_labels():
+    labels = torch.tensor([[-100, 5, 6, 7, 8, 9]])
+    assert shift_labels(labels).tolist() == [[5, 6, 7, 8, 9, -100]]
+    # Packed row: sequences 0 (positions 0-2) and 1 (3-5). Position 2 would otherwise learn to
+    # predict the first token of sequence 1.
+    ids = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    assert shift_labels(labels, ids).tolist() == [[5, 6, -100, 8, -100, -100]]
+
+
+def test_sequence_logprobs_per_row():
+    hidden, weight, _, labels = make_case(torch.float32)
+    seq = sequence_logprobs(hidden, weight, labels, chunk_size=5)
+    ref, mask = naive_token_logprobs(hidden, weight, labels)
+    want = torch.zeros(B, T).masked_scatter(mask, ref).sum(1)
+    torch.testing.assert_close(seq.logps, want)
+    assert seq.num_tokens.tolist() == mask.sum(1).tolist()
+    seq.logps.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_sequence_logprobs_packed_segments():
+    hidden, weight, _, labels = make_case(torch.float32)
+    # Row 0 holds sequences 0 and 1, row 1 holds 2, row 2 holds 3 then padding (-1).
+    ids = torch.tensor([[0] * 6 + [1] * 5, [2] * 11, [3] * 8 + [-1] * 3])
+    seq = sequence_logprobs(hidden, weight, labels, sequence_ids=ids)
+
+    ref, mask = naive_token_logprobs(hidden, weight, labels)
+    per_pos = torch.zeros(B, T).masked_scatter(mask, ref)
+    want = torch.stack([(per_pos * (ids == s)).sum() for s in range(4)])
+    torch.testing.assert_close(seq.logps, want)
+    assert seq.num_tokens.tolist() == [int((mask & (ids == s)).sum()) for s in range(4)]
+
+    # A larger explicit count leaves trailing sequences empty instead of reading the max.
+    seq6 = sequence_logprobs(hidden, weight, labels, sequence_ids=ids, num_sequences=6)
+    torch.testing.assert_close(seq6.logps[:4], want)
+    assert seq6.logps[4:].tolist() == [0.0, 0.0] and seq6.num_tokens[4:].tolist() == [0, 0]
+
+
+def test_invalid_inputs_raise():
+    hidden, weight, _, labels = make_case(torch.float32)
+    bad = labels.clone()
+    bad[0, 5] = V  # out of the vocabulary
+    with pytest.raises(ValueError, match="labels must be in"):
+        token_logprobs(hidden, weight, bad)
+    with pytest.raises(ValueError, match="labels shape"):
+        token_logprobs(hidden, weight, labels[:, :-1])
+    with pytest.raises(ValueError, match="chunk sizes"):
+        token_logprobs(hidden, weight, labels, 0)
+    with pytest.raises(ValueError, match="weight"):
+        token_logprobs(hidden, weight[:, :-1], labels)

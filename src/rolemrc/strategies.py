@@ -15,6 +15,20 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
+def world_size(t: Any) -> int:
+    """devices x num_nodes, with ``devices`` an int, a list of ids or "auto"."""
+    devices = t.devices
+    if isinstance(devices, str):
+        if devices not in ("auto", "-1") and not devices.isdigit():
+            raise ValueError(f"trainer.devices={devices!r}: give a number of devices")
+        devices = int(devices) if devices.isdigit() else max(1, torch.cuda.device_count())
+    elif not isinstance(devices, int):
+        devices = len(devices)
+    elif devices == -1:
+        devices = max(1, torch.cuda.device_count())
+    return devices * t.num_nodes
+
+
 def build_strategy(cfg: Any) -> Any:
     """The Lightning strategy for ``cfg.strategy`` (checked against model options first)."""
     s = cfg.strategy
@@ -25,15 +39,17 @@ def build_strategy(cfg: Any) -> Any:
 
         return DDPStrategy(find_unused_parameters=False)
     if s.name == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from rolemrc.checkpoints import AtomicModelParallelStrategy
 
         if cfg.model.quantization.load_in_4bit:
             raise ValueError(
                 "strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "
                 "cannot be sharded by FSDP2); use strategy=single or ddp for QLoRA"
             )
-        # Pure data parallel: every device holds one shard (no tensor parallelism).
-        return ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True)
+        # Pure data parallel: every device of every node holds one shard (no tensor parallelism).
+        return AtomicModelParallelStrategy(
+            data_parallel_size=world_size(cfg.trainer), tensor_parallel_size=1, save_distributed_checkpoint=True
+        )
     raise ValueError(f"strategy.name must be single, ddp or fsdp, got {s.name!r}")
 
 

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.export import export_pretrained
@@ -63,12 +64,14 @@ def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``ckpt_path=last`` -> ``<run_dir>/checkpoints/last.ckpt`` if present (None on a fresh run)."""
+    """``ckpt_path=last`` -> the run folder's last checkpoint if there is one (None on a
+    fresh run, so the same command starts and resumes). Under SLURM with no ckpt_path,
+    Lightning itself resumes from the preemption checkpoint (``hpc_ckpt_*``)."""
     if cfg.ckpt_path in (None, ""):
         return None
     if cfg.ckpt_path == "last":
-        last = Path(cfg.run_dir) / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
+        last = find_checkpoint(cfg.run_dir)
+        return str(last) if last is not None else None
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"ckpt_path not found: {cfg.ckpt_path}")
     return cfg.ckpt_path
@@ -98,6 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         callbacks=build_callbacks(cfg),
         default_root_dir=str(run_dir),
         use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself
+        plugins=[] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()],
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
 

@@ -30,6 +30,7 @@ class SFTCollator:
             "input_ids": pad(ids, self.pad_id),
             "labels": pad([e["labels"] for e in examples], IGNORE),
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
+            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int) 
             continue
         tokens += len(enc.input_ids)
         trained += enc.n_trained
-        rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+        rows.append({"input_ids": enc.input_ids, "labels": enc.labels, "index": len(rows)})
     report = {
         "examples": len(rows),
         "tokens": tokens,
@@ -90,7 +91,6 @@ class ChatDataModule(L.LightningDataModule):
         self.train_rows: list[dict] | None = None
         self.val_rows: list[dict] = []
         self.report: dict[str, Any] = {}
-        self.resume_batches = 0  # set on restart: batches of the current epoch already trained
         self._sampler: ResumableSampler | None = None
 
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
@@ -148,8 +148,7 @@ class ChatDataModule(L.LightningDataModule):
         self._sampler = ResumableSampler(len(self.train_rows), self.cfg.shuffle, self.seed, rank, world)
         if self.trainer is not None:
             self._sampler.set_epoch(self.trainer.current_epoch)
-        self._sampler.skip = self.resume_batches * self.cfg.batch_size
-        self.resume_batches = 0
+            self._sampler.skip_fn = self._samples_done_in_epoch
         return DataLoader(
             self.train_rows,
             batch_size=self.cfg.batch_size,
@@ -157,6 +156,18 @@ class ChatDataModule(L.LightningDataModule):
             collate_fn=self.collator(),
             num_workers=self.cfg.num_workers,
         )
+
+    def _samples_done_in_epoch(self) -> int:
+        """Samples of the current epoch this rank trained before a restart (0 on a fresh epoch).
+
+        Derived from the restored optimizer-step count, so it needs no loader state: an epoch
+        of n batches takes ceil(n / accumulate) steps and checkpoints fall on step boundaries.
+        """
+        t = self.trainer
+        n_batches = math.ceil(len(self._sampler) / self.cfg.batch_size)
+        steps_per_epoch = math.ceil(n_batches / t.accumulate_grad_batches)
+        steps_done = t.global_step - t.current_epoch * steps_per_epoch
+        return max(0, min(n_batches, steps_done * t.accumulate_grad_batches)) * self.cfg.batch_size
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_rows:

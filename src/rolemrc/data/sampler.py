@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -10,7 +10,7 @@ from torch.utils.data import Sampler
 
 class ResumableSampler(Sampler[int]):
     """Epoch ``e`` visits ``randperm(n, seed + e)`` (or ``0..n-1``), split across ranks by
-    stride; ``skip`` drops this rank's first indices (already trained before a restart).
+    stride; ``skip_fn`` tells how many of this rank's first indices were trained before a restart.
 
     Each rank sees the same number of indices (the permutation wraps to a multiple of
     ``world_size``), like ``DistributedSampler``.
@@ -20,7 +20,7 @@ class ResumableSampler(Sampler[int]):
         self.n, self.shuffle, self.seed = n, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
-        self.skip = 0
+        self.skip_fn: Callable[[], int] | None = None  # indices of this epoch already trained
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -36,9 +36,8 @@ class ResumableSampler(Sampler[int]):
         return idx[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.order()[self.skip :]
-        self.skip = 0  # only the first epoch after a restart is partial
-        return iter(order)
+        skip = self.skip_fn() if self.skip_fn is not None else 0
+        return iter(self.order()[skip:])
 
     def __len__(self) -> int:
-        return len(self.order()) - self.skip
+        return len(self.order())

@@ -11,9 +11,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-RANDOM_INIT_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
-
-
 def load_tokenizer(cfg: Any) -> Any:
     """Fast tokenizer for ``cfg.tokenizer`` (or ``cfg.path``), chat template overridden if asked."""
     from transformers import AutoTokenizer
@@ -53,7 +50,6 @@ def _dtype(name: str) -> torch.dtype:
 
 def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
     """The causal LM, with LoRA/QLoRA applied and the lm_head able to return chunked log-probs."""
-    import transformers
     from transformers import AutoModelForCausalLM
 
     attn = resolve_attn_implementation(cfg.attn_implementation)
@@ -62,16 +58,19 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
     if quant and not cfg.peft.enabled:
         raise ValueError("model.quantization.load_in_4bit=true trains only adapters: set model.peft.enabled=true")
     if cfg.path is None:
-        if cfg.arch not in RANDOM_INIT_CONFIGS:
-            raise ValueError(f"model.arch must be one of {sorted(RANDOM_INIT_CONFIGS)}, got {cfg.arch!r}")
-        config_cls = getattr(transformers, RANDOM_INIT_CONFIGS[cfg.arch])
-        config = config_cls(
+        from transformers import AutoConfig
+
+        kwargs = dict(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **dict(cfg.init),
         )
+        kwargs.update(cfg.init)  # an explicit vocab_size (e.g. a padded hub vocab) wins
+        try:
+            config = AutoConfig.for_model(cfg.arch, **kwargs)
+        except ValueError as err:
+            raise ValueError(f"model.arch={cfg.arch!r} is not a transformers model type ({err})") from err
         if quant:
             raise ValueError("4-bit quantization needs pretrained weights (model.path)")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)

@@ -61,6 +61,24 @@ class PolicyModule(L.LightningModule):
             labels = shift_labels(batch["labels"])
         return head(hidden, labels=labels), labels != -100
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from rolemrc.checkpoints import rng_state
+
+        checkpoint["rng_state"] = rng_state()  # dropout etc. continue exactly after a resume
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "rng_state" in checkpoint:
+            self._rng_to_restore = checkpoint["rng_state"]
+
+    def on_train_start(self) -> None:
+        # Restored here, after Lightning's own setup consumed random numbers.
+        state = getattr(self, "_rng_to_restore", None)
+        if state is not None:
+            from rolemrc.checkpoints import set_rng_state
+
+            set_rng_state(state)
+            self._rng_to_restore = None
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         optimizers = self.trainer.optimizers
         if optimizers:

@@ -1,0 +1,168 @@
+"""Checkpoints that never look valid when half-written, RNG state, full state dicts from
+sharded models and checkpoints, and HF export from any checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+log = logging.getLogger(__name__)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Replace ``final`` by ``tmp``; a crash leaves either the old or the new one (or
+    ``<final>.old``, which :func:`find_checkpoint` falls back to), never a mix."""
+    if final.is_dir():
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Single-file checkpoints written to ``<path>.partial``, fsynced, then renamed."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(final.name + ".partial")
+        with tmp.open("wb") as fh:
+            torch.save(checkpoint, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _swap_in(tmp, final)
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """FSDP2 strategy whose distributed (DCP) checkpoints are written to a ``.partial``
+    folder by all ranks and renamed by rank 0 once every shard is on disk."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        final = Path(filepath)
+        tmp = final.with_name(final.name + ".partial")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        self.barrier("checkpoint-start")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("checkpoint-written")
+        if self.is_global_zero:
+            _swap_in(tmp, final)
+        self.barrier("checkpoint-renamed")
+
+
+def find_checkpoint(run_dir: str | Path) -> Path | None:
+    """``<run_dir>/checkpoints/last.ckpt``, or its ``.old`` twin after a crash mid-swap."""
+    ckpts = Path(run_dir) / "checkpoints"
+    for name in ("last.ckpt", "last.ckpt.old"):
+        if (ckpts / name).exists():
+            return ckpts / name
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    # Plain types and tensors only, so checkpoints load with torch.load(weights_only=True).
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(tuple(state["python"][:1]) + (tuple(state["python"][1]),) + tuple(state["python"][2:]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict of a (maybe FSDP2-sharded) model; collective, every rank
+    must call it. Rank 0 gets the tensors, the other ranks an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The policy weights stored in a Lightning checkpoint: a single ``.ckpt`` file or a
+    distributed (DCP) folder, read on one process without a process group."""
+    path = Path(path)
+    if path.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        if not (path / ".metadata").exists():
+            raise ValueError(f"{path}: not a complete distributed checkpoint (no .metadata)")
+        reader = dcp.FileSystemReader(str(path))
+        meta = reader.read_metadata().state_dict_metadata
+        head = "state_dict." + prefix
+        template = {
+            key[len("state_dict."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in meta.items()
+            if key.startswith(head) and hasattr(m, "size")
+        }
+        state = {"state_dict": template}
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        weights = state["state_dict"]
+    else:
+        weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:
+    """Build the model skeleton from a run's config, load a checkpoint's weights, export HF.
+
+    The skeleton is random-init from config (no pretrained weights are read), then every
+    tensor is replaced by the checkpoint's; a missing or extra key is an error.
+    """
+    from rolemrc.models.export import export_pretrained
+    from rolemrc.models.loading import load_model, load_tokenizer
+
+    state = read_model_state(checkpoint)
+    tokenizer = load_tokenizer(run_cfg.model)
+    model = load_model(skeleton_config(run_cfg.model), tokenizer)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
+    return export_pretrained(model, tokenizer, out_dir, merge)
+
+
+def skeleton_config(model_cfg: Any) -> Any:
+    """A copy of ``model_cfg`` that builds the same architecture without reading weights."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    if cfg["path"] is not None:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg["path"], trust_remote_code=cfg["trust_remote_code"])
+        cfg["tokenizer"] = cfg["tokenizer"] or cfg["path"]
+        cfg["arch"] = hf.model_type
+        cfg["init"] = {k: v for k, v in hf.to_diff_dict().items()
+                       if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
+        cfg["path"] = None
+    cfg["quantization"]["load_in_4bit"] = False
+    cfg["gradient_checkpointing"] = False
+    return OmegaConf.create(cfg)

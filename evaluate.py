@@ -1,0 +1,30 @@
+"""Evaluate a model on RoleMRC: greedy generation, reference metrics, five-dimension LLM judge.
+
+    python evaluate.py                                         # tiny random model, sample data, CPU
+    python evaluate.py model.path=outputs/train/<time>/export judge=hf limit=6
+    python evaluate.py model=llama model.path=<export> data=rolemrc_test generation.backend=vllm \\
+        judge=openai judge.model=gpt-4-turbo metrics.bertscore.model=roberta-large   # paper setting
+    python evaluate.py out_dir=outputs/evaluate/<time>         # resume an interrupted run
+    python evaluate.py --cfg job                               # print the resolved config
+
+Writes <out_dir>/{generations.jsonl, metrics.json, judge.jsonl, summary.md} and prints the
+summary's path.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from rolemrc.config import register
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    from rolemrc.eval.run import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""The evaluation pipeline behind ``python evaluate.py``.
+
+test items -> generations (resumable) -> reference metrics -> LLM judge per (item, dimension)
+-> NI rule verifiers + judge agreement -> ``metrics.json``, ``judge.jsonl``, ``summary.md``.
+
+RoleBench test splits (paper Table 4) are test sources with ``format: rolebench``: rows
+``{role, question, generated}`` (or SFT-shaped conversations whose last turn is the answer);
+they are scored with ROUGE-L only (best over the rows' reference answers) and not judged.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from rolemrc.data.readers import iter_source, read_examples
+from rolemrc.data.schemas import DataError, RecordError, TestItem, normalise_messages
+from rolemrc.eval.generation import (
+    GenerationRun,
+    GenItem,
+    Restraint,
+    check_settings,
+    generate_hf,
+    generate_vllm,
+    item_id,
+    require_vllm,
+    stop_token_ids,
+)
+from rolemrc.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+ROLEBENCH_TASK = "rolebench"
+ROLEBENCH_SYSTEM = "You are {role}. Answer the way {role} would, in their voice and with their knowledge."
+
+
+# ---------------------------------------------------------------- test items
+
+
+def _rolebench_item(record: Any) -> TestItem:
+    """One RoleBench row as a test item; extra["references"] holds every reference answer."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
+    if "conversations" in record or "messages" in record:  # already in the SFT shape
+        messages = normalise_messages(record.get("conversations") or record.get("messages"), "conversations")
+        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+            raise RecordError("conversations: the last message must be the assistant's reference answer")
+        return TestItem(ROLEBENCH_TASK, messages[:-1], messages[-1]["content"],
+                        extra={"references": [messages[-1]["content"]]})
+    missing = [k for k in ("role", "question", "generated") if k not in record]
+    if missing:
+        raise RecordError(f"RoleBench row lacks {missing} (has: {', '.join(map(str, record))})")
+    refs = record["generated"] if isinstance(record["generated"], list) else [record["generated"]]
+    refs = [r for r in refs if isinstance(r, str) and r.strip()]
+    role, question = record["role"], record["question"]
+    if not refs or not all(isinstance(x, str) and x.strip() for x in (role, question)):
+        raise RecordError("RoleBench row has an empty role, question or answer")
+    messages = [
+        {"role": "system", "content": ROLEBENCH_SYSTEM.format(role=role)},
+        {"role": "user", "content": question},
+    ]
+    return TestItem(ROLEBENCH_TASK, messages, refs[0], extra={"references": refs, "rolebench_role": role})
+
+
+def _read_rolebench(sources: Sequence[Mapping[str, Any]], on_error: str) -> list[TestItem]:
+    items: list[TestItem] = []
+    errors: list[str] = []
+    for source in sources:
+        for file, line, record in iter_source(source):
+            try:
+                if isinstance(record, RecordError):
+                    raise record
+                item = _rolebench_item(record)
+            except RecordError as err:
+                errors.append(f"{file}:{line}: {err}")
+                continue
+            item.origin = f"{file}:{line}"
+            items.append(item)
+    if errors and on_error == "raise":
+        raise DataError(f"{len(errors)} invalid RoleBench record(s) (data.on_error=skip drops them):\n  "
+                        + "\n  ".join(errors[:20]))
+    if errors:
+        log.warning("skipped %d invalid RoleBench record(s); first: %s", len(errors), errors[0])
+    return items
+
+
+def load_test_items(data: DictConfig, limit: int | None = None) -> tuple[list[TestItem], bool]:
+    """``(items, is_rolebench)`` from ``data.test``, cut to the first ``limit`` items."""
+    sources = OmegaConf.to_container(data.test, resolve=True)
+    assert isinstance(sources, list)
+    formats = {str(s.get("format") or "auto") for s in sources}
+    unknown = formats - {"auto", "rolebench"}
+    if unknown:
+        raise ValueError(f"data.test: unknown source format(s) {sorted(unknown)}; use auto or rolebench")
+    if formats == {"auto", "rolebench"}:
+        # The two are scored differently (all metrics + judge vs ROUGE-L only): one report each.
+        raise ValueError("data.test mixes RoleMRC and RoleBench (format: rolebench) sources; evaluate them in separate runs")
+    if not sources:
+        raise DataError("no test sources configured (data.test is empty)")
+    rolebench = formats == {"rolebench"}
+    if rolebench:
+        items = _read_rolebench(sources, data.on_error)
+    else:
+        items, report = read_examples(sources, "test", on_error=data.on_error)
+        for line in report.lines():
+            log.info("test data: %s", line)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (or null for all items), got {limit}")
+        items = items[:limit]
+    if not items:
+        raise DataError("the test sources hold no items")
+    return items, rolebench
+
+
+# ---------------------------------------------------------------- model + generation
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_label(cfg: DictConfig) -> str:
+    """What was evaluated, for the report and the judge cache key."""
+    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+
+
+def load_eval_model(cfg: DictConfig, tokenizer: Any) -> Any:
+    """The model to evaluate, on its device, in eval mode, with the KV cache on."""
+    import torch
+
+    from rolemrc.models.loading import load_model
+
+    if cfg.generation.cpu_threads:
+        torch.set_num_threads(cfg.generation.cpu_threads)
+    torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
+    model = load_model(cfg.model, tokenizer)
+    model.config.use_cache = True  # load_model turns it off for training; generation needs it
+    return model.to(_device(cfg.generation.device)).eval()
+
+
+def restraint_hook(spec: str) -> Restraint:
+    """``restraint=<spec>`` -> a function giving the context manager active while generating."""
+    try:
+        from rolemrc.probing.restraint import load_restraint
+    except ImportError as err:
+        raise ImportError(
+            f"restraint={spec!r} needs rolemrc.probing.restraint (neuron restraint), which could not be "
+            f"imported: {err}"
+        ) from err
+    return lambda model: load_restraint(spec, model)
+
+
+def prepare_generation(cfg: DictConfig, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
+                       chat: Any) -> tuple[list[GenItem], list[int]]:
+    """Prompt ids and stop tokens; refuses to resume into a folder made with other settings."""
+    gen_items = [GenItem(i, it.task, chat.encode_prompt(it.question)) for i, it in zip(ids, items, strict=True)]
+    stops = stop_token_ids(tokenizer, chat.eot)
+    check_settings(cfg.out_dir, {
+        "model": model_label(cfg),
+        "tokenizer": cfg.model.tokenizer,
+        "chat_template": cfg.model.chat_template,
+        "dtype": cfg.model.dtype,
+        "backend": cfg.generation.backend,
+        "max_new_tokens": cfg.generation.max_new_tokens,
+        "restraint": cfg.restraint,
+        "stop_ids": stops,
+    })
+    return gen_items, stops
+
+
+def generate(cfg: DictConfig, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+             model: Any | None) -> GenerationRun:
+    """Replies for every item, resuming from ``<out_dir>/generations.jsonl``."""
+    g = cfg.generation
+    if g.backend == "hf":
+        return generate_hf(
+            model, tokenizer, gen_items, cfg.out_dir,
+            stop_ids=stops,
+            batch_size=g.batch_size,
+            max_new_tokens=g.max_new_tokens,
+            progress=g.progress,
+            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
+        )
+    return generate_vllm(
+        cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
+        stop_ids=stops,
+        max_new_tokens=g.max_new_tokens,
+        max_model_len=g.max_model_len,
+        seed=cfg.seed,
+        llm_kwargs=OmegaConf.to_container(g.vllm_kwargs, resolve=True),
+    )
+
+
+# ---------------------------------------------------------------- metrics + judge
+
+
+def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Sequence[str], rolebench: bool) -> Any:
+    """MetricsResult: ROUGE-L only for RoleBench / ``metrics.rouge_only``, else ``metrics.names``."""
+    from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_l, rouge_scores
+
+    m = cfg.metrics
+    if rolebench:
+        # Best ROUGE-L over the row's reference answers (RoleBench rows carry several).
+        per = []
+        for it, reply in zip(items, replies, strict=True):
+            refs = it.extra.get("references") or [it.reference]
+            per.append(max(rouge_scores([reply] * len(refs), refs, ("rougeL",))["rougeL"]))
+        return MetricsResult({"rougeL": per}, {"rouge": "rouge_score RougeScorer(use_stemmer=True), F-measure, "
+                                                         "best over the reference answers"})
+    refs = [it.reference for it in items]
+    if m.rouge_only:
+        return rouge_l(replies, refs)
+    if not m.names:
+        return None
+    bs = m.bertscore
+    return compute_metrics(
+        replies, refs,
+        metrics=list(m.names),
+        bertscore=BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device),
+        meteor_tokenizer=m.meteor_tokenizer,
+    )
+
+
+def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
+    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (backend hf or openai)."""
+    from rolemrc.eval.judge import HFBackend, Judge, OpenAIBackend, OpenAIJudgeConfig
+
+    j = cfg.judge
+    cache_dir = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
+    if j.backend == "hf":
+        if j.model is not None:
+            backend = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=cfg.generation.device,
+                                                max_new_tokens=j.max_tokens)
+        elif model is not None:
+            # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
+            backend = HFBackend(model, tokenizer, model_id=model_label(cfg), max_new_tokens=j.max_tokens)
+        elif cfg.model.path is not None:
+            backend = HFBackend.from_pretrained(cfg.model.path, dtype=j.dtype, device=cfg.generation.device,
+                                                max_new_tokens=j.max_tokens)
+        else:
+            raise ValueError("judge=hf with judge.model=null needs the evaluated model; set judge.model")
+    elif j.backend == "openai":
+        if not j.model:
+            raise ValueError("judge=openai needs judge.model (the served model name)")
+        backend = OpenAIBackend(OpenAIJudgeConfig(
+            model=j.model,
+            base_url=j.base_url,
+            api_key_env=j.api_key_env,
+            concurrency=j.concurrency,
+            timeout_s=j.timeout_s,
+            max_attempts=j.max_attempts,
+            max_requests=j.max_requests,
+            temperature=j.temperature,
+            max_tokens=j.max_tokens,
+        ))
+    else:
+        raise ValueError(f"judge.backend must be none, hf or openai, got {j.backend!r}")
+    return Judge(backend, cache_dir=cache_dir, show_reference=j.show_reference)
+
+
+# ---------------------------------------------------------------- loggers
+
+
+def log_to_loggers(cfg: DictConfig, scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
+    """Scalars to every configured logger; the samples table to those that take tables (W&B)."""
+    if not cfg.logger:
+        return
+    from rolemrc.train import build_loggers
+
+    for lg in build_loggers(cfg):
+        lg.log_metrics(dict(scalars), step=0)
+        if hasattr(lg, "log_table"):
+            lg.log_table(key="samples", columns=columns, data=rows)
+        lg.finalize("success")
+        if type(lg).__name__ == "WandbLogger":
+            lg.experiment.finish()  # flush now: tests and sweeps run several evaluations per process
+
+
+def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if metrics is not None:
+        for name, s in metrics.summary().items():
+            out[f"eval/{name}"] = s["mean"]
+    for dim, s in (judge_table or {}).items():
+        if s.accuracy is not None:
+            out[f"judge/{dim}/accuracy"] = s.accuracy
+        out[f"judge/{dim}/n_unparseable"] = float(s.n_unparseable)
+        out[f"judge/{dim}/n_failed"] = float(s.n_failed)
+    return out
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate as configured; returns paths, counts and the judge's run stats."""
+    from rolemrc.data.templates import ChatFormat
+    from rolemrc.eval.judge import aggregate, judge_items
+    from rolemrc.eval.report import write_report
+    from rolemrc.eval.verifiers import agreement, verify_all
+    from rolemrc.models.loading import load_tokenizer
+
+    if cfg.generation.backend not in ("hf", "vllm"):
+        raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")
+    if cfg.generation.backend == "vllm":
+        require_vllm()  # before anything slow
+        if cfg.model.path is None:
+            raise ValueError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
+        if cfg.restraint:
+            raise ValueError("restraint hooks into a transformers model: use generation.backend=hf")
+    if cfg.judge.backend not in ("none", "hf", "openai"):
+        raise ValueError(f"judge.backend must be none, hf or openai, got {cfg.judge.backend!r}")
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    items, rolebench = load_test_items(cfg.data, cfg.limit)
+    ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
+    log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
+
+    tokenizer = load_tokenizer(cfg.model)
+    chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
+    gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
+    model = load_eval_model(cfg, tokenizer) if cfg.generation.backend == "hf" else None
+    gen = generate(cfg, gen_items, stops, tokenizer, model)
+    replies = gen.replies
+    log.info("generation: %d new, %d resumed from %s", gen.n_new, gen.n_resumed, out_dir / "generations.jsonl")
+
+    metrics = reference_metrics(cfg, items, replies, rolebench)
+
+    # The judge and the rule verifiers only apply to RoleMRC's 18 tasks.
+    judged = [k for k, it in enumerate(items) if it.task in TASKS]
+    verdicts = None
+    judge_stats = None
+    judge_model = None
+    if cfg.judge.backend != "none" and judged:
+        jitems = judge_items([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
+        with build_judge(cfg, model, tokenizer) as judge:
+            judge_model = judge.backend.model_id
+            verdicts = judge.judge(jitems)
+            judge_stats = judge.last_stats
+    elif cfg.judge.backend != "none":
+        log.info("judge skipped: no item belongs to a RoleMRC task")
+    verifier = verify_all([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
+    agree = agreement(verdicts, verifier) if verdicts is not None and verifier else None
+
+    bert = (metrics.info.get("bertscore") or {}).get("model") if metrics is not None else None
+    meta: dict[str, Any] = {
+        "name": f"{cfg.model.name} on {cfg.data.name}",
+        "model": model_label(cfg),
+        "data": cfg.data.name,
+        "items": len(items),
+        "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",
+        "restraint": cfg.restraint,
+        "bertscore_model": bert,
+        "judge_model": judge_model,
+    }
+    if verifier:
+        meta["rule_verifier"] = f"{sum(verifier.values())}/{len(verifier)} replies obey their NI rule"
+    statuses = {}
+    if verdicts is not None:
+        for v in verdicts:
+            statuses[v.status] = statuses.get(v.status, 0) + 1
+    extra = {
+        "counts": {
+            "items": len(items),
+            "generated": gen.n_new,
+            "resumed": gen.n_resumed,
+            "cut_at_max_new_tokens": sum(not g.stopped for g in gen.generations),
+            "judged_items": len(judged) if verdicts is not None else 0,
+            "judgements": len(verdicts) if verdicts is not None else 0,
+            "judgement_status": statuses,
+            "judge_cache_hits": judge_stats.cache_hits if judge_stats else 0,
+            "judge_requests": judge_stats.requests if judge_stats else 0,
+            "rule_items": len(verifier),
+            "rule_passed": sum(verifier.values()),
+        },
+        "rule_verifier": verifier,
+    }
+    paths = write_report(out_dir, metrics=metrics, verdicts=verdicts, agreement=agree, meta=meta, extra=extra)
+
+    table = aggregate(verdicts) if verdicts is not None else None
+    columns = ["id", "task", "question", "reply", "reference"]
+    rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
+    log_to_loggers(cfg, _scalars(metrics, table), rows, columns)
+
+    print(f"evaluation summary: {paths['summary.md']}")
+    return {
+        "out_dir": str(out_dir),
+        "paths": {k: str(p) for k, p in paths.items()},
+        "generation": gen,
+        "judge_stats": judge_stats,
+        "metrics": metrics,
+        "verdicts": verdicts,
+        "ids": ids,
+    }

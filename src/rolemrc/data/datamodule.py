@@ -137,10 +137,9 @@ class ChatDataModule(L.LightningDataModule):
         return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
 
     def _rank_world(self) -> tuple[int, int]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
-        if trainer is None:
+        if self.trainer is None:
             return 0, 1
-        return trainer.global_rank, trainer.world_size
+        return self.trainer.global_rank, self.trainer.world_size
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_rows is not None, "call setup() first"

@@ -124,6 +124,7 @@ class TrainerConfig:
     deterministic: bool = False
     enable_progress_bar: bool = True
     checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch only
+    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class TrainConfig:
     run_dir: Optional[str] = "${hydra:runtime.output_dir}"  # None only in `--cfg job --resolve`
     ckpt_path: Optional[str] = None  # a .ckpt, a checkpoint folder, or "last"
     task_name: str = "train"
+    memory_check: str = "${memory_check:}"  # estimate per device; resolved by --cfg job --resolve
 
 
 def _asset(name: str) -> str:
@@ -170,6 +172,10 @@ def register() -> None:
     """Register schemas and the ``${asset:...}`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
+    if not OmegaConf.has_resolver("memory_check"):
+        from rolemrc.memory import resolver
+
+        OmegaConf.register_new_resolver("memory_check", resolver)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     register_evaluate(cs)

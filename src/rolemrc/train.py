@@ -82,6 +82,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.trainer.matmul_precision:
         torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)
     L.seed_everything(cfg.seed, workers=True)
+    log.info("memory estimate: %s", cfg.memory_check)  # warns before any weight is loaded
     run_dir = Path(cfg.run_dir)
 
     tokenizer = load_tokenizer(cfg.model)

@@ -58,7 +58,7 @@ def build_module(cfg: DictConfig, model: torch.nn.Module, datamodule: ChatDataMo
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
-    for key in ("matmul_precision", "checkpoint_every_n_steps"):
+    for key in ("matmul_precision", "checkpoint_every_n_steps", "device_memory_gb"):
         t.pop(key)
     return {k: v for k, v in t.items() if v is not None}
 

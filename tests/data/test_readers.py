@@ -98,3 +98,18 @@ def test_test_items_cover_all_tasks() -> None:
 
     items, _ = read_examples([{"path": asset("sample/test.jsonl")}], "test")
     assert {i.task for i in items} == set(TASKS)
+
+
+def test_rolebench_rows_become_conversations(tmp_path: Path) -> None:
+    path = tmp_path / "rb.jsonl"
+    path.write_text(json.dumps({"role": "Sherlock Holmes", "question": "Who did it?",
+                                "generated": ["The butler, obviously.", "Elementary."]}) + "\n"
+                    + json.dumps({"role": "Watson", "question": "Hm?"}) + "\n")
+    with pytest.raises(DataError, match=r"rb.jsonl:2: RoleBench row lacks \['generated'\]"):
+        read_examples([{"path": str(path), "format": "rolebench"}], "sft")
+    convs, _ = read_examples([{"path": str(path), "format": "rolebench"}], "sft", on_error="skip")
+    assert [m["role"] for m in convs[0].messages] == ["system", "user", "assistant"]
+    assert "Sherlock Holmes" in convs[0].messages[0]["content"]
+    assert convs[0].messages[-1]["content"] == "The butler, obviously." and convs[0].task == "rolebench"
+    with pytest.raises(ValueError, match="not readable as pairs"):
+        read_examples([{"path": str(path), "format": "rolebench"}], "pairs")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.data.schemas import PARSERS, DataError, RecordError
+from rolemrc.data.schemas import FORMAT_PARSERS, PARSERS, DataError, RecordError
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,15 @@ def read_examples(
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if not sources:
         raise DataError(f"no {kind} sources configured (data.{kind} is empty)")
-    parse: Callable[[Any], Any] = PARSERS[kind]
     report = ReadReport()
     mixed: list[Any] = []
     errors: list[str] = []
     for index, source in enumerate(sources):
         label = str(source["path"])
+        fmt = str(source.get("format") or "auto")
+        if fmt != "auto" and (kind, fmt) not in FORMAT_PARSERS:
+            raise ValueError(f"data source {label}: format {fmt!r} is not readable as {kind} data")
+        parse: Callable[[Any], Any] = PARSERS[kind] if fmt == "auto" else FORMAT_PARSERS[(kind, fmt)]
         kept: list[Any] = []
         n_bad = 0
         for file, line, record in iter_source(source):

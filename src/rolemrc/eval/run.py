@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.data.readers import iter_source, read_examples
-from rolemrc.data.schemas import DataError, RecordError, TestItem, normalise_messages
+from rolemrc.data.schemas import DataError, RecordError, TestItem, rolebench_messages
 from rolemrc.eval.generation import (
     GenerationRun,
     GenItem,
@@ -34,7 +34,6 @@ from rolemrc.tasks import TASKS
 log = logging.getLogger(__name__)
 
 ROLEBENCH_TASK = "rolebench"
-ROLEBENCH_SYSTEM = "You are {role}. Answer the way {role} would, in their voice and with their knowledge."
 
 
 # ---------------------------------------------------------------- test items
@@ -42,27 +41,11 @@ ROLEBENCH_SYSTEM = "You are {role}. Answer the way {role} would, in their voice 
 
 def _rolebench_item(record: Any) -> TestItem:
     """One RoleBench row as a test item; extra["references"] holds every reference answer."""
-    if not isinstance(record, dict):
-        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
-    if "conversations" in record or "messages" in record:  # already in the SFT shape
-        messages = normalise_messages(record.get("conversations") or record.get("messages"), "conversations")
-        if messages[-1]["role"] != "assistant" or len(messages) < 2:
-            raise RecordError("conversations: the last message must be the assistant's reference answer")
-        return TestItem(ROLEBENCH_TASK, messages[:-1], messages[-1]["content"],
-                        extra={"references": [messages[-1]["content"]]})
-    missing = [k for k in ("role", "question", "generated") if k not in record]
-    if missing:
-        raise RecordError(f"RoleBench row lacks {missing} (has: {', '.join(map(str, record))})")
-    refs = record["generated"] if isinstance(record["generated"], list) else [record["generated"]]
-    refs = [r for r in refs if isinstance(r, str) and r.strip()]
-    role, question = record["role"], record["question"]
-    if not refs or not all(isinstance(x, str) and x.strip() for x in (role, question)):
-        raise RecordError("RoleBench row has an empty role, question or answer")
-    messages = [
-        {"role": "system", "content": ROLEBENCH_SYSTEM.format(role=role)},
-        {"role": "user", "content": question},
-    ]
-    return TestItem(ROLEBENCH_TASK, messages, refs[0], extra={"references": refs, "rolebench_role": role})
+    messages, refs = rolebench_messages(record)
+    extra: dict[str, Any] = {"references": refs}
+    if isinstance(record, dict) and "role" in record:
+        extra["rolebench_role"] = record["role"]
+    return TestItem(ROLEBENCH_TASK, messages, refs[0], extra=extra)
 
 
 def _read_rolebench(sources: Sequence[Mapping[str, Any]], on_error: str) -> list[TestItem]:

@@ -9,7 +9,6 @@ import sys
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError
 
 from tests.conftest import CONF, ROOT, compose_train
 

@@ -196,6 +196,18 @@ def parse_rolebench_conversation(record: Any) -> Conversation:
     return Conversation(messages=messages, task="rolebench")
 
 
+def parse_rolebench_test_item(record: Any) -> TestItem:
+    """A RoleBench row as a test item; ``extra["references"]`` holds every reference answer."""
+    messages, refs = rolebench_messages(record)
+    extra: dict[str, Any] = {"references": refs}
+    if isinstance(record, dict) and "role" in record:
+        extra["rolebench_role"] = record["role"]
+    return TestItem("rolebench", messages, refs[0], extra=extra)
+
+
 PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item}
 # Source ``format`` values other than "auto": (kind, format) -> parser.
-FORMAT_PARSERS = {("sft", "rolebench"): parse_rolebench_conversation}
+FORMAT_PARSERS = {
+    ("sft", "rolebench"): parse_rolebench_conversation,
+    ("test", "rolebench"): parse_rolebench_test_item,
+}

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.data.readers import iter_source, read_examples
-from rolemrc.data.schemas import DataError, RecordError, TestItem, rolebench_messages
+from rolemrc.data.readers import read_examples
+from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.eval.generation import (
     GenerationRun,
     GenItem,
@@ -33,41 +33,9 @@ from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
-ROLEBENCH_TASK = "rolebench"
 
 
 # ---------------------------------------------------------------- test items
-
-
-def _rolebench_item(record: Any) -> TestItem:
-    """One RoleBench row as a test item; extra["references"] holds every reference answer."""
-    messages, refs = rolebench_messages(record)
-    extra: dict[str, Any] = {"references": refs}
-    if isinstance(record, dict) and "role" in record:
-        extra["rolebench_role"] = record["role"]
-    return TestItem(ROLEBENCH_TASK, messages, refs[0], extra=extra)
-
-
-def _read_rolebench(sources: Sequence[Mapping[str, Any]], on_error: str) -> list[TestItem]:
-    items: list[TestItem] = []
-    errors: list[str] = []
-    for source in sources:
-        for file, line, record in iter_source(source):
-            try:
-                if isinstance(record, RecordError):
-                    raise record
-                item = _rolebench_item(record)
-            except RecordError as err:
-                errors.append(f"{file}:{line}: {err}")
-                continue
-            item.origin = f"{file}:{line}"
-            items.append(item)
-    if errors and on_error == "raise":
-        raise DataError(f"{len(errors)} invalid RoleBench record(s) (data.on_error=skip drops them):\n  "
-                        + "\n  ".join(errors[:20]))
-    if errors:
-        log.warning("skipped %d invalid RoleBench record(s); first: %s", len(errors), errors[0])
-    return items
 
 
 def load_test_items(data: DictConfig, limit: int | None = None) -> tuple[list[TestItem], bool]:
@@ -84,12 +52,9 @@ def load_test_items(data: DictConfig, limit: int | None = None) -> tuple[list[Te
     if not sources:
         raise DataError("no test sources configured (data.test is empty)")
     rolebench = formats == {"rolebench"}
-    if rolebench:
-        items = _read_rolebench(sources, data.on_error)
-    else:
-        items, report = read_examples(sources, "test", on_error=data.on_error)
-        for line in report.lines():
-            log.info("test data: %s", line)
+    items, report = read_examples(sources, "test", on_error=data.on_error)
+    for line in report.lines():
+        log.info("test data: %s", line)
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1 (or null for all items), got {limit}")

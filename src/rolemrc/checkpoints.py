@@ -131,20 +131,25 @@ def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torc
 
 
 def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:
-    """Build the model skeleton from a run's config, load a checkpoint's weights, export HF.
+    """Load a checkpoint's weights into the run's model and export it in HF format."""
+    return export_state(run_cfg, read_model_state(checkpoint), out_dir, merge_lora, origin=str(checkpoint))
+
+
+def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Path, merge_lora: bool | None = None,
+                 origin: str = "state dict") -> Path:
+    """Build the model skeleton from a run's config, load ``state`` (full, unsharded), export.
 
     The skeleton is random-init from config (no pretrained weights are read), then every
-    tensor is replaced by the checkpoint's; a missing or extra key is an error.
+    tensor is replaced by ``state``'s; a missing or extra key is an error.
     """
     from rolemrc.models.export import export_pretrained
     from rolemrc.models.loading import load_model, load_tokenizer
 
-    state = read_model_state(checkpoint)
     tokenizer = load_tokenizer(run_cfg.model)
     model = load_model(skeleton_config(run_cfg.model), tokenizer)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{checkpoint}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{origin}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
     return export_pretrained(model, tokenizer, out_dir, merge)
 

@@ -115,11 +115,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any, tokenizer: Any) -> Path:
     out = Path(cfg.run_dir) / cfg.export.dir
     if cfg.strategy.name == "fsdp":
-        from rolemrc.checkpoints import full_state_dict
+        from rolemrc.checkpoints import export_state, full_state_dict
 
         state = full_state_dict(module.model)  # collective: every rank takes part
-        if trainer.is_global_zero:
-            export_pretrained(module.model, tokenizer, out, cfg.model.peft.merge_on_export, state_dict=state)
+        if trainer.is_global_zero:  # an unsharded copy on rank 0 (LoRA merges there)
+            export_state(cfg, state, out)
     elif trainer.is_global_zero:
         export_pretrained(module.model, tokenizer, out, cfg.model.peft.merge_on_export)
     trainer.strategy.barrier("export")

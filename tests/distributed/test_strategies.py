@@ -82,3 +82,12 @@ def test_fsdp_dpo_with_sharded_reference_copy(tmp_path: Path) -> None:
     steps = [r for r in recorder.read(run_dir / "record", 0) if r["event"] == "step"]
     assert [r["step"] for r in steps] == [1, 2]
     assert abs(steps[0]["loss"] - 0.6931) < 1e-3  # policy == reference at the first step: log(2)
+
+
+def test_fsdp_lora_trains_and_exports_merged(tmp_path: Path) -> None:
+    run_dir = tmp_path / "lora"
+    train(run_dir, "strategy=fsdp", "strategy.param_dtype=null", "model.peft.enabled=true", "trainer.max_steps=2")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "export")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    starts = [r for r in recorder.read(run_dir / "record", 0) if r["event"] == "start"]
+    assert starts[0]["local_params"] < starts[0]["full_params"]

@@ -115,3 +115,10 @@ def test_multirun_with_basic_launcher(tmp_path: Path) -> None:
         metrics = (tmp_path / str(i) / "csv" / "metrics.csv").read_text()
         assert metrics.count("\n") >= 2
         assert f"lr: {lr}" in (tmp_path / str(i) / ".hydra" / "config.yaml").read_text()
+
+
+def test_bf16_mixed_precision_trains(train_cfg) -> None:
+    out = run(train_cfg(*QUICK, "trainer.precision=bf16-mixed", "trainer.max_steps=3", "data.val_fraction=0",
+                        "export.enabled=false"))
+    losses = series(Path(out["run_dir"]), "train/loss")
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses)

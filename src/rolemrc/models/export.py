@@ -14,9 +14,7 @@ from rolemrc.models.loading import LogprobHead, unwrap
 log = logging.getLogger(__name__)
 
 
-def export_pretrained(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True, state_dict: dict | None = None
-) -> Path:
+def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True) -> Path:
     """Save ``model`` so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
     LoRA models are merged into the base weights (``merge_lora``) or saved as a PEFT adapter.
@@ -38,7 +36,7 @@ def export_pretrained(
             to_save = model.merge_and_unload()
         else:
             to_save = model
-        to_save.save_pretrained(partial, safe_serialization=True, state_dict=state_dict)
+        to_save.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
     finally:
         if isinstance(head, nn.Linear) and type(head) is nn.Linear:

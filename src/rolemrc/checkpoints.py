@@ -63,12 +63,14 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
 
 
 def find_checkpoint(run_dir: str | Path) -> Path | None:
-    """``<run_dir>/checkpoints/last.ckpt``, or its ``.old`` twin after a crash mid-swap."""
-    ckpts = Path(run_dir) / "checkpoints"
-    for name in ("last.ckpt", "last.ckpt.old"):
-        if (ckpts / name).exists():
-            return ckpts / name
-    return None
+    """The newest complete checkpoint of a run: ``checkpoints/last.ckpt`` (or its ``.old``
+    twin after a crash mid-swap) or a SLURM preemption checkpoint ``hpc_ckpt_<n>.ckpt``."""
+    run_dir = Path(run_dir)
+    candidates = [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")]
+    if not candidates[0].exists():
+        candidates[0] = run_dir / "checkpoints" / "last.ckpt.old"
+    existing = [c for c in candidates if c.exists()]
+    return max(existing, key=lambda c: c.stat().st_mtime) if existing else None
 
 
 def rng_state() -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint
@@ -95,14 +96,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log.info("model %s: %s parameters, %s trainable", cfg.model.name, f"{total:,}", f"{trainable:,}")
     module = build_module(cfg, model, datamodule)
 
+    plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
+    callbacks = build_callbacks(cfg)
+    if SLURMEnvironment.detect():  # preemption: checkpoint at a step boundary, then requeue
+        from rolemrc.callbacks.slurm_requeue import SlurmRequeue
+
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(SlurmRequeue())
     trainer = L.Trainer(
         **trainer_kwargs(cfg),
         strategy=strategy,
         logger=build_loggers(cfg) or False,
-        callbacks=build_callbacks(cfg),
+        callbacks=callbacks,
         default_root_dir=str(run_dir),
         use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself
-        plugins=[] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()],
+        plugins=plugins,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
 

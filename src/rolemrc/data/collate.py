@@ -1,4 +1,5 @@
-"""Batches with dynamic padding (to the longest row of the batch, never to max_length)."""
+"""Batches with dynamic padding (to the longest row of the batch, never to max_length), and
+padding-free packed batches (several sequences per row, see :mod:`rolemrc.data.packing`)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,68 @@ class PairCollator:
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
+
+
+class PackedCollator:
+    """Padding-free batches: each item (an encoded row, or a pack = list of rows) fills one
+    batch row with its pieces back to back (see :mod:`rolemrc.data.packing`).
+
+    Returns, all ``[B, T]`` unless noted (``T`` = the longest row of the batch):
+
+    - ``input_ids`` (pad id after the last piece), ``labels`` (unshifted, ``-100`` off target),
+    - ``position_ids``: restart at every piece,
+    - ``sequence_ids``: which sequence a position belongs to, ``-1`` on padding. SFT: the k-th
+      conversation of the batch is ``k``. Pairs: the chosen side of the j-th pair is ``j`` and its
+      rejected side ``P + j`` (``P`` pairs in the batch), the chosen-then-rejected order of
+      :class:`PairCollator`,
+    - ``segments`` ``[S, 5]``: ``(row, start, end, context_start, context_end)`` per piece; a
+      piece attends causally to ``[start, end)`` and fully to ``[context_start, context_end)``,
+    - ``index`` ``[N]``: dataset index of each conversation / pair, in sequence-id order.
+
+    There is no ``attention_mask``: the module turns ``segments`` into what its attention needs
+    (per-segment kernels, flash varlen, or a 4-D additive mask).
+    """
+
+    def __init__(self, pad_id: int, share_prompt: bool = False) -> None:
+        self.pad_id = pad_id
+        self.share_prompt = share_prompt
+
+    def __call__(self, items: list[Any]) -> dict[str, torch.Tensor]:
+        from rolemrc.data.packing import item_pieces
+
+        packs = [item if isinstance(item, list) else [item] for item in items]
+        rows_in_order = [row for pack in packs for row in pack]
+        pairs = "prompt_ids" in rows_in_order[0]
+        n_items = len(rows_in_order)
+        ids_rows, label_rows, pos_rows, seq_rows, segments = [], [], [], [], []
+        k = 0  # running item number in the batch
+        for b, pack in enumerate(packs):
+            ids: list[int] = []
+            labels: list[int] = []
+            pos: list[int] = []
+            seq: list[int] = []
+            for row in pack:
+                base = len(ids)
+                for piece in item_pieces(row, self.share_prompt):
+                    sid = k + piece.side * n_items if pairs else k
+                    start = len(ids)
+                    ids += piece.ids
+                    labels += piece.labels
+                    pos += range(piece.pos0, piece.pos0 + len(piece.ids))
+                    seq += [sid] * len(piece.ids)
+                    c0, c1 = piece.context
+                    segments.append((b, start, len(ids), base + c0, base + c1))
+                k += 1
+            ids_rows.append(ids)
+            label_rows.append(labels)
+            pos_rows.append(pos)
+            seq_rows.append(seq)
+        return {
+            "input_ids": pad(ids_rows, self.pad_id),
+            "labels": pad(label_rows, IGNORE),
+            "position_ids": pad(pos_rows, 0),
+            "sequence_ids": pad(seq_rows, -1),
+            "segments": torch.tensor(segments, dtype=torch.long),
+            "index": torch.tensor([r["index"] for r in rows_in_order], dtype=torch.long),
+        }
+

@@ -1,5 +1,5 @@
 """LightningDataModule: read + validate + mix sources, encode with the chat template,
-report what will be trained on, serve dynamically padded batches."""
+report what will be trained on, serve dynamically padded or padding-free packed batches."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from rolemrc.data.collate import PairCollator, SFTCollator
+from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator
+from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler
 from rolemrc.data.schemas import Conversation, Pair
@@ -80,18 +81,28 @@ def encode_pairs(
 
 
 class ChatDataModule(L.LightningDataModule):
-    """``kind="sft"`` (conversations) or ``kind="pairs"`` (preference pairs)."""
+    """``kind="sft"`` (conversations) or ``kind="pairs"`` (preference pairs).
 
-    def __init__(self, cfg: Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None) -> None:
+    ``cfg.packing``: loader items are packs of rows filling up to ``cfg.max_length`` tokens
+    (best-fit decreasing, fixed at setup), one pack per batch row, ``cfg.batch_size`` packs per
+    batch. ``share_prompt`` (pairs): prompt, chosen and rejected in one sequence. Either way the
+    batches come from :class:`PackedCollator`; the sampler indexes items (rows or packs), so
+    resume works the same.
+    """
+
+    def __init__(self, cfg: Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
+                 share_prompt: bool = False) -> None:
         super().__init__()
         if kind not in ("sft", "pairs"):
             raise ValueError(f"kind must be 'sft' or 'pairs', got {kind!r}")
         self.cfg, self.kind, self.chat, self.seed = cfg, kind, chat, seed
         self.report_dir = report_dir
+        self.share_prompt = share_prompt and kind == "pairs"
         self.train_rows: list[dict] | None = None
         self.val_rows: list[dict] = []
         self.report: dict[str, Any] = {}
         self._sampler: ResumableSampler | None = None
+        self._packs: dict[tuple[str, bool], list[list[dict]]] = {}
 
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
         if self.kind == "sft":
@@ -128,13 +139,32 @@ class ChatDataModule(L.LightningDataModule):
         if train_report["dropped_no_trainable_token"]:
             log.warning("%d example(s) had no trainable token after truncation and are not trained on: %s",
                         train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
+        if self.cfg.packing:  # fixed once here, so the report shows the fill
+            self.items("train")
+            self.items("val")
         if self.report_dir:
             Path(self.report_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
 
     def collator(self) -> Any:
+        """Takes a list of rows (or of packs when packing) and returns the batch tensors."""
         pad_id = self.chat.tokenizer.pad_token_id
+        if self.cfg.packing or self.share_prompt:
+            return PackedCollator(pad_id, self.share_prompt)
         return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
+
+    def items(self, stage: str) -> list[Any]:
+        """What the loader of ``stage`` (train/val) indexes: rows, or packs of rows."""
+        rows = self.train_rows if stage == "train" else self.val_rows
+        if not self.cfg.packing or not rows:
+            return rows or []
+        key = (stage, self.share_prompt)
+        if key not in self._packs:
+            packs, report = pack_rows(rows, self.cfg.max_length, self.share_prompt)
+            self._packs[key] = packs
+            log.info("packing (%s): %s", stage, json.dumps(report))
+            self.report.setdefault("packing", {})[stage] = report
+        return self._packs[key]
 
     def _rank_world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -144,12 +174,13 @@ class ChatDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_rows is not None, "call setup() first"
         rank, world = self._rank_world()
-        self._sampler = ResumableSampler(len(self.train_rows), self.cfg.shuffle, self.seed, rank, world)
+        items = self.items("train")
+        self._sampler = ResumableSampler(len(items), self.cfg.shuffle, self.seed, rank, world)
         if self.trainer is not None:
             self._sampler.set_epoch(self.trainer.current_epoch)
             self._sampler.skip_fn = self._samples_done_in_epoch
         return DataLoader(
-            self.train_rows,
+            items,
             batch_size=self.cfg.batch_size,
             sampler=self._sampler,
             collate_fn=self.collator(),
@@ -172,6 +203,7 @@ class ChatDataModule(L.LightningDataModule):
         if not self.val_rows:
             return []
         rank, world = self._rank_world()
-        sampler = ResumableSampler(len(self.val_rows), False, self.seed, rank, world)
-        return DataLoader(self.val_rows, batch_size=self.cfg.batch_size, sampler=sampler,
+        items = self.items("val")
+        sampler = ResumableSampler(len(items), False, self.seed, rank, world)
+        return DataLoader(items, batch_size=self.cfg.batch_size, sampler=sampler,
                           collate_fn=self.collator(), num_workers=self.cfg.num_workers)

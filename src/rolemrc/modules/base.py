@@ -48,18 +48,34 @@ class PolicyModule(L.LightningModule):
         """Log-probs of every labelled token: ([N] fp32, [B, T] bool mask of their positions).
 
         The lm_head is applied only at those N positions, in chunks (never [B*T, V] logits).
+        Packed batches (``segments``, ``sequence_ids``, ``position_ids`` from
+        :class:`~rolemrc.data.collate.PackedCollator`) attend within each piece only, and a
+        piece's last token is never trained to predict the next piece's first.
         """
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.cfg.objective.logprob_chunk_size
-        hidden = decoder(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-        ).last_hidden_state
+        if "segments" in batch:
+            from rolemrc.modules.packed_attention import packed_hidden, packed_route
+
+            hidden = packed_hidden(decoder, batch, packed_route(model, self.packs_with_context()))
+        else:
+            hidden = decoder(
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"),
+            ).last_hidden_state
         labels = batch.get("shifted_labels")
         if labels is None:
-            labels = shift_labels(batch["labels"])
-        return head(hidden, labels=labels), labels != -100
+            labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
+        # The chunked head computes in fp32 itself; under autocast its tile matmuls would come
+        # back in bf16 and the fp32 logsumexp bookkeeping would overflow.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logps = head(hidden, labels=labels)
+        return logps, labels != -100
+
+    def packs_with_context(self) -> bool:
+        """Whether packed pieces may see a context span (shared-prompt DPO); SFT: never."""
+        return False
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from rolemrc.checkpoints import rng_state

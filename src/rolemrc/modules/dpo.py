@@ -4,6 +4,11 @@
 - ``adapter``: the policy's own base weights with the LoRA adapter switched off (no copy);
 - ``precomputed``: one pass before training writes them to a cache keyed by model, data and
   template; no reference weights are held during training.
+
+``objective.share_prompt``: prompt, chosen and rejected in one sequence (rejected sees the prompt,
+not chosen), for the policy and every reference mode, the precomputed pass included. The
+log-probs equal the separate computation, so one precomputed cache serves both layouts (its key
+does not include share_prompt).
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class DPOModule(PolicyModule):
             raise ValueError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true")
         self.mode = o.reference
         self.datamodule = datamodule
+        if datamodule is not None and o.share_prompt:
+            # The pipeline builds the datamodule from cfg.data alone; the layout of pair rows is an
+            # objective setting, so it is handed over here, before setup() packs anything.
+            datamodule.share_prompt = True
         # Kept out of the module tree so it is neither trained nor written to checkpoints.
         self._ref: list[nn.Module] = []
         if self.mode == "copy":
@@ -81,12 +90,25 @@ class DPOModule(PolicyModule):
 
     # ---- log-probs ------------------------------------------------------------------------
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed response log-probs and token counts per row: ([2B], [2B])."""
+        """Summed response log-probs and token counts: ([2B], [2B]), chosen then rejected.
+
+        Unpacked batches hold one sequence per row; packed / shared-prompt ones say which
+        sequence each position belongs to (``sequence_ids``: pair j's chosen side is j, its
+        rejected side B + j).
+        """
         logps, mask = self.token_logps(model, batch)
-        rows = mask.nonzero()[:, 0]
-        n = mask.shape[0]
-        sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, rows, logps)
-        return sums, mask.sum(-1)
+        if "sequence_ids" in batch:
+            owner = batch["sequence_ids"][mask]  # same row-major order as logps
+            n = 2 * batch["index"].shape[0]
+        else:
+            owner = mask.nonzero()[:, 0]
+            n = mask.shape[0]
+        sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+        counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, owner, torch.ones_like(owner))
+        return sums, counts
+
+    def packs_with_context(self) -> bool:
+        return bool(self.cfg.objective.share_prompt)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:

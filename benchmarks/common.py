@@ -1,0 +1,274 @@
+"""What every throughput benchmark shares: one random-init Llama-architecture model with a 128k
+vocabulary, synthetic RoleMRC-shaped data, the allocator settings, and step timers that measure
+rolemrc (Lightning) and TRL (transformers Trainer) the same way.
+
+Timing: wall clock between the ends of consecutive optimizer steps (data loading, forward,
+backward, optimizer all included), after ``warmup`` steps. Tokens: non-padding input tokens of
+the policy's forward (what a padded row wastes is not counted). Samples: conversations (SFT) or
+preference pairs (DPO).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# stack.md: keep freed memory in the process (2-3x faster CPU steps); every contender runs with it.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736", "MALLOC_TOP_PAD_": "1073741824"}
+
+
+@dataclass
+class Spec:
+    """Model, data and run sizes shared by all contenders (see run_all.py for the defaults used)."""
+
+    vocab: int = 128256
+    hidden: int = 512
+    layers: int = 4
+    intermediate: int = 1408
+    heads: int = 8
+    kv_heads: int = 2
+    n_sft: int = 96
+    n_pairs: int = 48
+    prompt_tokens: tuple[int, int] = (1000, 2000)
+    reply_tokens: tuple[int, int] = (50, 80)
+    sft_max_length: int = 4200  # the paper's SFT length (every row padded to it there)
+    dpo_max_length: int = 3000  # the paper's DPO length, prompt cut to 3/4 of it
+    dpo_max_prompt_length: int = 2250
+    # Per optimizer step, the same for every contender. TRL's default per-device batch is 8; half
+    # of it (a quarter for DPO, whose TRL steps cost ~60 s here) keeps `make bench` near 15 min.
+    sft_batch: int = 4  # conversations (ours: packed rows holding about as many)
+    dpo_batch: int = 2  # preference pairs
+    warmup: int = 1
+    steps: int = 2
+    seed: int = 0
+
+    @staticmethod
+    def load(work: Path) -> "Spec":
+        raw = json.loads((work / "spec.json").read_text())
+        raw["prompt_tokens"], raw["reply_tokens"] = tuple(raw["prompt_tokens"]), tuple(raw["reply_tokens"])
+        return Spec(**raw)
+
+
+def set_env() -> None:
+    """Environment every contender process gets. glibc reads ``MALLOC_*`` only at start-up, so a
+    process started without them re-executes itself with them (same allocator for everyone)."""
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+# ---------------------------------------------------------------- model and data
+
+def _sentences() -> list[str]:
+    """Sentences of the shipped sample data: realistic text for the tiny tokenizer."""
+    text = []
+    for line in (ROOT / "src/rolemrc/assets/sample/sft.jsonl").read_text().splitlines():
+        for msg in json.loads(line)["conversations"]:
+            text.append(msg["content"])
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(text)) if len(s.split()) > 3]
+
+
+def _text(rng: random.Random, sentences: list[str], tokenizer: Any, target: int) -> str:
+    """Sentences appended until ``target`` tokens (within one sentence)."""
+    parts: list[str] = []
+    n = 0
+    while n < target:
+        s = rng.choice(sentences)
+        parts.append(s)
+        n += len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+    return " ".join(parts)
+
+
+def _reply(rng: random.Random, sentences: list[str], tokenizer: Any, target: int) -> str:
+    ids = tokenizer(_text(rng, sentences, tokenizer, target + 10), add_special_tokens=False)["input_ids"][:target]
+    return tokenizer.decode(ids).strip()
+
+
+def prepare(work: Path, spec: Spec) -> dict[str, Any]:
+    """Write ``work/model`` (HF folder: weights + tokenizer), ``work/sft.jsonl``, ``work/pairs.jsonl``
+    and ``work/spec.json``; return token statistics of the data as rolemrc encodes it."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rolemrc.data.readers import read_examples
+    from rolemrc.data.templates import ChatFormat
+
+    work.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(ROOT / "src/rolemrc/assets/tokenizers/tiny-llama3")
+    model_dir = work / "model"
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    rng = random.Random(spec.seed)
+    sentences = _sentences()
+
+    def prompt() -> list[dict[str, str]]:
+        system = ("You are Captain Mira Okafor, keeper of the Hollow Point lighthouse. Speech style: short, "
+                  "salty sentences. Knowledge boundary: the sea, ships, weather; nothing else.\n\nPassages:\n")
+        system += _text(rng, sentences, tok, rng.randint(*spec.prompt_tokens) - 40)
+        return [{"role": "System", "content": system},
+                {"role": "User", "content": "Looking at the passages, what happened at the harbour that night?"}]
+
+    with (work / "sft.jsonl").open("w") as fh:
+        for _ in range(spec.n_sft):
+            conv = prompt() + [{"role": "Assistant", "content": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}]
+            fh.write(json.dumps({"conversations": conv}) + "\n")
+    with (work / "pairs.jsonl").open("w") as fh:
+        for _ in range(spec.n_pairs):
+            fh.write(json.dumps({"prompt": prompt(),
+                                 "chosen": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens)),
+                                 "rejected": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}) + "\n")
+    (work / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+    stats: dict[str, Any] = {}
+    sft, _ = read_examples([_source(work / "sft.jsonl")], "sft", "raise", 0)
+    lengths = [len(chat.encode_conversation(ex.messages).input_ids) for ex in sft]
+    replies = [chat.encode_conversation(ex.messages).n_trained for ex in sft]
+    pairs, _ = read_examples([_source(work / "pairs.jsonl")], "pairs", "raise", 0)
+    encoded = [chat.encode_pair(p.prompt, p.chosen, p.rejected, 10**6, 10**6) for p in pairs]
+    stats["sft"] = _describe(lengths) | {"reply_tokens": _describe(replies)}
+    stats["pairs"] = {"prompt_tokens": _describe([len(e.prompt_ids) for e in encoded]),
+                      "response_tokens": _describe([len(e.chosen_ids) for e in encoded] +
+                                                   [len(e.rejected_ids) for e in encoded])}
+    n_params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(model_dir).parameters())
+    stats["model"] = {"arch": "llama", "parameters": n_params, "non_embedding_parameters":
+                      n_params - 2 * spec.vocab * spec.hidden, **{k: getattr(spec, k) for k in
+                      ("vocab", "hidden", "layers", "intermediate", "heads", "kv_heads")}}
+    return stats
+
+
+def _source(path: Path) -> dict[str, Any]:
+    return {"path": str(path), "weight": 1.0}
+
+
+def _describe(values: list[int]) -> dict[str, float]:
+    return {"mean": round(sum(values) / len(values), 1), "min": min(values), "max": max(values), "n": len(values)}
+
+
+# ---------------------------------------------------------------- rolemrc runs
+
+def compose(overrides: list[str], run_dir: Path) -> Any:
+    """``conf/train.yaml`` with ``overrides``, as ``python train.py ...`` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from rolemrc.config import register
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
+class _Steps:
+    """Step-end timestamps with the tokens and samples of each step; summary after warm-up."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, float, float, float]] = []  # time, tokens, samples, slots
+
+    def add(self, tokens: float, samples: float, slots: float) -> None:
+        self.records.append((time.perf_counter(), tokens, samples, slots))
+
+    def summary(self, warmup: int) -> dict[str, Any]:
+        if len(self.records) <= warmup:
+            raise RuntimeError(f"only {len(self.records)} steps recorded, {warmup} of them warm-up")
+        start = self.records[warmup - 1][0] if warmup else None
+        measured = self.records[warmup:]
+        if start is None:
+            raise ValueError("warmup must be >= 1: the first step has no start time")
+        seconds = measured[-1][0] - start
+        tokens = sum(r[1] for r in measured)
+        samples = sum(r[2] for r in measured)
+        slots = sum(r[3] for r in measured)
+        times = [b[0] - a[0] for a, b in zip(self.records[warmup - 1 :], measured)]
+        return {
+            "steps": len(measured),
+            "seconds": round(seconds, 3),
+            "step_seconds": [round(t, 3) for t in times],
+            "tokens": tokens,
+            "samples": samples,
+            "padding_fraction": round(1 - tokens / max(slots, 1), 4),
+            "tokens_per_s": tokens / seconds,
+            "samples_per_s": samples / seconds,
+        }
+
+
+def lightning_timer() -> Any:
+    """A Lightning callback recording every training step (tokens from the batch itself)."""
+    import lightning as L
+
+    from rolemrc.callbacks.throughput import batch_counts
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.steps = _Steps()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            real, _, samples, slots, _ = batch_counts(batch).tolist()
+            self.steps.add(real, samples, slots)
+
+    return StepTimer()
+
+
+def hf_timer(model: Any, pairs: bool) -> Any:
+    """A transformers TrainerCallback recording every optimizer step; tokens are counted from the
+    policy model's own forward inputs (a pre-hook), so nothing about the batches is assumed."""
+    from transformers import TrainerCallback
+
+    class HFStepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps = _Steps()
+            self.pending = [0.0, 0.0, 0.0]
+
+        def hook(self, module, args, kwargs) -> None:  # noqa: ANN001
+            if not module.training:  # reference forwards (eval mode / no grad) are not counted
+                return
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            real = float(mask.sum()) if mask is not None else float(ids.numel())
+            rows = ids.shape[0]
+            self.pending[0] += real
+            self.pending[1] += rows / 2 if pairs else rows
+            self.pending[2] += float(ids.numel())
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+            self.steps.add(*self.pending)
+            self.pending = [0.0, 0.0, 0.0]
+
+    timer = HFStepTimer()
+    model.register_forward_pre_hook(timer.hook, with_kwargs=True)
+    return timer
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "step_seconds"}))

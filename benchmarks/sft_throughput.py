@@ -1,0 +1,153 @@
+"""SFT training throughput (non-padding tokens per second) on RoleMRC-shaped data, one contender
+per process:
+
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender ours      # rolemrc, data.packing=true
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender pad_max   # rolemrc, every row padded to max_length (paper)
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl       # TRL SFTTrainer, its defaults
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_no_gc # ... without gradient checkpointing
+
+``<dir>`` is prepared by ``benchmarks/run_all.py`` (model + data + spec.json). All three train the
+same model on the same conversations in bf16 mixed precision (TRL's default, and ours set to
+match), loss on the assistant reply only, with the same allocator settings.
+
+- ours: ``data.packing=true``: conversations packed best-fit into rows of ``max_length`` tokens,
+  attention per conversation (no padding, no cross-conversation attention), the lm_head only at
+  the reply tokens. ``data.batch_size`` rows per step chosen to hold about ``sft_batch``
+  conversations.
+- pad_max: the same rolemrc pipeline, one conversation per row, every row padded to
+  ``max_length`` (4200, as the paper's recipe did).
+- trl: ``SFTTrainer`` with ``SFTConfig`` defaults (bf16, gradient checkpointing, no packing,
+  no padding-free, batch padded to its longest row, fused lm_head on the completion tokens
+  since the data is prompt-completion), except ``max_length`` (the default 1024 would cut
+  RoleMRC prompts, and with them the replies) and the run length.
+- trl_no_gc (not in ``make bench``): the same with ``gradient_checkpointing=False``, to show how
+  much of the gap is that default alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Spec, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+
+set_env()
+
+
+def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
+    import torch
+
+    from rolemrc.data.datamodule import ChatDataModule
+    from rolemrc.data.packing import pack_rows
+    from rolemrc.data.templates import IGNORE
+    from rolemrc.train import run
+
+    timer = lightning_timer()
+    if pad_max:
+        batch_size = spec.sft_batch
+        original = ChatDataModule.collator
+
+        def padded_collator(self):  # every row padded to max_length, as in the paper's recipe
+            inner = original(self)
+            length = self.cfg.max_length
+
+            def collate(examples):
+                batch = inner(examples)
+                fill = {"input_ids": self.chat.tokenizer.pad_token_id, "labels": IGNORE, "attention_mask": 0}
+                for key, value in fill.items():
+                    extra = length - batch[key].shape[1]
+                    batch[key] = torch.nn.functional.pad(batch[key], (0, extra), value=value)
+                return batch
+
+            return collate
+
+        ChatDataModule.collator = padded_collator
+    else:  # rows per step holding about spec.sft_batch conversations, as the others' batches
+        rows = [{"input_ids": [0] * n, "labels": [0] * n} for n in _lengths(work)]
+        report = pack_rows(rows, spec.sft_max_length)[1]
+        batch_size = max(1, round(spec.sft_batch / report["items_per_row"]))
+    steps = spec.warmup + spec.steps
+    overrides = [
+        f"model.path={work / 'model'}", "model.name=bench", "objective=sft",
+        f"data.sft=[{{path:{work / 'sft.jsonl'}}}]", "data.val_fraction=0", f"data.max_length={spec.sft_max_length}",
+        f"data.batch_size={batch_size}", f"data.packing={str(not pad_max).lower()}",
+        "trainer.precision=bf16-mixed", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false",
+        "logger=none", "callbacks=none", "export.enabled=false", f"seed={spec.seed}",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(overrides, Path(tmp))
+        from rolemrc import train as train_module
+
+        original_build = train_module.build_callbacks
+        train_module.build_callbacks = lambda c: [*original_build(c), timer]
+        run(cfg)
+    name = "pad_max" if pad_max else "ours"
+    return {"contender": name, "batch_size": batch_size, "overrides": overrides, **timer.steps.summary(spec.warmup)}
+
+
+def _lengths(work: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from rolemrc.data.readers import read_examples
+    from rolemrc.data.templates import ChatFormat
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(work / "model"))
+    examples, _ = read_examples([{"path": str(work / "sft.jsonl"), "weight": 1.0}], "sft", "raise", 0)
+    return [len(chat.encode_conversation(ex.messages).input_ids) for ex in examples]
+
+
+def run_trl(work: Path, spec: Spec, checkpointing: bool = True) -> dict:
+    import json
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    records = []
+    for line in (work / "sft.jsonl").read_text().splitlines():
+        conv = [{"role": m["role"].lower(), "content": m["content"]} for m in json.loads(line)["conversations"]]
+        records.append({"prompt": conv[:-1], "completion": conv[-1:]})  # loss on the reply, as ours
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(work / "model")
+    timer = hf_timer(model, pairs=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SFTConfig(output_dir=tmp, max_length=spec.sft_max_length, per_device_train_batch_size=spec.sft_batch,
+                         max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no",
+                         seed=spec.seed, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+                         **({} if checkpointing else {"gradient_checkpointing": False}))
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
+                             processing_class=tokenizer, callbacks=[timer])
+        defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "packing", "padding_free",
+                                                  "completion_only_loss", "assistant_only_loss", "loss_type",
+                                                  "per_device_train_batch_size", "max_length")}
+        trainer.train()
+    return {"contender": "trl" if checkpointing else "trl_no_gc", "config": {k: str(v) for k, v in defaults.items()},
+            **timer.steps.summary(spec.warmup)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--contender", choices=["ours", "pad_max", "trl", "trl_no_gc"], required=True)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    spec = Spec.load(args.work)
+    if args.contender.startswith("trl"):
+        result = run_trl(args.work, spec, checkpointing=args.contender == "trl")
+    else:
+        result = run_ours(args.work, spec, pad_max=args.contender == "pad_max")
+    result["command"] = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
+    result["tokens_per_s"] = round(result["tokens_per_s"], 2)
+    result["samples_per_s"] = round(result["samples_per_s"], 4)
+    assert math.isfinite(result["tokens_per_s"])
+    write_result(args.out or args.work / "results" / f"sft_{args.contender}.json", result)
+
+
+if __name__ == "__main__":
+    main()

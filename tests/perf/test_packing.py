@@ -34,9 +34,9 @@ def build(kind: str, model: str, *overrides: str):
     dm = ChatDataModule(cfg.data, kind, ChatFormat(tok))
     dm.setup()
     torch.manual_seed(0)
-    net = load_model(cfg.model, tok).eval()
+    net = load_model(cfg.model, tok)
     module = SFTModule(net, cfg) if kind == "sft" else DPOModule(net, cfg, dm)
-    return module, dm, tok.pad_token_id
+    return module.eval(), dm, tok.pad_token_id
 
 
 @pytest.fixture(params=["segments", "mask", "position_ids"])

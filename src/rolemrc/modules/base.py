@@ -39,6 +39,10 @@ class PolicyModule(L.LightningModule):
 
     def __init__(self, model: nn.Module, cfg: Any) -> None:
         super().__init__()
+        # from_pretrained returns a model in eval mode and Lightning keeps module modes as it
+        # finds them: without this, a model loaded from a path trains with dropout off and, worse,
+        # with gradient checkpointing silently inactive (transformers checkpoints only in training).
+        model.train()
         self.model = model
         self.cfg = cfg
         self._sharded = False

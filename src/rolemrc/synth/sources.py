@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rolemrc.synth.config import MixSource, MRCConfig, PersonasConfig
+from rolemrc.synth.store import read_jsonl_lines
 
 
 def _iter_file(path: str, text_field: Optional[str] = None) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -36,16 +37,8 @@ def _iter_file(path: str, text_field: Optional[str] = None) -> Iterator[tuple[st
                         raise ValueError(f"{p}#{i}: expected an object, got {type(rec).__name__}")
                     yield f"{p}#{i}", rec
                 return
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-                yield f"{p}:{lineno}", rec
+        for lineno, rec in read_jsonl_lines(p):
+            yield f"{p}:{lineno}", rec
     elif suffix == ".txt":
         if text_field is None:
             raise ValueError(f"{p}: plain-text input only works for personas (one per line)")

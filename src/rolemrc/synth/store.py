@@ -35,8 +35,8 @@ def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     return n
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield records; a malformed line raises ValueError naming file and line."""
+def read_jsonl_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, record); a malformed line raises ValueError naming file and line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -47,7 +47,13 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield rec
+            yield lineno, rec
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield records; a malformed line raises ValueError naming file and line."""
+    for _, rec in read_jsonl_lines(path):
+        yield rec
 
 
 class StageDir:

@@ -233,7 +233,15 @@ def preempt_mid_run(env: dict[str, str], job: str, record: Path, why: Callable[[
         assert state, f"job {job} left the queue instead of requeueing: {why()}"
         assert time.monotonic() < deadline, f"job {job} not requeued within 120 s (state {state}): {why()}"
         time.sleep(0.2)
-    # SLURM holds a requeued job for ~2 minutes (BeginTime); start it now.
+    # SLURM holds a requeued job for ~2 minutes (BeginTime) so that the node is done with the
+    # old run; start it sooner, but not too soon: slurmd revokes the old run's credential at
+    # one-second resolution, and a restart allocated within that same second is killed
+    # ("Job credential revoked") and ends FAILED. So wait for the node to leave COMPLETING and
+    # for the wall clock to pass the revocation's second by a safe margin.
+    requeued_at = time.monotonic()
+    while "completing" in _run(["sinfo", "-h", "-N", "-o", "%T"], env) or time.monotonic() < requeued_at + 2.5:
+        assert time.monotonic() < deadline, f"node still completing job {job} after 120 s: {why()}"
+        time.sleep(0.2)
     _run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env)
 
 

@@ -89,7 +89,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model)
     chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
     kind = "sft" if cfg.objective.name == "sft" else "pairs"
-    datamodule = ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(run_dir))
+    share_prompt = kind == "pairs" and bool(cfg.objective.share_prompt)  # pair layout: an objective setting
+    datamodule = ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(run_dir),
+                                share_prompt=share_prompt)
     strategy = build_strategy(cfg)  # fails on impossible combinations before loading weights
     model = load_model(cfg.model, tokenizer)
     trainable, total = count_parameters(model)

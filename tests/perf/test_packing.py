@@ -31,7 +31,7 @@ def build(kind: str, model: str, *overrides: str):
     cfg = compose_train([f"model={model}", "objective=" + ("sft" if kind == "sft" else "dpo"),
                          "data.max_length=192", "data.max_prompt_length=128", "data.val_fraction=0", *overrides])
     tok = load_tokenizer(cfg.model)
-    dm = ChatDataModule(cfg.data, kind, ChatFormat(tok))
+    dm = ChatDataModule(cfg.data, kind, ChatFormat(tok), share_prompt=kind == "pairs" and cfg.objective.share_prompt)
     dm.setup()
     torch.manual_seed(0)
     net = load_model(cfg.model, tok)

@@ -107,3 +107,12 @@ def test_adapter_mode_holds_no_second_copy(train_cfg) -> None:
 def test_adapter_mode_without_lora_fails_early(train_cfg) -> None:
     with pytest.raises(ValueError, match="peft.enabled=true"):
         run(train_cfg(*DPO, "objective.reference=adapter"))
+
+
+def test_share_prompt_must_match_the_datamodule_layout(train_cfg) -> None:
+    cfg = train_cfg(*DPO, "objective.share_prompt=true")
+    tok = load_tokenizer(cfg.model)
+    with pytest.raises(ValueError, match="objective.share_prompt=True but the datamodule lays pairs out"):
+        DPOModule(load_model(cfg.model, tok), cfg, ChatDataModule(cfg.data, "pairs", ChatFormat(tok)))
+    shared = ChatDataModule(cfg.data, "pairs", ChatFormat(tok), share_prompt=True)
+    assert DPOModule(load_model(cfg.model, tok), cfg, shared).datamodule.share_prompt

@@ -63,10 +63,10 @@ class DPOModule(PolicyModule):
             raise ValueError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true")
         self.mode = o.reference
         self.datamodule = datamodule
-        if datamodule is not None and o.share_prompt:
-            # The pipeline builds the datamodule from cfg.data alone; the layout of pair rows is an
-            # objective setting, so it is handed over here, before setup() packs anything.
-            datamodule.share_prompt = True
+        if datamodule is not None and bool(o.share_prompt) != datamodule.share_prompt:
+            raise ValueError(f"objective.share_prompt={o.share_prompt} but the datamodule lays pairs out with "
+                             f"share_prompt={datamodule.share_prompt}: build it with "
+                             f"ChatDataModule(..., share_prompt=cfg.objective.share_prompt)")
         # Kept out of the module tree so it is neither trained nor written to checkpoints.
         self._ref: list[nn.Module] = []
         if self.mode == "copy":

@@ -77,6 +77,22 @@ def test_bf16_inputs_computed_in_fp32(chunk_size, vocab_chunk_size):
         torch.testing.assert_close(g, w)  # bf16 tolerances: one rounding at the end
 
 
+def test_autocast_region_still_computes_in_fp32():
+    """bf16-mixed training calls the head inside autocast; its tiles must not drop to bf16."""
+    hidden, weight, bias, labels = make_case(torch.float32, with_bias=True, scale=30.0)
+    inputs = [hidden, weight, bias]
+    ref, _ = naive_token_logprobs(hidden, weight, labels, bias=bias)
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps, _ = token_logprobs(hidden, weight, labels, 4, bias=bias, vocab_chunk_size=8)
+        got = grads(logps, upstream, inputs)  # backward inside the region too
+    assert logps.dtype == torch.float32
+    torch.testing.assert_close(logps, ref, atol=1e-4, rtol=1e-5)
+    for g, w in zip(got, grads(ref, upstream, inputs)):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_logits_stay_finite_and_exact(dtype):
     # Logits in the hundreds overflow a naive exp; the per-tile max shift must hold across blocks.

@@ -71,11 +71,7 @@ class PolicyModule(L.LightningModule):
         labels = batch.get("shifted_labels")
         if labels is None:
             labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
-        # The chunked head computes in fp32 itself; under autocast its tile matmuls would come
-        # back in bf16 and the fp32 logsumexp bookkeeping would overflow.
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            logps = head(hidden, labels=labels)
-        return logps, labels != -100
+        return head(hidden, labels=labels), labels != -100  # fp32 even under autocast
 
     def packs_with_context(self) -> bool:
         """Whether packed pieces may see a context span (shared-prompt DPO); SFT: never."""

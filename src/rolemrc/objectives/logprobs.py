@@ -16,7 +16,8 @@ Tiling the vocabulary as well as the rows matters when the model is bf16: upcast
 128k x 4096 -- more than the logits we set out to avoid. Per vocabulary block we upcast only that
 block, and accumulate its weight gradient in fp32 before one cast to the weight's dtype.
 
-All arithmetic is fp32 whatever the input dtype (upcast per tile); results are fp32. (fp64
+All arithmetic is fp32 whatever the input dtype (upcast per tile), also inside an autocast
+region (bf16-mixed training), which is switched off around the tiles; results are fp32. (fp64
 inputs are computed and returned in fp64, which is what lets a float64 gradcheck test the math.)
 
 Label alignment: every function here takes labels that are ALREADY ALIGNED with ``hidden``, i.e.
@@ -128,6 +129,13 @@ class _LinearTargetLogProb(torch.autograd.Function):
         chunk_size: int,
         vocab_chunk_size: int,
     ) -> Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return _LinearTargetLogProb._forward(ctx, hidden, weight, bias, targets, chunk_size, vocab_chunk_size)
+
+    @staticmethod
+    def _forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+                 vocab_chunk_size: int) -> Tensor:
+        # Autocast would run the tile matmuls in bf16 and overflow the fp32 logsumexp bookkeeping.
         n, v = hidden.shape[0], weight.shape[0]
         cdt = _compute_dtype(hidden, weight)
         n_blocks = -(-v // vocab_chunk_size)
@@ -164,6 +172,11 @@ class _LinearTargetLogProb(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            return _LinearTargetLogProb._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, v = hidden.shape[0], weight.shape[0]

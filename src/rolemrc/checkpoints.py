@@ -141,17 +141,30 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
                  origin: str = "state dict") -> Path:
     """Build the model skeleton from a run's config, load ``state`` (full, unsharded), export.
 
-    The skeleton is random-init from config (no pretrained weights are read), then every
-    tensor is replaced by ``state``'s; a missing or extra key is an error.
+    The skeleton's parameters live on the meta device (no pretrained weights are read, nothing
+    is initialised, no second copy of an 8B model is held): ``state``'s tensors, cast to the
+    run's dtype, become the parameters. A missing or extra key is an error.
     """
+    from accelerate import init_empty_weights
+
     from rolemrc.models.export import export_pretrained
     from rolemrc.models.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(run_cfg.model)
-    model = load_model(skeleton_config(run_cfg.model), tokenizer)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
+        model = load_model(skeleton_config(run_cfg.model), tokenizer)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise ValueError(f"{origin}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    cast = {k: v.to(expected[k].dtype) for k, v in state.items()}
+    model.load_state_dict(cast, strict=True, assign=True)
+    del cast
+    model.tie_weights()  # assign=True replaced tied tensors by two copies of the same values
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
     merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
     return export_pretrained(model, tokenizer, out_dir, merge)
 

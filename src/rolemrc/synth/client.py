@@ -228,13 +228,15 @@ class _Endpoint:
         return self._rng.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
 
-class Generator:
-    """Chat completions with cache, budget, retries and a dry-run mode.
+class _Client:
+    """What the generator and the embedder share: one endpoint, the cache, the budget, the
+    usage counts. Create inside the event loop that uses it (the semaphore and HTTP client
+    bind to it)."""
 
-    Create inside the event loop that uses it (the semaphore and HTTP client bind to it).
-    """
+    what = "client"
 
-    def __init__(self, cfg: GeneratorConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache, dry_run: bool = False) -> None:
+    def __init__(self, cfg: GeneratorConfig | EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache,
+                 dry_run: bool = False) -> None:
         self.cfg = cfg
         self.budget_cfg = budget_cfg
         self.budget = budget
@@ -242,10 +244,20 @@ class Generator:
         self.dry_run = dry_run
         self.usage = Usage()
         self.ep = _Endpoint(
-            base_url=cfg.base_url, api_key_env=cfg.api_key_env, what="generator", concurrency=cfg.concurrency,
+            base_url=cfg.base_url, api_key_env=cfg.api_key_env, what=self.what, concurrency=cfg.concurrency,
             timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
             max_backoff_s=cfg.max_backoff_s, dry_run=dry_run,
         )
+
+    async def close(self) -> None:
+        await self.ep.close()
+
+
+class Generator(_Client):
+    """Chat completions with cache, budget, retries and a dry-run mode."""
+
+    what = "generator"
+    cfg: GeneratorConfig
 
     def payload(self, req: ChatRequest) -> dict[str, Any]:
         """The request body; also what the cache key is computed from."""
@@ -307,27 +319,17 @@ class Generator:
         self.cache.put(key, {"content": content, "finish_reason": choice.finish_reason, "usage": {"prompt_tokens": pt, "completion_tokens": ct}, "tag": req.tag, "time": time.time()})
         return content
 
-    async def close(self) -> None:
-        await self.ep.close()
 
-
-class RemoteEmbedder:
+class RemoteEmbedder(_Client):
     """``/v1/embeddings`` of an OpenAI-compatible server, batched and cached per batch."""
+
+    what = "embedder"
+    cfg: EmbedderConfig
 
     def __init__(self, cfg: EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache, dry_run: bool = False) -> None:
         if not cfg.base_url or not cfg.model:
             raise ValueError("embedder.backend=openai needs embedder.base_url and embedder.model")
-        self.cfg = cfg
-        self.budget_cfg = budget_cfg
-        self.budget = budget
-        self.cache = cache
-        self.dry_run = dry_run
-        self.usage = Usage()
-        self.ep = _Endpoint(
-            base_url=cfg.base_url, api_key_env=cfg.api_key_env, what="embedder", concurrency=cfg.concurrency,
-            timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-            max_backoff_s=cfg.max_backoff_s, dry_run=dry_run,
-        )
+        super().__init__(cfg, budget_cfg, budget, cache, dry_run)
         self._dim: Optional[int] = None
 
     async def _batch(self, texts: list[str], tag: str) -> Optional[np.ndarray]:
@@ -379,6 +381,3 @@ class RemoteEmbedder:
         if self.cfg.normalize:
             arr = arr / np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr
-
-    async def close(self) -> None:
-        await self.ep.close()

@@ -1,6 +1,7 @@
 """Export any checkpoint of a run (single file or sharded FSDP folder) to HF format.
 
     python export.py outputs/train/<run>/checkpoints/last.ckpt            # -> <run>/export
+    python export.py outputs/train/<run>/hpc_ckpt_1.ckpt                  # SLURM preemption checkpoint
     python export.py <checkpoint> --out <dir> [--adapter]                  # LoRA: adapter only
 
 Reads the run's resolved config (``<run>/.hydra/config.yaml``) to rebuild the model; writes
@@ -24,12 +25,16 @@ def main() -> None:
     args = parser.parse_args()
 
     register()
-    run_dir = args.run_dir or args.checkpoint.resolve().parent.parent
+    from rolemrc.checkpoints import checkpoint_run_dir, export_checkpoint
+
+    try:
+        run_dir = args.run_dir or checkpoint_run_dir(args.checkpoint)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
     config = run_dir / ".hydra" / "config.yaml"
     if not config.exists():
         raise SystemExit(f"{config} not found: pass --run-dir <the run folder holding .hydra/config.yaml>")
     cfg = OmegaConf.load(config)
-    from rolemrc.checkpoints import export_checkpoint
 
     out = export_checkpoint(cfg, args.checkpoint, args.out or run_dir / "export", merge_lora=False if args.adapter else None)
     print(f"exported model: {out}")

@@ -3,6 +3,7 @@ sharded models and checkpoints, and HF export from any checkpoint."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -186,3 +187,80 @@ def skeleton_config(model_cfg: Any) -> Any:
     cfg["quantization"]["load_in_4bit"] = False
     cfg["gradient_checkpointing"] = False
     return OmegaConf.create(cfg)
+
+
+def is_training_checkpoint(path: str | Path) -> bool:
+    """A Lightning checkpoint this framework writes: a ``.ckpt`` file or a sharded (DCP) folder."""
+    path = Path(path)
+    return (path.is_file() and path.suffix == ".ckpt") or (path.is_dir() and (path / ".metadata").is_file())
+
+
+def checkpoint_run_dir(checkpoint: str | Path) -> Path:
+    """The run folder (holding ``.hydra/config.yaml``) of a checkpoint: ``<run>/checkpoints/last.ckpt``
+    or a SLURM preemption checkpoint ``<run>/hpc_ckpt_<n>.ckpt``."""
+    checkpoint = Path(checkpoint).resolve()
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        if (folder / ".hydra" / "config.yaml").is_file():
+            return folder
+    raise FileNotFoundError(f"{checkpoint}: no .hydra/config.yaml in {checkpoint.parent} or its parent; the run's "
+                            "config rebuilds the model (export.py --run-dir <run folder> names it)")
+
+
+def _signature(checkpoint: Path) -> dict[str, Any]:
+    stat = (checkpoint / ".metadata" if checkpoint.is_dir() else checkpoint).stat()
+    return {"checkpoint": str(checkpoint), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def hf_model_path(path: str | None) -> str | None:
+    """``model.path`` as transformers can load it.
+
+    A training checkpoint (``.ckpt`` file or sharded folder) is exported once, LoRA merged, to
+    ``<run>/exports/<checkpoint name>`` and that folder is returned; later calls reuse it while
+    the checkpoint is unchanged (``last.ckpt`` rewritten: exported again). A run folder stands
+    for its final ``export/``, or for its newest checkpoint when it has none. Anything else (an
+    HF folder, a hub id, None) is returned as it is. Safe to call from every rank at once.
+    """
+    if path is None or not Path(path).expanduser().exists():
+        return path
+    source = Path(path).expanduser().resolve()
+    if (source / ".hydra" / "config.yaml").is_file() and not is_training_checkpoint(source):
+        if (source / "export" / "config.json").is_file():
+            return str(source / "export")
+        newest = find_checkpoint(source)
+        if newest is None:
+            raise FileNotFoundError(f"run folder {source} has neither export/ nor a checkpoint")
+        source = newest.resolve()
+    if not is_training_checkpoint(source):
+        return path
+    from filelock import FileLock
+    from omegaconf import OmegaConf
+
+    from rolemrc.config import register
+
+    run_dir = checkpoint_run_dir(source)
+    out = run_dir / "exports" / source.name.removesuffix(".ckpt")
+    marker = out / "rolemrc_source.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        signature = _signature(source)
+        if marker.is_file() and json.loads(marker.read_text()) == signature:
+            log.info("model.path %s: using its export %s", source, out)
+            return str(out)
+        register()
+        log.info("model.path %s: exporting it to %s", source, out)
+        export_checkpoint(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), source, out, merge_lora=True)
+        marker.write_text(json.dumps(signature))
+    return str(out)
+
+
+def use_checkpoint_as_model(cfg: Any, *more: str) -> None:
+    """Point ``cfg.model.path`` (and the dotted keys in ``more``, e.g. ``compare.path``) at a
+    loadable folder where they name a checkpoint or run folder of ours (:func:`hf_model_path`)."""
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        for key in ("model.path", *more):
+            value = OmegaConf.select(cfg, key)
+            resolved = hf_model_path(value)
+            if resolved != value:
+                OmegaConf.update(cfg, key, resolved)

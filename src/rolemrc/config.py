@@ -168,10 +168,18 @@ def _asset(name: str) -> str:
     return asset(name)
 
 
+def _asset_unless_path(path: Optional[str], name: str) -> Optional[str]:
+    # A tiny model's shipped tokenizer, unless model.path names saved weights: those come with
+    # their own tokenizer (every export has it), which must win over the tiny default.
+    return None if path else _asset(name)
+
+
 def register() -> None:
-    """Register schemas and the ``${asset:...}`` resolver (idempotent)."""
+    """Register schemas and the ``${asset:...}`` resolvers (idempotent)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
+    if not OmegaConf.has_resolver("asset_unless_path"):
+        OmegaConf.register_new_resolver("asset_unless_path", _asset_unless_path)
     if not OmegaConf.has_resolver("memory_check"):
         from rolemrc.memory import resolver
 

@@ -13,11 +13,11 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint
+from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint, use_checkpoint_as_model
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.export import export_pretrained
-from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
+from rolemrc.models.loading import check_model_cfg, count_parameters, load_model, load_tokenizer
 from rolemrc.strategies import build_strategy
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; return the paths written and the final logged metrics."""
+    check_model_cfg(cfg.model)
+    use_checkpoint_as_model(cfg)  # model.path=<a checkpoint or run of ours>: start from its weights
     if cfg.trainer.matmul_precision:
         torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)
     L.seed_everything(cfg.seed, workers=True)

@@ -248,6 +248,9 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
+    from rolemrc.checkpoints import use_checkpoint_as_model
+
+    use_checkpoint_as_model(cfg)
     from rolemrc.data.templates import ChatFormat
     from rolemrc.eval.judge import aggregate, judge_items
     from rolemrc.eval.report import write_report

@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+def check_source(value: str | None, key: str) -> None:
+    """A local folder that does not exist is named as such (transformers' own error would talk
+    about repository ids). A hub id is ``owner/name``; anything else is taken as local."""
+    if value is None or Path(value).expanduser().exists():
+        return
+    if value.startswith((".", "/", "~")) or value.count("/") > 1:
+        raise FileNotFoundError(f"{key}={value}: no such folder (a hub id is written owner/name)")
+
+
+def check_model_cfg(cfg: Any) -> None:
+    """Settings that cannot work, refused before anything is read or loaded."""
+    if cfg.quantization.load_in_4bit and not cfg.peft.enabled:
+        raise ValueError("model.quantization.load_in_4bit=true trains only adapters: set model.peft.enabled=true")
+    if cfg.quantization.load_in_4bit and cfg.path is None:
+        raise ValueError("4-bit quantization needs pretrained weights (model.path)")
+    check_source(cfg.path, "model.path")
+    check_source(cfg.tokenizer, "model.tokenizer")
+
 
 def load_tokenizer(cfg: Any) -> Any:
     """Fast tokenizer for ``cfg.tokenizer`` (or ``cfg.path``), chat template overridden if asked."""
@@ -20,6 +40,7 @@ def load_tokenizer(cfg: Any) -> Any:
     source = cfg.tokenizer or cfg.path
     if source is None:
         raise ValueError("model.tokenizer or model.path must be set")
+    check_source(source, "model.tokenizer" if cfg.tokenizer else "model.path")
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         tokenizer.chat_template = load_template(cfg.chat_template)
@@ -52,11 +73,10 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
     """The causal LM, with LoRA/QLoRA applied and the lm_head able to return chunked log-probs."""
     from transformers import AutoModelForCausalLM
 
+    check_model_cfg(cfg)
     attn = resolve_attn_implementation(cfg.attn_implementation)
     dtype = _dtype(cfg.dtype)
     quant = cfg.quantization.load_in_4bit
-    if quant and not cfg.peft.enabled:
-        raise ValueError("model.quantization.load_in_4bit=true trains only adapters: set model.peft.enabled=true")
     if cfg.path is None:
         from transformers import AutoConfig
 
@@ -71,8 +91,6 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
             config = AutoConfig.for_model(cfg.arch, **kwargs)
         except ValueError as err:
             raise ValueError(f"model.arch={cfg.arch!r} is not a transformers model type ({err})") from err
-        if quant:
-            raise ValueError("4-bit quantization needs pretrained weights (model.path)")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
         kwargs: dict[str, Any] = {}

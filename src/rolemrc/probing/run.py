@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
-from rolemrc.models.loading import load_model, load_tokenizer
+from rolemrc.checkpoints import use_checkpoint_as_model
+from rolemrc.models.loading import check_source, load_model, load_tokenizer
 from rolemrc.probing.capture import check_site
 from rolemrc.probing.maps import (
     ALL,
@@ -52,12 +53,7 @@ def resolve_device(name: str | None) -> torch.device:
 def probing_model_cfg(model_cfg: DictConfig, path: str | None) -> DictConfig:
     """The model config to load for probing: weights from ``path``, no fresh LoRA adapters
     (probing reads exported, merged weights) and no gradient checkpointing (no backward)."""
-    if path is not None and not Path(path).expanduser().exists() and (
-        path.startswith((".", "/", "~")) or path.count("/") > 1
-    ):
-        # A hub id is "owner/name"; anything else is a local folder, and transformers' error for
-        # a missing one talks about repo ids.
-        raise FileNotFoundError(f"model folder not found: {path}")
+    check_source(path, "model.path" if path == model_cfg.path else "compare.path")
     overrides: dict[str, Any] = {"peft": {"enabled": False}, "gradient_checkpointing": False}
     if path != model_cfg.path:
         overrides["path"] = path
@@ -104,6 +100,7 @@ def check_settings(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Probe as configured; return the paths written."""
     check_settings(cfg)
+    use_checkpoint_as_model(cfg, "compare.path")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)  # path-less (random-init) models are reproducible

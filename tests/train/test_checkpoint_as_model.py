@@ -1,0 +1,126 @@
+"""``model.path`` may name a checkpoint or a run folder this framework wrote: train.py,
+evaluate.py and probe.py load its weights (exported once, LoRA merged, reused while the
+checkpoint is unchanged). And a saved model's own tokenizer beats the tiny default."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from rolemrc.checkpoints import export_state, hf_model_path, use_checkpoint_as_model
+from rolemrc.models.loading import load_model, load_tokenizer
+from tests.conftest import ROOT, compose_train
+
+RUN = ["trainer.accelerator=cpu", "data.max_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false",
+       "logger=csv", "trainer.max_steps=3", "trainer.checkpoint_every_n_steps=3",
+       "model.peft.enabled=true", "model.peft.r=4"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def python(script: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 3-step LoRA SFT run: .hydra config, checkpoints/last.ckpt, merged export/."""
+    run = tmp_path_factory.mktemp("sft") / "run"
+    python("train.py", *RUN, f"hydra.run.dir={run}")
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "export" / "model.safetensors").is_file()
+    return run
+
+
+def test_a_checkpoint_is_exported_once_and_matches_the_run_export(lora_run: Path) -> None:
+    ckpt = lora_run / "checkpoints" / "last.ckpt"
+    folder = Path(hf_model_path(str(ckpt)))
+    assert folder == lora_run / "exports" / "last"
+    got, want = load_file(folder / "model.safetensors"), load_file(lora_run / "export" / "model.safetensors")
+    assert got.keys() == want.keys() and not any("lora" in k for k in got)  # merged
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    assert hf_model_path(str(ckpt)) == str(folder)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written  # reused, not exported again
+    os.utime(ckpt, ns=(ckpt.stat().st_atime_ns, ckpt.stat().st_mtime_ns + 10**9))  # "rewritten"
+    assert hf_model_path(str(ckpt)) == str(folder)
+    assert (folder / "model.safetensors").stat().st_mtime_ns != written
+
+
+def test_a_run_folder_means_its_export_else_its_newest_checkpoint(lora_run: Path, tmp_path: Path) -> None:
+    assert hf_model_path(str(lora_run)) == str(lora_run / "export")
+    bare = tmp_path / "bare"
+    shutil.copytree(lora_run, bare, ignore=shutil.ignore_patterns("export", "exports"))
+    assert hf_model_path(str(bare)) == str(bare / "exports" / "last")
+    assert hf_model_path("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"  # hub ids and HF folders pass through
+    assert hf_model_path(str(lora_run / "export")) == str(lora_run / "export")
+
+
+def test_a_checkpoint_outside_a_run_folder_says_what_is_missing(lora_run: Path, tmp_path: Path) -> None:
+    stray = tmp_path / "somewhere" / "model.ckpt"
+    stray.parent.mkdir()
+    shutil.copy(lora_run / "checkpoints" / "last.ckpt", stray)
+    with pytest.raises(FileNotFoundError, match=r"no \.hydra/config\.yaml .*export\.py --run-dir"):
+        hf_model_path(str(stray))
+
+
+def test_evaluate_probe_and_dpo_start_from_a_checkpoint(lora_run: Path, tmp_path: Path) -> None:
+    ckpt = str(lora_run / "checkpoints" / "last.ckpt")
+    out = tmp_path / "eval"
+    python("evaluate.py", f"model.path={ckpt}", "limit=2", "generation.max_new_tokens=3", "generation.progress=false",
+           "metrics.names=[bleu]", f"out_dir={out}")
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 2
+
+    probe = tmp_path / "probe"
+    python("probe.py", f"model.path={lora_run}", f"compare.path={ckpt}", "limit=4", f"out_dir={probe}")
+    assert (probe / "discrepancy.png").is_file()
+
+    dpo = tmp_path / "dpo"
+    python("train.py", "objective=dpo", f"model.path={ckpt}", "trainer.accelerator=cpu", "data.max_length=160",
+           "data.max_prompt_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false", "logger=csv",
+           "trainer.max_steps=1", "export.enabled=false", f"hydra.run.dir={dpo}")
+    assert OmegaConf.load(dpo / ".hydra" / "config.yaml").model.path == ckpt  # the run records what was asked
+
+
+def test_saved_weights_bring_their_own_tokenizer(tmp_path: Path) -> None:
+    """``model=tiny`` (Llama-3 layout tokenizer by default) evaluating a ChatML model's export."""
+    qwen = compose_train(["model=tiny_qwen"])
+    torch.manual_seed(0)
+    model = load_model(qwen.model, load_tokenizer(qwen.model))
+    folder = export_state(qwen, model.state_dict(), tmp_path / "qwen_export")
+
+    cfg = compose_train([f"model.path={folder}"])  # model=tiny
+    assert cfg.model.tokenizer is None
+    assert "<|im_start|>" in load_tokenizer(cfg.model).chat_template
+    assert "<|start_header_id|>" in load_tokenizer(compose_train([]).model).chat_template  # no path: the asset
+    explicit = compose_train([f"model.path={folder}", f"model.tokenizer={compose_train([]).model.tokenizer}"])
+    assert "<|start_header_id|>" in load_tokenizer(explicit.model).chat_template  # an explicit choice wins
+
+
+def test_use_checkpoint_as_model_rewrites_only_what_names_a_checkpoint(lora_run: Path) -> None:
+    cfg = OmegaConf.create({"model": {"path": str(lora_run / "checkpoints" / "last.ckpt")},
+                            "compare": {"path": "Qwen/Qwen2.5-7B"}})
+    use_checkpoint_as_model(cfg, "compare.path")
+    assert cfg.model.path == str(lora_run / "exports" / "last") and cfg.compare.path == "Qwen/Qwen2.5-7B"
+    assert json.loads((lora_run / "exports" / "last" / "rolemrc_source.json").read_text())["checkpoint"].endswith(
+        "last.ckpt")
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.tokenizer"])
+def test_a_missing_local_folder_is_named_before_anything_loads(train_cfg, key: str) -> None:
+    from rolemrc.train import run
+
+    with pytest.raises(FileNotFoundError, match=f"{key}=/no/such/model: no such folder"):
+        run(train_cfg(f"{key}=/no/such/model"))

@@ -124,3 +124,18 @@ def test_a_missing_local_folder_is_named_before_anything_loads(train_cfg, key: s
 
     with pytest.raises(FileNotFoundError, match=f"{key}=/no/such/model: no such folder"):
         run(train_cfg(f"{key}=/no/such/model"))
+
+
+def test_ranks_resolving_one_checkpoint_at_once_export_it_once(lora_run: Path, tmp_path: Path) -> None:
+    """Every rank of a DDP/FSDP job resolves model.path itself: one exports, the others wait and reuse."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("export", "exports"))
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+            "from rolemrc.checkpoints import hf_model_path; print(hf_model_path(sys.argv[1]))")
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(run / "checkpoints" / "last.ckpt")], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outs]
+    assert {out.strip() for out, _ in outs} == {str(run / "exports" / "last")}
+    assert sum("exporting it to" in err for _, err in outs) == 1
+    assert sum("using its export" in err for _, err in outs) == 1

@@ -303,6 +303,7 @@ class ProbeConfig:
     limit: Optional[int] = None  # N test items, round-robin over tasks
     max_prompt_length: Optional[int] = None  # None: whole prompts
     device: Optional[str] = None  # None: cuda when available, else cpu
+    progress: bool = True  # a bar over the test prompts
     restraint: ProbeRestraintConfig = field(default_factory=ProbeRestraintConfig)
     out_dir: str = "${hydra:runtime.output_dir}"
     seed: int = 42

@@ -48,7 +48,7 @@ def tiny_judge() -> tuple[object, object]:
     return model, tok
 
 
-def test_hf_judge_garbage_is_unparseable_and_cached(tiny_judge, tmp_path, monkeypatch):
+def test_hf_judge_garbage_is_unparseable_and_cached(tiny_judge, tmp_path, monkeypatch, capsys):
     model, tok = tiny_judge
     test_items = [
         {
@@ -70,7 +70,8 @@ def test_hf_judge_garbage_is_unparseable_and_cached(tiny_judge, tmp_path, monkey
     items = judge_items(test_items, ["It sailed in 1820.", "HELLO"])
     backend = HFBackend(model, tok, model_id="tiny-random-llama", max_new_tokens=8)
 
-    verdicts = Judge(backend, cache_dir=tmp_path).judge(items)
+    verdicts = Judge(backend, cache_dir=tmp_path, progress=True).judge(items)
+    assert "3/3" in capsys.readouterr().err  # the bar counted every prompt sent
     assert [v.status for v in verdicts] == ["unparseable"] * 3
     assert all(v.verdict is None and v.raw is not None and v.attempts == 1 for v in verdicts)
     table = aggregate(verdicts)
@@ -82,8 +83,9 @@ def test_hf_judge_garbage_is_unparseable_and_cached(tiny_judge, tmp_path, monkey
         raise AssertionError("generate called on a cached prompt")
 
     monkeypatch.setattr(backend, "_generate", boom)
-    again = Judge(backend, cache_dir=tmp_path).judge(items)
+    again = Judge(backend, cache_dir=tmp_path, progress=True).judge(items)
     assert all(v.cached for v in again)
+    assert "judge" not in capsys.readouterr().err  # nothing to ask: no bar
     assert [v.raw for v in again] == [v.raw for v in verdicts]
 
 

@@ -138,7 +138,7 @@ def marker_detector(model: torch.nn.Module, marker_id: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_planted_neuron_is_found_in_its_layer_for_its_dimension_only(arch: str) -> None:
+def test_planted_neuron_is_found_in_its_layer_for_its_dimension_only(arch: str, capsys) -> None:
     model_a, chat = tiny(arch, layers=4, extra_tokens=[MARKER])
     marker_id = chat.tokenizer.convert_tokens_to_ids(MARKER)
     marker_detector(model_a, marker_id)
@@ -158,7 +158,8 @@ def test_planted_neuron_is_found_in_its_layer_for_its_dimension_only(arch: str) 
         down[NEURON, UNIT] = 3 * acts_a.abs().max() / unit.min()
 
     maps_a = compute_frequency_maps(model_a, chat, cases, "mlp_out", top_fraction=0.2, batch_size=8)
-    maps_b = compute_frequency_maps(model_b, chat, cases, "mlp_out", top_fraction=0.2, batch_size=8)
+    maps_b = compute_frequency_maps(model_b, chat, cases, "mlp_out", top_fraction=0.2, batch_size=8, progress=True)
+    assert f"{len(cases)}/{len(cases)}" in capsys.readouterr().err  # the bar saw every prompt
     diff = discrepancy(maps_a, maps_b)
 
     assert maps_a.n_cases["NI"] == 8

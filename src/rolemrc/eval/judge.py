@@ -334,10 +334,12 @@ class RunStats:
 class Judge:
     """Judges items with a backend, through the on-disk cache."""
 
-    def __init__(self, backend: Backend, cache_dir: str | Path | None, show_reference: bool = False) -> None:
+    def __init__(self, backend: Backend, cache_dir: str | Path | None, show_reference: bool = False,
+                 progress: bool = False) -> None:
         self.backend = backend
         self.cache = VerdictCache(cache_dir) if cache_dir is not None else None
         self.show_reference = show_reference
+        self.progress = progress  # a bar over the prompts not in the cache
         self.last_stats = RunStats()
 
     def judge(self, items: Sequence[JudgeItem]) -> list[Verdict]:
@@ -368,18 +370,25 @@ class Judge:
                 todo[k] = p
         answers: dict[str, Answer] = {}
         todo_keys = list(todo)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="judge", unit="prompt", disable=not (self.progress and todo))
 
         def on_answer(i: int, ans: Answer) -> None:
             # Stored the moment it arrives: an interrupted run keeps what it paid for.
             k = todo_keys[i]
             answers[k] = ans
+            bar.update(1)
             if ans.status == "answered":
                 texts[k] = ans.text or ""
                 if self.cache is not None:
                     self.cache.put(k, self.backend.model_id, texts[k])
 
         if todo:
-            got = await self.backend.answer_all(list(todo.values()), on_answer)
+            try:
+                got = await self.backend.answer_all(list(todo.values()), on_answer)
+            finally:
+                bar.close()
             for i, ans in enumerate(got):
                 if todo_keys[i] not in answers:  # a backend that skipped the callback
                     on_answer(i, ans)

@@ -209,7 +209,7 @@ def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
         ))
     else:
         raise ValueError(f"judge.backend must be none, hf or openai, got {j.backend!r}")
-    return Judge(backend, cache_dir=cache_dir, show_reference=j.show_reference)
+    return Judge(backend, cache_dir=cache_dir, show_reference=j.show_reference, progress=cfg.generation.progress)
 
 
 # ---------------------------------------------------------------- loggers

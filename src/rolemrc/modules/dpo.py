@@ -146,8 +146,11 @@ class DPOModule(PolicyModule):
         was_training = self.model.training
         self.model.eval()
         index, values = [], []
+        from tqdm.auto import tqdm
+
+        show = self.trainer.is_global_zero and self.trainer.progress_bar_callback is not None
         with torch.no_grad():
-            for batch in loader:
+            for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 sums = self.sequence_logps(self.model, batch)[0]
                 b = batch["index"].shape[0]

@@ -119,6 +119,7 @@ def compute_frequency_maps(
     batch_size: int = 4,
     rank_by: str = "value",
     max_prompt_length: int | None = None,
+    progress: bool = False,
 ) -> FrequencyMaps:
     """Forward each test item's prompt once through ``model`` and count its active sets.
 
@@ -136,8 +137,12 @@ def compute_frequency_maps(
         raise ValueError("the tokenizer has no pad token; set one (load_tokenizer uses eos)")
     prompts = encode_prompts(chat, items, max_prompt_length)
     counter = FrequencyCounter(top_fraction, rank_by, check_site(site))
-    for indices, acts in iter_activations(model, prompts, site, pad_id, batch_size):
-        counter.update(acts, [items[i].task for i in indices])
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(prompts), desc="probe", unit="prompt", disable=not progress) as bar:
+        for indices, acts in iter_activations(model, prompts, site, pad_id, batch_size):
+            counter.update(acts, [items[i].task for i in indices])
+            bar.update(len(indices))
     return counter.result()
 
 

@@ -68,7 +68,7 @@ def probe_one(cfg: DictConfig, model_cfg: DictConfig, chat: ChatFormat, items: l
     try:
         maps = compute_frequency_maps(
             model, chat, items, site=cfg.site, top_fraction=cfg.top_fraction, batch_size=cfg.batch_size,
-            rank_by=cfg.rank_by, max_prompt_length=cfg.max_prompt_length,
+            rank_by=cfg.rank_by, max_prompt_length=cfg.max_prompt_length, progress=cfg.progress,
         )
     finally:
         del model

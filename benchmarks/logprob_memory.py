@@ -2,6 +2,9 @@
 
 Run:  .venv/bin/python benchmarks/logprob_memory.py                 # V=128256, H=4096, N=2048
       .venv/bin/python benchmarks/logprob_memory.py --hidden 512 --tokens 512   # quick look
+      # a RoleMRC-shaped row: 8192 tokens of which the last 6% (the reply) carry labels
+      .venv/bin/python benchmarks/logprob_memory.py --tokens 8192 --supervised 0.06 --dtypes fp32 \
+          --heads trained --out benchmarks/results/logprob_memory_rolemrc_row.json
 
 Every (dtype, lm_head trainable?, implementation) case runs in its own subprocess so each
 measurement starts clean. On CUDA the peak is ``torch.cuda.max_memory_allocated`` above the
@@ -57,6 +60,8 @@ def child(args: argparse.Namespace) -> dict:
     weight = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) * h**-0.5)
     weight.requires_grad_(args.train_weight)
     labels = torch.randint(0, v, (1, n), device=device, generator=gen)
+    # RoleMRC-shaped rows: a long prompt, then the supervised reply (the last fraction of tokens).
+    labels[:, : n - max(1, round(n * args.supervised))] = -100
     gc.collect()
 
     if device.type == "cuda":
@@ -73,9 +78,10 @@ def child(args: argparse.Namespace) -> dict:
         logps, _ = token_logprobs(
             hidden, weight, labels, args.chunk_size, vocab_chunk_size=args.vocab_chunk_size
         )
-    else:
+    else:  # what a Hugging Face forward + trainer does: logits for every position, then the mask
         logits = F.linear(hidden, weight).float()
-        logps = logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        mask = labels != -100
+        logps = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[mask]
         del logits
     loss = -logps.mean()
     loss.backward()
@@ -109,6 +115,7 @@ def run_child(args: argparse.Namespace, impl: str, dtype: str, train_weight: boo
         "--impl", impl, "--dtype", dtype,
         "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--tokens", str(args.tokens),
         "--chunk-size", str(args.chunk_size), "--vocab-chunk-size", str(args.vocab_chunk_size),
+        "--supervised", str(args.supervised),
     ] + (["--train-weight"] if train_weight else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -124,6 +131,9 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=1024)
     p.add_argument("--vocab-chunk-size", type=int, default=8192)
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--heads", default="frozen,trained", help="lm_head cases to run: frozen, trained or both")
+    p.add_argument("--supervised", type=float, default=1.0,
+                   help="fraction of the N tokens that carry a label (the rest is prompt); 1 = all")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=["ours", "full"], help=argparse.SUPPRESS)
@@ -138,11 +148,11 @@ def main() -> None:
     gib = 1024**3
     rows, ratios = [], {}
     print(
-        f"V={args.vocab} H={args.hidden} N={args.tokens} "
+        f"V={args.vocab} H={args.hidden} N={args.tokens} supervised={args.supervised:g} "
         f"tiles={args.chunk_size}x{args.vocab_chunk_size}"
     )
     for dtype in args.dtypes.split(","):
-        for train_weight in (False, True):
+        for train_weight in [h == "trained" for h in args.heads.split(",")]:
             case = f"{dtype}/{'lm_head trained' if train_weight else 'lm_head frozen'}"
             full = run_child(args, "full", dtype, train_weight)
             ours = run_child(args, "ours", dtype, train_weight)
@@ -169,6 +179,7 @@ def main() -> None:
         "vocab": args.vocab,
         "hidden": args.hidden,
         "tokens": args.tokens,
+        "supervised_fraction": args.supervised,
         "chunk_size": args.chunk_size,
         "vocab_chunk_size": args.vocab_chunk_size,
         "machine": f"{platform.machine()} {os.cpu_count()} cpu",

@@ -139,3 +139,12 @@ def test_ranks_resolving_one_checkpoint_at_once_export_it_once(lora_run: Path, t
     assert {out.strip() for out, _ in outs} == {str(run / "exports" / "last")}
     assert sum("exporting it to" in err for _, err in outs) == 1
     assert sum("using its export" in err for _, err in outs) == 1
+
+
+def test_a_hub_model_missing_offline_names_the_key_and_the_way_out(train_cfg, monkeypatch) -> None:
+    from rolemrc.train import run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")  # an empty cache, whatever this machine holds
+    with pytest.raises(OSError, match=r"model.path=Qwen/Qwen2.5-7B: cannot load it .*hf download Qwen/Qwen2.5-7B"):
+        run(train_cfg("model=qwen"))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,20 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+@contextmanager
+def _naming(key: str, source: str) -> Iterator[None]:
+    """transformers' OSError for weights it cannot find, with the config key that named them and,
+    when the hub is switched off, what to do about it."""
+    try:
+        yield
+    except OSError as err:
+        hint = ""
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            hint = (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
+                    f"where there is network (`hf download {source}`) or point {key} at a local folder.")
+        raise OSError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
+
 
 def check_source(value: str | None, key: str) -> None:
     """A local folder that does not exist is named as such (transformers' own error would talk
@@ -41,7 +58,9 @@ def load_tokenizer(cfg: Any) -> Any:
     if source is None:
         raise ValueError("model.tokenizer or model.path must be set")
     check_source(source, "model.tokenizer" if cfg.tokenizer else "model.path")
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    key = "model.tokenizer" if cfg.tokenizer else "model.path"
+    with _naming(key, source):
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         tokenizer.chat_template = load_template(cfg.chat_template)
     if tokenizer.pad_token is None:  # padded positions are masked out of attention and loss
@@ -103,9 +122,10 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
                 bnb_4bit_use_double_quant=cfg.quantization.double_quant,
                 bnb_4bit_compute_dtype=_dtype(cfg.quantization.compute_dtype),
             )
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code, **kwargs
-        )
+        with _naming("model.path", cfg.path):
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code, **kwargs
+            )
     model.config.use_cache = False
     if quant:
         from peft import prepare_model_for_kbit_training

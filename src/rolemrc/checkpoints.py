@@ -253,14 +253,18 @@ def hf_model_path(path: str | None) -> str | None:
     return str(out)
 
 
-def use_checkpoint_as_model(cfg: Any, *more: str) -> None:
+def use_checkpoint_as_model(cfg: Any, *more: str) -> dict[str, str]:
     """Point ``cfg.model.path`` (and the dotted keys in ``more``, e.g. ``compare.path``) at a
-    loadable folder where they name a checkpoint or run folder of ours (:func:`hf_model_path`)."""
+    loadable folder where they name a checkpoint or run folder of ours (:func:`hf_model_path`).
+    Returns ``{key: what it said before}`` for the keys it changed, for the record."""
     from omegaconf import OmegaConf, open_dict
 
+    changed = {}
     with open_dict(cfg):
         for key in ("model.path", *more):
             value = OmegaConf.select(cfg, key)
             resolved = hf_model_path(value)
             if resolved != value:
                 OmegaConf.update(cfg, key, resolved)
+                changed[key] = value
+    return changed

@@ -82,6 +82,8 @@ def test_evaluate_probe_and_dpo_start_from_a_checkpoint(lora_run: Path, tmp_path
     python("evaluate.py", f"model.path={ckpt}", "limit=2", "generation.max_new_tokens=3", "generation.progress=false",
            "metrics.names=[bleu]", f"out_dir={out}")
     assert len((out / "generations.jsonl").read_text().splitlines()) == 2
+    meta = json.loads((out / "metrics.json").read_text())["meta"]
+    assert (meta["model"], meta["model_checkpoint"]) == (str(lora_run / "exports" / "last"), ckpt)
 
     probe = tmp_path / "probe"
     python("probe.py", f"model.path={lora_run}", f"compare.path={ckpt}", "limit=4", f"out_dir={probe}")

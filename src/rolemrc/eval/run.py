@@ -250,7 +250,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
     from rolemrc.checkpoints import use_checkpoint_as_model
 
-    use_checkpoint_as_model(cfg)
+    source = use_checkpoint_as_model(cfg).get("model.path")
     from rolemrc.data.templates import ChatFormat
     from rolemrc.eval.judge import aggregate, judge_items
     from rolemrc.eval.report import write_report
@@ -304,6 +304,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": f"{cfg.model.name} on {cfg.data.name}",
         "model": model_label(cfg),
+        **({"model_checkpoint": source} if source else {}),
         "data": cfg.data.name,
         "items": len(items),
         "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",

@@ -442,4 +442,6 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             return {k: dataclasses.asdict(v) for k, v in ctx.usage.items()}
         if "assemble" in results:
             console.print(summary_table(results["assemble"]["counts"], ctx.assets.paper))
+            data_dir = (out / "assemble").resolve()
+            console.print(escape(f"train on it as it is: python train.py data=local data.dir={data_dir}"))
     return results

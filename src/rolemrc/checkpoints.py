@@ -3,11 +3,13 @@ sharded models and checkpoints, and HF export from any checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +217,8 @@ def hf_model_path(path: str | None) -> str | None:
     """``model.path`` as transformers can load it.
 
     A training checkpoint (``.ckpt`` file or sharded folder) is exported once, LoRA merged, to
-    ``<run>/exports/<checkpoint name>`` and that folder is returned; later calls reuse it while
+    ``<run>/exports/<checkpoint name>`` (or, where the run folder is not writable, under
+    ``$ROLEMRC_CACHE_DIR`` = ``~/.cache/rolemrc``) and that folder is returned; later calls reuse it while
     the checkpoint is unchanged (``last.ckpt`` rewritten: exported again). A run folder stands
     for its final ``export/``, or for its newest checkpoint when it has none. Anything else (an
     HF folder, a hub id, None) is returned as it is. Safe to call from every rank at once.
@@ -239,8 +242,17 @@ def hf_model_path(path: str | None) -> str | None:
 
     run_dir = checkpoint_run_dir(source)
     out = run_dir / "exports" / source.name.removesuffix(".ckpt")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()  # can we write there at all?
+    except OSError as err:  # someone else's run, a read-only mount: a per-user cache instead
+        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                                                                  Path.home() / ".cache") / "rolemrc")
+        digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
+        out = cache / "exports" / f"{digest}-{source.name.removesuffix('.ckpt')}"
+        log.warning("cannot write in %s (%s): exporting %s to %s", run_dir / "exports", err, source, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
     marker = out / "rolemrc_source.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         signature = _signature(source)
         if marker.is_file() and json.loads(marker.read_text()) == signature:

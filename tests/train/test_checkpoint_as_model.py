@@ -150,3 +150,15 @@ def test_a_hub_model_missing_offline_names_the_key_and_the_way_out(train_cfg, mo
     monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")  # an empty cache, whatever this machine holds
     with pytest.raises(OSError, match=r"model.path=Qwen/Qwen2.5-7B: cannot load it .*hf download Qwen/Qwen2.5-7B"):
         run(train_cfg("model=qwen"))
+
+
+def test_a_run_folder_it_cannot_write_in_exports_to_the_user_cache(lora_run: Path, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    run = tmp_path / "theirs"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("export", "exports"))
+    (run / "exports").write_text("not a folder")  # mkdir fails there, as in a read-only run folder
+    monkeypatch.setenv("ROLEMRC_CACHE_DIR", str(tmp_path / "cache"))
+    folder = Path(hf_model_path(str(run / "checkpoints" / "last.ckpt")))
+    assert folder.parent == tmp_path / "cache" / "exports" and folder.name.endswith("-last")
+    assert (folder / "model.safetensors").is_file()
+    assert hf_model_path(str(run / "checkpoints" / "last.ckpt")) == str(folder)  # and reused

@@ -308,3 +308,24 @@ def test_config_typos_fail_and_groups_compose() -> None:
     assert cfg.data.test[0].data_files == "roleMRC_test.jsonl" and cfg.judge.model == "gpt-4-turbo"
     assert OmegaConf.to_container(cfg.logger, resolve=True)["wandb"]["save_dir"] == "/tmp/x"
     assert cfg.generation.max_new_tokens == 256 and cfg.metrics.bertscore.model is None
+
+
+def test_wandb_offline_run_gets_the_scores_and_the_samples_table(export: Path, data_dir: Path, tmp_path: Path) -> None:
+    from tests.callbacks.helpers import wandb_history
+
+    out = tmp_path / "eval"
+    cfg = compose_eval(*FAST, f"model.path={export}", "data=local", f"data.dir={data_dir}", "judge=hf",
+                       "logger=wandb", f"out_dir={out}")
+    run(cfg)
+    rows = wandb_history(out)
+    (row,) = [r for r in rows if "eval/bleu" in r]
+    assert [r["samples/_type"] for r in rows if "samples/_type" in r] == ["table-file"]
+    doc = json.loads((out / "metrics.json").read_text())
+    for name in ("bleu", "rougeL", "bertscore_f1"):
+        assert row[f"eval/{name}"] == pytest.approx(doc["metrics"]["summary"][name]["mean"])
+    for dim, counts in doc["judge"].items():  # counted, and no accuracy for unparseable verdicts
+        assert row[f"judge/{dim}/n_unparseable"] == counts["n_unparseable"]
+        assert f"judge/{dim}/accuracy" not in row
+    (table_file,) = (next(out.glob("wandb/offline-run-*/files/media")) / "table").glob("samples_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert len(table["data"]) == 6 and "reply" in table["columns"]

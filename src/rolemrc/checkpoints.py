@@ -246,8 +246,8 @@ def hf_model_path(path: str | None) -> str | None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out.parent).close()  # can we write there at all?
     except OSError as err:  # someone else's run, a read-only mount: a per-user cache instead
-        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
-                                                                  Path.home() / ".cache") / "rolemrc")
+        cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc")
         digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
         out = cache / "exports" / f"{digest}-{source.name.removesuffix('.ckpt')}"
         log.warning("cannot write in %s (%s): exporting %s to %s", run_dir / "exports", err, source, out)

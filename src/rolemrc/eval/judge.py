@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
 
+from tqdm.auto import tqdm
+
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
 
 log = logging.getLogger(__name__)
@@ -370,8 +372,6 @@ class Judge:
                 todo[k] = p
         answers: dict[str, Answer] = {}
         todo_keys = list(todo)
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(todo), desc="judge", unit="prompt", disable=not (self.progress and todo))
 
         def on_answer(i: int, ans: Answer) -> None:

@@ -249,13 +249,13 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
     from rolemrc.checkpoints import use_checkpoint_as_model
-
-    source = use_checkpoint_as_model(cfg).get("model.path")
     from rolemrc.data.templates import ChatFormat
     from rolemrc.eval.judge import aggregate, judge_items
     from rolemrc.eval.report import write_report
     from rolemrc.eval.verifiers import agreement, verify_all
     from rolemrc.models.loading import load_tokenizer
+
+    source = use_checkpoint_as_model(cfg).get("model.path")  # the checkpoint an export came from
 
     if cfg.generation.backend not in ("hf", "vllm"):
         raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")

@@ -15,6 +15,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+
 @contextmanager
 def _naming(key: str, source: str) -> Iterator[None]:
     """transformers' OSError for weights it cannot find, with the config key that named them and,
@@ -57,8 +58,8 @@ def load_tokenizer(cfg: Any) -> Any:
     source = cfg.tokenizer or cfg.path
     if source is None:
         raise ValueError("model.tokenizer or model.path must be set")
-    check_source(source, "model.tokenizer" if cfg.tokenizer else "model.path")
     key = "model.tokenizer" if cfg.tokenizer else "model.path"
+    check_source(source, key)
     with _naming(key, source):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:

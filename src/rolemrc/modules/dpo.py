@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from rolemrc.data.sampler import ResumableSampler
 from rolemrc.modules.base import PolicyModule
@@ -146,8 +147,6 @@ class DPOModule(PolicyModule):
         was_training = self.model.training
         self.model.eval()
         index, values = [], []
-        from tqdm.auto import tqdm
-
         show = self.trainer.is_global_zero and self.trainer.progress_bar_callback is not None
         with torch.no_grad():
             for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from rolemrc.probing.capture import check_site, encode_prompts, iter_activations
 from rolemrc.tasks import Dimension, dimensions_of
@@ -137,8 +138,6 @@ def compute_frequency_maps(
         raise ValueError("the tokenizer has no pad token; set one (load_tokenizer uses eos)")
     prompts = encode_prompts(chat, items, max_prompt_length)
     counter = FrequencyCounter(top_fraction, rank_by, check_site(site))
-    from tqdm.auto import tqdm
-
     with tqdm(total=len(prompts), desc="probe", unit="prompt", disable=not progress) as bar:
         for indices, acts in iter_activations(model, prompts, site, pad_id, batch_size):
             counter.update(acts, [items[i].task for i in indices])

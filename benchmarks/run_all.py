@@ -32,6 +32,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -108,32 +109,27 @@ def report(results: dict, spec: Spec) -> str:
         ok = value >= target if higher else value <= target
         return f"{value:.2f}x ({'meets' if ok else 'BELOW'} target {'>=' if higher else '<='} {target}x)"
 
+    def contender_lines(table: dict, names: tuple[str, ...], describe: Callable[[dict], str]) -> None:
+        for name in names:
+            r = table.get(name, {})
+            if not r and name == "trl_no_gc":
+                continue  # an optional peer (--with-trl-no-gc)
+            lines.append(f"  {name:14s} {describe(r) if r and 'error' not in r else 'FAILED' if r else 'not run'}")
+
     lines.append(f"SFT, non-padding tokens/s ({spec.sft_batch} conversations a step, bf16-mixed, max_length "
                  f"{spec.sft_max_length}):")
-    for name in ("ours", "pad_max", "trl", "trl_no_gc"):
-        r = sft.get(name, {})
-        if not r and name == "trl_no_gc":
-            continue
-        if "error" in r or not r:
-            lines.append(f"  {name:14s} {'FAILED' if r else 'not run'}")
-            continue
-        lines.append(f"  {name:14s} {r['tokens_per_s']:9.1f} tokens/s  {r['samples_per_s']:.3f} conv/s  "
-                     f"padding {r['padding_fraction']:.0%}  steps {r['step_seconds']} s")
+    contender_lines(sft, ("ours", "pad_max", "trl", "trl_no_gc"),
+                    lambda r: f"{r['tokens_per_s']:9.1f} tokens/s  {r['samples_per_s']:.3f} conv/s  "
+                              f"padding {r['padding_fraction']:.0%}  steps {r['step_seconds']} s")
     lines.append(f"  ours / trl     = {verdict(results['ratios']['sft_vs_trl'], TARGETS['sft_vs_trl'])}")
     lines.append(f"  ours / pad_max = {verdict(results['ratios']['sft_vs_pad_max'], TARGETS['sft_vs_pad_max'])}")
     if results["ratios"].get("sft_vs_trl_no_gc"):
         lines.append(f"  ours / trl_no_gc = {results['ratios']['sft_vs_trl_no_gc']:.2f}x (TRL without gradient checkpointing)")
     lines.append(f"DPO, pairs/s ({spec.dpo_batch} pairs a step, copy reference, bf16-mixed, max_length "
                  f"{spec.dpo_max_length}):")
-    for name in ("ours", "ours_separate", "trl", "trl_no_gc"):
-        r = dpo.get(name, {})
-        if not r and name == "trl_no_gc":
-            continue
-        if "error" in r or not r:
-            lines.append(f"  {name:14s} {'FAILED' if r else 'not run'}")
-            continue
-        lines.append(f"  {name:14s} {r['pairs_per_s']:9.4f} pairs/s   {r['tokens_per_s']:.1f} tokens/s  "
-                     f"steps {r['step_seconds']} s")
+    contender_lines(dpo, ("ours", "ours_separate", "trl", "trl_no_gc"),
+                    lambda r: f"{r['pairs_per_s']:9.4f} pairs/s   {r['tokens_per_s']:.1f} tokens/s  "
+                              f"steps {r['step_seconds']} s")
     lines.append(f"  ours / trl     = {verdict(results['ratios']['dpo_vs_trl'], TARGETS['dpo_vs_trl'])}")
     if results["ratios"].get("dpo_vs_trl_no_gc"):
         lines.append(f"  ours / trl_no_gc = {results['ratios']['dpo_vs_trl_no_gc']:.2f}x (TRL without gradient checkpointing)")

@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint, use_checkpoint_as_model
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
-from rolemrc.models.export import export_pretrained
 from rolemrc.models.loading import check_model_cfg, count_parameters, load_model, load_tokenizer
+from rolemrc.models.precision import check_policy
 from rolemrc.strategies import build_strategy
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(run_dir),
                                 share_prompt=share_prompt)
     strategy = build_strategy(cfg)  # fails on impossible combinations before loading weights
+    policy = check_policy(cfg.trainer.precision, cfg.model.dtype, full_finetune=not cfg.model.peft.enabled)
+    log.info("precision: trainable weights and optimizer states %s, frozen weights %s, compute %s",
+             *(str(d).removeprefix("torch.") for d in (policy.master, policy.frozen, policy.compute)))
     model = load_model(cfg.model, tokenizer)
     trainable, total = count_parameters(model)
     log.info("model %s: %s parameters, %s trainable", cfg.model.name, f"{total:,}", f"{trainable:,}")
@@ -120,20 +123,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     result: dict[str, Any] = {"run_dir": str(run_dir), "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if cfg.export.enabled:
-        result["export"] = str(export_after_fit(cfg, trainer, module, tokenizer))
+        result["export"] = str(export_after_fit(cfg, trainer, module))
     return result
 
 
-def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any, tokenizer: Any) -> Path:
+def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:
+    """Write the trained model in HF format, in ``model.dtype`` (the recipes: bf16), rounded once
+    from the fp32 masters: the full state (gathered from the shards under FSDP) goes into a
+    meta-device skeleton of the run's model (:func:`rolemrc.checkpoints.export_state`)."""
+    from rolemrc.checkpoints import export_state, full_state_dict
+
     out = Path(cfg.run_dir) / cfg.export.dir
     if cfg.strategy.name == "fsdp":
-        from rolemrc.checkpoints import export_state, full_state_dict
-
         state = full_state_dict(module.model)  # collective: every rank takes part
-        if trainer.is_global_zero:  # an unsharded copy on rank 0 (LoRA merges there)
-            export_state(cfg, state, out)
-    elif trainer.is_global_zero:
-        export_pretrained(module.model, tokenizer, out, cfg.model.peft.merge_on_export)
+    else:
+        state = {k: v.detach() for k, v in module.model.state_dict().items()} if trainer.is_global_zero else {}
+    if trainer.is_global_zero:  # LoRA merges there
+        export_state(cfg, state, out)
     trainer.strategy.barrier("export")
     if trainer.is_global_zero:
         log.info("exported model: %s", out)

@@ -121,3 +121,32 @@ class PackedCollator:
             "index": torch.tensor([r["index"] for r in rows_in_order], dtype=torch.long),
         }
 
+
+
+STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens")}
+
+
+def row_totals(row: dict[str, Any]) -> tuple[int, ...]:
+    """What one encoded row adds to its optimizer step's normalisers (:data:`STEP_TOTALS`):
+    SFT: the tokens it trains (labels after the one-position shift); pairs: one pair and the
+    chosen response's trained tokens."""
+    if "prompt_ids" in row:
+        return 1, len(row["chosen_ids"]) - (0 if row["prompt_ids"] else 1)
+    return (sum(1 for label in row["labels"][1:] if label != IGNORE),)
+
+
+class StepCollator:
+    """Wraps a collator for batches from :class:`~rolemrc.data.sampler.StepBatchSampler`: adds
+    ``step_<name>`` (float64 scalars: the global totals of the batch's optimizer step) and
+    ``step_end`` (whether this micro-batch closes the step)."""
+
+    def __init__(self, collate: Any, names: tuple[str, ...]) -> None:
+        self.collate, self.names = collate, names
+
+    def __call__(self, tagged: list[tuple[Any, tuple[float, ...], bool]]) -> dict[str, torch.Tensor]:
+        batch = self.collate([item for item, _, _ in tagged])
+        _, totals, last = tagged[0]
+        for name, value in zip(self.names, totals):
+            batch[f"step_{name}"] = torch.tensor(value, dtype=torch.float64)
+        batch["step_end"] = torch.tensor(bool(last))
+        return batch

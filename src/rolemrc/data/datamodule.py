@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator
+from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, row_totals
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
-from rolemrc.data.sampler import ResumableSampler
+from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
 from rolemrc.data.schemas import Conversation, Pair
 from rolemrc.data.templates import ChatFormat
 
@@ -78,6 +78,22 @@ def encode_pairs(
         "dropped_examples": empty[:5],
     }
     return rows, report
+
+
+def item_totals(item: Any) -> tuple[int, ...]:
+    """:func:`row_totals` of a row, or summed over the rows of a pack."""
+    rows = item if isinstance(item, list) else [item]
+    return tuple(map(sum, zip(*(row_totals(r) for r in rows))))
+
+
+def _limited_batches(n: int, limit: Any) -> int:
+    """Batches Lightning trains per epoch under ``limit_train_batches`` (int: a count, float: a
+    fraction), as its fit loop computes it."""
+    if limit is None:
+        return n
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return min(n, limit)
+    return n if float(limit) == 1.0 else int(n * float(limit))
 
 
 class ChatDataModule(L.LightningDataModule):
@@ -172,32 +188,37 @@ class ChatDataModule(L.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def train_dataloader(self) -> DataLoader:
+        """Micro-batches tagged with their optimizer step's global totals (label tokens, pairs):
+        see :class:`~rolemrc.data.sampler.StepBatchSampler`. Resumes mid-epoch from the restored
+        optimizer-step count."""
         assert self.train_rows is not None, "call setup() first"
         rank, world = self._rank_world()
         items = self.items("train")
         self._sampler = ResumableSampler(len(items), self.cfg.shuffle, self.seed, rank, world)
+        accumulate, limit = 1, None
         if self.trainer is not None:
             self._sampler.set_epoch(self.trainer.current_epoch)
-            self._sampler.skip_fn = self._samples_done_in_epoch
+            accumulate = self.trainer.accumulate_grad_batches
+            limit = _limited_batches(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
+        weights = torch.tensor([item_totals(item) for item in items], dtype=torch.float64)
+        self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit)
+        if self.trainer is not None:
+            self._batches.skip_batches_fn = self._batches_done_in_epoch
         return DataLoader(
-            items,
-            batch_size=self.cfg.batch_size,
-            sampler=self._sampler,
-            collate_fn=self.collator(),
+            StepItems(items),
+            batch_sampler=self._batches,
+            collate_fn=StepCollator(self.collator(), STEP_TOTALS[self.kind]),
             num_workers=self.cfg.num_workers,
         )
 
-    def _samples_done_in_epoch(self) -> int:
-        """Samples of the current epoch this rank trained before a restart (0 on a fresh epoch).
-
-        Derived from the restored optimizer-step count, so it needs no loader state: an epoch
-        of n batches takes ceil(n / accumulate) steps and checkpoints fall on step boundaries.
-        """
-        t = self.trainer
-        n_batches = math.ceil(len(self._sampler) / self.cfg.batch_size)
-        steps_per_epoch = math.ceil(n_batches / t.accumulate_grad_batches)
-        steps_done = t.global_step - t.current_epoch * steps_per_epoch
-        return max(0, min(n_batches, steps_done * t.accumulate_grad_batches)) * self.cfg.batch_size
+    def _batches_done_in_epoch(self) -> int:
+        """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
+        epoch). Derived from the restored optimizer-step count, so it needs no loader state:
+        an epoch of n batches (``limit_train_batches`` applied) takes ceil(n / accumulate) steps
+        and checkpoints fall on step boundaries."""
+        t, b = self.trainer, self._batches
+        steps_done = t.global_step - t.current_epoch * b.steps_per_epoch()
+        return max(0, min(b.epoch_batches, steps_done * b.accumulate))
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_rows:

@@ -11,7 +11,27 @@ import torch
 from torch import nn
 
 from rolemrc.models.loading import decoder_and_head
+from rolemrc.models.precision import cast_trainable, precision_policy
 from rolemrc.objectives.logprobs import shift_labels
+
+
+def _gather_rows(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' rows (counts may differ per rank: packs hold different numbers of items)."""
+    import torch.distributed as dist
+
+    n = torch.tensor([index.shape[0]], device=index.device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = int(max(s.item() for s in sizes))
+    pad = width - index.shape[0]
+    idx = torch.cat([index, index.new_full((pad,), -1)])
+    val = torch.cat([values, values.new_zeros((pad, values.shape[1]))])
+    idx_all = [torch.empty_like(idx) for _ in sizes]
+    val_all = [torch.empty_like(val) for _ in sizes]
+    dist.all_gather(idx_all, idx)
+    dist.all_gather(val_all, val)
+    keep = torch.cat(idx_all) >= 0
+    return torch.cat(idx_all)[keep], torch.cat(val_all)[keep]
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
@@ -45,6 +65,7 @@ class PolicyModule(L.LightningModule):
         model.train()
         self.model = model
         self.cfg = cfg
+        self.policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
         self._sharded = False
 
     # ---- forward -------------------------------------------------------------------------
@@ -76,6 +97,80 @@ class PolicyModule(L.LightningModule):
     def packs_with_context(self) -> bool:
         """Whether packed pieces may see a context span (shared-prompt DPO); SFT: never."""
         return False
+
+    def sequence_sums(self, logps: torch.Tensor, mask: torch.Tensor, batch: dict[str, torch.Tensor],
+                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sequence sums of token log-probs and token counts ``([n], [n])``.
+
+        Unpacked batches hold one sequence per row; packed / shared-prompt ones say which
+        sequence each position belongs to (``sequence_ids``)."""
+        owner = batch["sequence_ids"][mask] if "sequence_ids" in batch else mask.nonzero()[:, 0]
+        sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+        counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, owner, torch.ones_like(owner))
+        return sums, counts
+
+    # ---- loss normalisation over the global batch -----------------------------------------
+    def global_mean(self, local_sum: torch.Tensor, batch: dict[str, torch.Tensor], total: str) -> torch.Tensor:
+        """This micro-batch's share of the optimizer step's mean: ``local_sum`` over the step's
+        ``total`` (label tokens, pairs) on every micro-batch of every rank.
+
+        Summed over the step's micro-batches and ranks, these shares are the mean over the whole
+        global batch, however it is cut into micro-batches and ranks, a short last step of an
+        epoch included (the step's real totals come with the batch, see
+        :class:`~rolemrc.data.sampler.StepBatchSampler`)."""
+        return local_sum / batch[f"step_{total}"].to(local_sum.dtype).clamp(min=1)
+
+    def backward_scale(self) -> int:
+        """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and DDP/FSDP
+        average gradients over ranks: the loss handed back is multiplied by both, so that the
+        gradient that reaches the optimizer is the gradient of the sum of :meth:`global_mean`
+        shares, i.e. of the global-batch mean."""
+        return self.trainer.accumulate_grad_batches * self.trainer.world_size
+
+    def log_step_shares(self, batch: dict[str, torch.Tensor], shares: dict[str, torch.Tensor],
+                        prog_bar: tuple[str, ...] = ()) -> None:
+        """Add up :meth:`global_mean` shares over a step's micro-batches; when the step's last
+        micro-batch is done, sum them over ranks and log them once for the step: the logged
+        ``train/loss`` is the loss the optimizer step minimised."""
+        acc = self.__dict__.setdefault("_step_acc", {})
+        for key, value in shares.items():
+            acc[key] = acc.get(key, 0.0) + value.detach().double()
+        if not bool(batch["step_end"]):
+            return
+        self.__dict__["_step_acc"] = {}
+        for key, value in acc.items():
+            self.log(key, value.float(), prog_bar=key in prog_bar, batch_size=1, reduce_fx="sum",
+                     sync_dist=self.trainer.world_size > 1, on_step=True, on_epoch=False)
+
+    # ---- validation: per-item statistics, reduced once over the whole set ---------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_items: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def collect_val(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep per-item statistics ``values`` ``[N, K]`` of dataset items ``index`` ``[N]``."""
+        self._val_items.append((index.detach(), values.detach().double()))
+
+    def on_validation_epoch_end(self) -> None:
+        """Reduce the whole validation set once: gather every rank's items, count each item once
+        (the sampler repeats a few to give ranks equal shares) and log :meth:`val_metrics`."""
+        items = getattr(self, "_val_items", [])
+        if not items:
+            return
+        index = torch.cat([i for i, _ in items])
+        values = torch.cat([v for _, v in items])
+        if self.trainer.world_size > 1:
+            index, values = _gather_rows(index, values)
+        order = torch.argsort(index, stable=True)
+        index, values = index[order], values[order]
+        first = torch.ones_like(index, dtype=torch.bool)
+        first[1:] = index[1:] != index[:-1]
+        metrics = self.val_metrics(values[first])
+        self.log_dict({f"val/{k}": v.float() for k, v in metrics.items()}, batch_size=1, sync_dist=False,
+                      prog_bar=False)
+        self._val_items = []
+
+    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from rolemrc.checkpoints import rng_state
@@ -114,13 +209,17 @@ class PolicyModule(L.LightningModule):
 
     # ---- sharding ------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """FSDP2: shard each decoder layer, then the rest (see rolemrc.strategies)."""
-        if self._sharded or self.device_mesh is None:
+        """Trainable parameters become fp32 masters (:mod:`rolemrc.models.precision`); FSDP2
+        shards each decoder layer, then the rest, casting unit by unit (see rolemrc.strategies)."""
+        if self._sharded:
             return
-        from rolemrc.strategies import shard_model
+        if self.device_mesh is None:
+            cast_trainable(self.model, self.policy.master)
+        else:
+            from rolemrc.strategies import shard_model
 
-        for m in self.models_to_shard():
-            shard_model(m, self.device_mesh, self.cfg.strategy)
+            for m in self.models_to_shard():
+                shard_model(m, self.device_mesh, self.cfg.strategy, self.policy.master)
         self._sharded = True
 
     def models_to_shard(self) -> list[nn.Module]:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.data.sampler import ResumableSampler
 from rolemrc.modules.base import PolicyModule
-from rolemrc.objectives.dpo import average_logps, dpo_loss, metrics
+from rolemrc.objectives.dpo import average_logps, dpo_loss
 
 log = logging.getLogger(__name__)
 
@@ -85,28 +85,19 @@ class DPOModule(PolicyModule):
         return [self.model] + self._ref
 
     def configure_model(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        ref = self.ref_model
+        if ref is not None:  # frozen: stored as the precision policy says (bf16-true: bf16 like the policy)
+            if next(ref.parameters()).dtype != self.policy.frozen:
+                ref.to(dtype=self.policy.frozen)
+            ref.to(self.device)
         super().configure_model()
 
     # ---- log-probs ------------------------------------------------------------------------
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed response log-probs and token counts: ([2B], [2B]), chosen then rejected.
-
-        Unpacked batches hold one sequence per row; packed / shared-prompt ones say which
-        sequence each position belongs to (``sequence_ids``: pair j's chosen side is j, its
-        rejected side B + j).
-        """
+        """Summed response log-probs and token counts: ([2B], [2B]), chosen then rejected
+        (packed / shared-prompt batches: pair j's chosen side is sequence j, its rejected side B + j)."""
         logps, mask = self.token_logps(model, batch)
-        if "sequence_ids" in batch:
-            owner = batch["sequence_ids"][mask]  # same row-major order as logps
-            n = 2 * batch["index"].shape[0]
-        else:
-            owner = mask.nonzero()[:, 0]
-            n = mask.shape[0]
-        sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
-        counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, owner, torch.ones_like(owner))
-        return sums, counts
+        return self.sequence_sums(logps, mask, batch, 2 * batch["index"].shape[0])
 
     def packs_with_context(self) -> bool:
         return bool(self.cfg.objective.share_prompt)
@@ -171,7 +162,8 @@ class DPOModule(PolicyModule):
         return table
 
     # ---- steps -----------------------------------------------------------------------------
-    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+    def _pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
+        """Per-pair loss terms and metrics of one micro-batch (all ``[B]``)."""
         o = self.cfg.objective
         b = batch["index"].shape[0]
         policy, counts = self.sequence_logps(self.model, batch)
@@ -182,18 +174,44 @@ class DPOModule(PolicyModule):
             pol_in, ref_in = policy, ref
         out = dpo_loss(pol_in[:b], pol_in[b:], ref_in[:b], ref_in[b:],
                        beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing)
-        loss = out.losses.mean()
-        logged = {f"{stage}/{k}": v for k, v in metrics(out, policy[:b], policy[b:]).items()}
-        if o.sft_weight > 0:
-            nll = -policy[:b].sum() / counts[:b].sum().clamp(min=1)
-            loss = loss + o.sft_weight * nll
-            logged[f"{stage}/nll_chosen"] = nll.detach()
-        self.log_dict(logged, batch_size=b, sync_dist=stage == "val", prog_bar=False)
-        self.log(f"{stage}/loss", loss.detach(), batch_size=b, prog_bar=True, sync_dist=stage == "val")
-        return loss
+        return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
+                "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
+                "rewards/margins": out.chosen_rewards - out.rejected_rewards,
+                "logps/chosen": policy[:b], "logps/rejected": policy[b:],
+                "nll_chosen": -policy[:b], "chosen_tokens": counts[:b]}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        """The step's loss: the mean pair loss over the global batch, plus ``sft_weight`` x the
+        chosen responses' token-mean NLL over the global batch (both normalised by the step's
+        totals, see :meth:`global_mean`); the logged metrics are per-pair means over the step."""
+        terms = self._pair_terms(batch, "train")
+        pair_loss = self.global_mean(terms["loss"].sum(), batch, "pairs")
+        shares = {f"train/{k}": self.global_mean(terms[k].detach().double().sum(), batch, "pairs")
+                  for k in _PAIR_METRICS}
+        loss = pair_loss
+        if self.cfg.objective.sft_weight > 0:
+            nll = self.global_mean(terms["nll_chosen"].sum(), batch, "chosen_tokens")
+            loss = loss + self.cfg.objective.sft_weight * nll
+            shares["train/nll_chosen"] = nll
+        shares["train/loss"] = loss
+        self.log_step_shares(batch, shares, prog_bar=("train/loss",))
+        return loss * self.backward_scale()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, "val")
+        terms = self._pair_terms(batch, "val")
+        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in _VAL_COLUMNS], dim=-1))
+
+    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        cols = dict(zip(_VAL_COLUMNS, values.unbind(-1)))
+        out = {k: cols[k].mean() for k in _PAIR_METRICS}
+        out["loss"] = cols["loss"].mean()
+        if self.cfg.objective.sft_weight > 0:
+            out["nll_chosen"] = cols["nll_chosen"].sum() / cols["chosen_tokens"].sum().clamp(min=1)
+            out["loss"] = out["loss"] + self.cfg.objective.sft_weight * out["nll_chosen"]
+        return out
+
+
+# Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
+_PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                 "logps/chosen", "logps/rejected")
+_VAL_COLUMNS = ("loss", *_PAIR_METRICS, "nll_chosen", "chosen_tokens")

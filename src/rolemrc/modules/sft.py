@@ -1,4 +1,9 @@
-"""Supervised fine-tuning: mean NLL of the assistant tokens.
+"""Supervised fine-tuning: mean NLL of the assistant tokens of the global batch.
+
+The loss of one optimizer step is the mean over every label token of the step's global batch
+(all micro-batches of the accumulation window, all ranks), as transformers does with
+``num_items_in_batch``: (4 x 1), (2 x 2), (1 x 4) and 2 ranks x 2 give the same update.
+``val/loss`` is the token mean over the whole validation set.
 
 With ``data.packing=true`` the batches hold several conversations per row (padding-free, each
 attending only to itself); the per-token log-probs, hence the loss, equal the unpacked run's.
@@ -12,17 +17,18 @@ from rolemrc.modules.base import PolicyModule
 
 
 class SFTModule(PolicyModule):
-    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        logps, mask = self.token_logps(self.model, batch)
-        n = mask.sum()
-        loss = -logps.sum() / n.clamp(min=1)
-        bs = batch["index"].shape[0]  # conversations (several per row when packed)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=bs, sync_dist=stage == "val")
-        self.log(f"{stage}/tokens", n.float(), batch_size=bs, reduce_fx="sum", sync_dist=stage == "val")
-        return loss
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        logps, mask = self.token_logps(self.model, batch)
+        share = self.global_mean(-logps.sum(), batch, "tokens")
+        # train/tokens: the step's label tokens (each micro-batch's count, summed over the step)
+        self.log_step_shares(batch, {"train/loss": share, "train/tokens": mask.sum()}, prog_bar=("train/loss",))
+        return share * self.backward_scale()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, "val")
+        logps, mask = self.token_logps(self.model, batch)
+        sums, counts = self.sequence_sums(logps, mask, batch, batch["index"].shape[0])
+        self.collect_val(batch["index"], torch.stack([-sums.detach().double(), counts.double()], dim=-1))
+
+    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        nll, tokens = values.sum(0)
+        return {"loss": nll / tokens.clamp(min=1), "tokens": tokens}

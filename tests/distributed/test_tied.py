@@ -1,0 +1,57 @@
+"""Tied embeddings (one parameter for embed_tokens and lm_head, as in Qwen2.5 <= 3B) stay tied
+when training single-process, under DDP and under FSDP2: every strategy makes the same update,
+and the export loads in plain transformers, tied, computing what the trained weights compute."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rolemrc.checkpoints import read_model_state
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ARGS = ["model=tiny_qwen", "model.init.tie_word_embeddings=true", "data.max_length=96", "data.val_fraction=0",
+        "trainer.max_steps=3", "data.batch_size=2", "optim.lr=1e-2", "optim.warmup_ratio=0",
+        "trainer.checkpoint_every_n_steps=3", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
+
+
+def train(run_dir: Path, devices: int, *overrides: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *ARGS, f"trainer.devices={devices}", f"hydra.run.dir={run_dir}",
+                           *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_tied_embeddings_stay_tied_under_every_strategy(tmp_path: Path) -> None:
+    runs = {"single": (1, ["data.batch_size=4"]), "ddp": (2, ["strategy=ddp"]),
+            "fsdp": (2, ["strategy=fsdp", "strategy.param_dtype=null"])}
+    exports = {}
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    for name, (devices, extra) in runs.items():
+        train(tmp_path / name, devices, *extra)
+        export = tmp_path / name / "export"
+        model = AutoModelForCausalLM.from_pretrained(export)
+        assert model.config.tie_word_embeddings
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
+        # The trained weights (the checkpoint) and the export compute the same logits.
+        state = read_model_state(tmp_path / name / "checkpoints" / "last.ckpt")
+        trained = AutoModelForCausalLM.from_pretrained(export)
+        trained.load_state_dict(state, strict=False)  # the checkpoint's own embed_tokens and lm_head
+        assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"]), name
+        with torch.no_grad():
+            assert torch.allclose(model(ids).logits, trained(ids).logits, atol=1e-6), name
+        exports[name] = load_file(export / "model.safetensors")
+    # One tied parameter trained by both its uses: the same update everywhere.
+    for name in ("ddp", "fsdp"):
+        for k, v in exports["single"].items():
+            # float noise only (an untied head moves these weights by ~10% of their norm in 3 steps)
+            assert (exports[name][k] - v).norm() <= 1e-4 * v.norm(), (name, k)

@@ -1,0 +1,92 @@
+"""The loss of one optimizer step is the mean over every label token (SFT) or pair (DPO) of the
+global batch, however it is cut: (12 x 1), (4 x 3), (1 x 12) on one process and 2 ranks (DDP
+and FSDP2) give the same weights after a whole epoch, the short last step included, and log
+the same train/loss. val/loss is the token mean over the whole validation set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rolemrc.train import run
+from tests.conftest import ROOT
+from tests.train.helpers import series
+
+# 122 sample conversations, no validation: steps of 12 leave a short last step of 2.
+COMMON = ["data.max_length=96", "data.val_fraction=0", "trainer.max_epochs=1", "optim.lr=1e-3",
+          "optim.warmup_ratio=0", "trainer.log_every_n_steps=1"]
+SFT_CUTS = [(12, 1), (4, 3), (1, 12)]
+
+
+def cut(batch: int, accumulate: int) -> list[str]:
+    return [f"data.batch_size={batch}", f"trainer.accumulate_grad_batches={accumulate}"]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(run_dir) / "export" / "model.safetensors")
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+                        what: str) -> None:
+    """Each tensor's difference is float noise next to its training update (relative L2 norms;
+    AdamW turns tiny gradient noise into sign-sized steps on rarely seen embedding rows, so
+    max-abs is too strict, while a differently normalised loss moves weights by percents)."""
+    for k in a:
+        moved = (a[k] - start[k]).norm().item()
+        assert moved > 0, f"{k} did not train"
+        diff = (a[k] - b[k]).norm().item()
+        assert diff <= 1e-3 * moved, f"{what}: {k} differs by {diff / moved:.2%} of its update"
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The tiny model's initial weights (same seed as every run below): a 0-step export."""
+    from tests.conftest import FAST, compose_train
+
+    out = run(compose_train([*FAST, *COMMON, "trainer.max_steps=0"],
+                            run_dir=tmp_path_factory.mktemp("start") / "run"))
+    return weights(Path(out["run_dir"]))
+
+
+def test_sft_same_update_however_the_global_batch_is_cut(train_cfg, tmp_path: Path, start) -> None:
+    results = {}
+    for b, a in SFT_CUTS:
+        cfg = train_cfg(*COMMON, *cut(b, a))
+        cfg.run_dir = str(tmp_path / f"{b}x{a}")
+        out = run(cfg)
+        results[(b, a)] = (weights(Path(out["run_dir"])), series(Path(out["run_dir"]), "train/loss"),
+                           series(Path(out["run_dir"]), "train/tokens"))
+    (w0, loss0, tokens0) = results[SFT_CUTS[0]]
+    assert len(loss0) == 11 and tokens0[-1] < tokens0[0]  # the short last step is there
+    for key, (w, loss, tokens) in results.items():
+        assert tokens == tokens0, key
+        assert loss == pytest.approx(loss0, rel=1e-5), key
+        assert_same_weights(w, w0, start, f"{key} vs {SFT_CUTS[0]}")
+
+
+def train_2proc(run_dir: Path, *overrides: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.enable_progress_bar=false",
+         "callbacks=none", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_make_the_same_update_as_one(train_cfg, tmp_path: Path, start, strategy: str) -> None:
+    single = run(train_cfg(*COMMON, *cut(12, 1)))
+    extra = [f"strategy={strategy}"] + (["strategy.param_dtype=null"] if strategy == "fsdp" else [])
+    train_2proc(tmp_path / strategy, *extra, *cut(2, 3))  # 2 ranks x 2 x 3 = 12 a step
+    assert series(tmp_path / strategy, "train/loss") == pytest.approx(series(Path(single["run_dir"]), "train/loss"),
+                                                                       rel=1e-5)
+    assert_same_weights(weights(tmp_path / strategy), weights(Path(single["run_dir"])), start, strategy)

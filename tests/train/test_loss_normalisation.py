@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -90,3 +91,78 @@ def test_two_ranks_make_the_same_update_as_one(train_cfg, tmp_path: Path, start,
     assert series(tmp_path / strategy, "train/loss") == pytest.approx(series(Path(single["run_dir"]), "train/loss"),
                                                                        rel=1e-5)
     assert_same_weights(weights(tmp_path / strategy), weights(Path(single["run_dir"])), start, strategy)
+
+
+DPO_ARGS = ["objective=dpo", "data.max_prompt_length=64", "objective.sft_weight=0.5", "trainer.max_steps=3"]
+
+
+def test_dpo_with_sft_term_same_update_however_cut(train_cfg, tmp_path: Path) -> None:
+    """The pair mean and the chosen-token NLL term are both global-batch means."""
+    results = {}
+    for b, a in [(4, 1), (2, 2), (1, 4)]:
+        cfg = train_cfg(*COMMON, *DPO_ARGS, *cut(b, a))
+        cfg.run_dir = str(tmp_path / f"{b}x{a}")
+        out = run(cfg)
+        run_dir = Path(out["run_dir"])
+        results[(b, a)] = (weights(run_dir), series(run_dir, "train/loss"), series(run_dir, "train/nll_chosen"))
+    w0, loss0, nll0 = results[(4, 1)]
+    start = weights_of_init(tmp_path)
+    for key, (w, loss, nll) in results.items():
+        assert loss == pytest.approx(loss0, rel=1e-5) and nll == pytest.approx(nll0, rel=1e-5), key
+        assert_same_weights(w, w0, start, f"dpo {key}")
+
+
+def weights_of_init(tmp_path: Path) -> dict[str, torch.Tensor]:
+    from tests.conftest import FAST, compose_train
+
+    out = run(compose_train([*FAST, *COMMON, *DPO_ARGS, "trainer.max_steps=0"], run_dir=tmp_path / "init"))
+    return weights(Path(out["run_dir"]))
+
+
+def test_val_loss_is_the_token_mean_of_the_whole_set(train_cfg, tmp_path: Path) -> None:
+    """Not a mean of batch means: the same for any validation batch size (lr 0: same weights)."""
+    values = []
+    for b in (1, 5):
+        cfg = train_cfg("data.max_length=96", "data.val_fraction=0.1", "optim.lr=0", "trainer.max_steps=1", "trainer.val_check_interval=1",
+                        f"data.batch_size={b}", "export.enabled=false")
+        cfg.run_dir = str(tmp_path / f"b{b}")
+        values.append(series(Path(run(cfg)["run_dir"]), "val/loss"))
+    assert len(values[0]) == 1 and values[0] == pytest.approx(values[1], rel=1e-6)
+
+
+class StopAt(L.Callback):
+    """Dies (like a crash) before training step ``step + 1``, after step ``step``'s checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"stopped at step {self.step}")
+
+
+def test_limit_train_batches_then_resume_continues_where_it_stopped(train_cfg, tmp_path: Path) -> None:
+    """Epochs cut by limit_train_batches (5 steps): killed after step 7 (mid epoch 2), the resumed
+    run trains step 8 on the batch the uninterrupted run did, not on a replayed one."""
+    from tests import recorder
+
+    args = ["data.max_length=96", "data.val_fraction=0", "trainer.limit_train_batches=5", "trainer.max_epochs=3",
+            "trainer.max_steps=9", "callbacks=default", "trainer.checkpoint_every_n_steps=1", "export.enabled=false",
+            "+callbacks.record._target_=tests.recorder.Recorder"]
+    whole = train_cfg(*args, f"+callbacks.record.path={tmp_path}/whole")
+    whole.run_dir = str(tmp_path / "whole")
+    run(whole)
+    crash = train_cfg(*args, f"+callbacks.record.path={tmp_path}/parts",
+                      "+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt", "+callbacks.stop.step=7")
+    crash.run_dir = str(tmp_path / "parts")
+    with pytest.raises(RuntimeError, match="stopped at step 7"):
+        run(crash)
+    resume = train_cfg(*args, f"+callbacks.record.path={tmp_path}/parts", "ckpt_path=last")
+    resume.run_dir = str(tmp_path / "parts")
+    run(resume)
+    expected = {r["step"]: r for r in recorder.read(tmp_path / "whole") if r["event"] == "step"}
+    got = [r for r in recorder.read(tmp_path / "parts") if r["event"] == "step"]
+    assert [r["step"] for r in got] == list(range(1, 10))
+    for r in got:
+        assert r["index"] == expected[r["step"]]["index"], r["step"]
+        assert r["loss"] == pytest.approx(expected[r["step"]]["loss"], abs=1e-5), r["step"]

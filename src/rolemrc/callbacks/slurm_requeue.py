@@ -28,7 +28,6 @@ class SlurmRequeue(L.Callback):
     def __init__(self, signum: int = signal.SIGUSR1) -> None:
         self.signum = signal.Signals(signum)
         self._signalled = False
-        self._last_step = -1
         self._active = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -41,9 +40,9 @@ class SlurmRequeue(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._active or trainer.global_step == self._last_step:
-            return  # not under SLURM, or in the middle of gradient accumulation
-        self._last_step = trainer.global_step
+        if not self._active or not bool(batch["step_end"]):
+            return  # not under SLURM, or in the middle of gradient accumulation (the batch says so:
+            # rolemrc.data.sampler.StepBatchSampler tags the micro-batch that closes each step)
         if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

@@ -40,7 +40,10 @@ class ModelConfig:
     # Random-init architecture (used when path is None): "llama" or "qwen2" + config kwargs.
     arch: str = "llama"
     init: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"  # weights dtype when loading: float32 | bfloat16 | float16
+    # float32 | bfloat16 | float16: frozen and inference weights (DPO reference copy, LoRA base,
+    # evaluation) and the export. Trained weights are fp32 masters whatever this says, unless
+    # trainer.precision is bf16-true/16-true (rolemrc.models.precision).
+    dtype: str = "float32"
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
     gradient_checkpointing: bool = False
     chat_template: Optional[str] = None  # override: llama3 | chatml | path to .jinja
@@ -109,7 +112,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: Any = 1
     num_nodes: int = 1
-    precision: str = "32-true"  # 32-true | bf16-mixed | bf16-true | 16-mixed
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed (fp32 masters) | bf16-true | 16-true (half masters: warns)
     max_epochs: int = 1
     max_steps: int = -1
     matmul_precision: Optional[str] = "high"  # TF32 matmuls on Ampere+ GPUs (paper: tf32)

@@ -134,11 +134,17 @@ def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:
     from rolemrc.checkpoints import export_state, full_state_dict
 
     out = Path(cfg.run_dir) / cfg.export.dir
-    if cfg.strategy.name == "fsdp":
+    if cfg.model.quantization.load_in_4bit:  # QLoRA (never sharded): the adapter, from the model itself
+        from rolemrc.models.export import export_pretrained
+
+        if trainer.is_global_zero:
+            export_pretrained(module.model, load_tokenizer(cfg.model), out, cfg.model.peft.merge_on_export)
+        state = None
+    elif cfg.strategy.name == "fsdp":
         state = full_state_dict(module.model)  # collective: every rank takes part
     else:
         state = {k: v.detach() for k, v in module.model.state_dict().items()} if trainer.is_global_zero else {}
-    if trainer.is_global_zero:  # LoRA merges there
+    if trainer.is_global_zero and state is not None:  # LoRA merges there
         export_state(cfg, state, out)
     trainer.strategy.barrier("export")
     if trainer.is_global_zero:

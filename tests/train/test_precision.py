@@ -68,7 +68,8 @@ def test_recipe_precision_trains_fp32_masters(train_cfg, bf16_start: Path) -> No
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_recipe_precision_under_fsdp2(tmp_path: Path, bf16_start: Path) -> None:
+def test_recipe_precision_under_fsdp2_then_export_and_evaluate(tmp_path: Path, bf16_start: Path) -> None:
+    """The recipe's shape: FSDP2 from model.path (a saved config with rope_parameters), bf16-mixed."""
     run_dir = tmp_path / "fsdp"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -80,6 +81,21 @@ def test_recipe_precision_under_fsdp2(tmp_path: Path, bf16_start: Path) -> None:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir()
     check_masters(run_dir, bf16_start, ckpt)
+
+    # The rest of the recipe's flow from such a run: export.py on its sharded checkpoint gives the
+    # run's own export, and evaluate.py takes the checkpoint as model.path.
+    again = tmp_path / "again"
+    done = subprocess.run([sys.executable, "export.py", str(ckpt), "--out", str(again)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = load_file(run_dir / "export" / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "evaluate.py", f"model.path={ckpt}", "limit=2", "generation.max_new_tokens=3",
+                           "generation.progress=false", "metrics.names=[bleu]", f"out_dir={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 2
 
 
 def test_policy_table() -> None:

@@ -30,6 +30,15 @@ def _naming(key: str, source: str) -> Iterator[None]:
         raise OSError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
 
 
+def plain(value: Any) -> Any:
+    """A config value as plain Python (dicts, lists, scalars), for library calls: transformers'
+    config classes validate field types and reject OmegaConf nodes (e.g. ``rope_parameters``
+    from a saved config.json)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def check_source(value: str | None, key: str) -> None:
     """A local folder that does not exist is named as such (transformers' own error would talk
     about repository ids). A hub id is ``owner/name``; anything else is taken as local."""
@@ -106,7 +115,7 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        kwargs.update(cfg.init)  # an explicit vocab_size (e.g. a padded hub vocab) wins
+        kwargs.update(plain(cfg.init))  # an explicit vocab_size (e.g. a padded hub vocab) wins
         try:
             config = AutoConfig.for_model(cfg.arch, **kwargs)
         except ValueError as err:
@@ -143,7 +152,7 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
                 r=cfg.peft.r,
                 lora_alpha=cfg.peft.alpha,
                 lora_dropout=cfg.peft.dropout,
-                target_modules=list(cfg.peft.target_modules),
+                target_modules=plain(cfg.peft.target_modules),
                 task_type="CAUSAL_LM",
             ),
         )

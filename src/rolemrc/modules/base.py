@@ -35,13 +35,16 @@ def _gather_rows(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
-    """Multiplier of the peak lr at optimizer step ``s``: linear warmup, then cosine/linear/constant."""
+    """Multiplier of the peak lr at optimizer step ``s`` (0-based): linear warmup that reaches the
+    peak on its last step (``(s + 1) / warmup``: no step is spent at lr 0), then from step
+    ``warmup`` on cosine/linear decay to ``min_ratio`` at step ``total`` (as transformers'
+    schedules) or constant."""
     if kind not in ("cosine", "linear", "constant"):
         raise ValueError(f"optim.scheduler must be cosine, linear or constant, got {kind!r}")
 
     def f(step: int) -> float:
         if step < warmup:
-            return (step + 1) / (warmup + 1)
+            return (step + 1) / warmup
         if kind == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -130,17 +129,13 @@ class ChatDataModule(L.LightningDataModule):
             return
         sources = self.cfg.sft if self.kind == "sft" else self.cfg.pairs
         val_sources = self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val
-        train, read_report = read_examples(list(sources), self.kind, self.cfg.on_error, self.seed)
+        # Without validation sources, val_fraction of the records is held out before the source
+        # weights duplicate or subsample the rest: no copy of a validation record is trained on.
+        holdout = 0.0 if val_sources else self.cfg.val_fraction
+        train, read_report = read_examples(list(sources), self.kind, self.cfg.on_error, self.seed, holdout=holdout)
+        val = read_report.held_out
         if val_sources:
             val, _ = read_examples(list(val_sources), self.kind, self.cfg.on_error, self.seed)
-        elif self.cfg.val_fraction > 0 and len(train) > 1:
-            order = list(range(len(train)))
-            random.Random(self.seed).shuffle(order)
-            n_val = max(1, int(round(self.cfg.val_fraction * len(train))))
-            val = [train[i] for i in order[:n_val]]
-            train = [train[i] for i in order[n_val:]]
-        else:
-            val = []
         self.train_rows, train_report = self._encode(train)
         self.val_rows, val_report = self._encode(val) if val else ([], {})
         if not self.train_rows:

@@ -31,6 +31,7 @@ class ReadReport:
     kept: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)  # first few skip reasons
+    held_out: list[Any] = field(default_factory=list)  # ``holdout``: validation records, each once
 
     def lines(self) -> list[str]:
         out = [f"{src}: {n} records kept, {self.skipped.get(src, 0)} skipped" for src, n in self.kept.items()]
@@ -111,18 +112,22 @@ def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
 
 
 def read_examples(
-    sources: list[Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20
+    sources: list[Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20,
+    holdout: float = 0.0,
 ) -> tuple[list[Any], ReadReport]:
     """Read, validate and mix ``sources`` of one ``kind`` ("sft", "pairs" or "test").
 
     ``weight`` per source: 1 keeps every record, 0.5 a seeded random half, 2 each record twice.
+    ``holdout``: a seeded fraction of the records (at least one, when there are two or more) is
+    set aside in ``report.held_out`` *before* the weights apply, so a record is either trained
+    on (maybe several times) or validated on (once), never both.
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if not sources:
         raise DataError(f"no {kind} sources configured (data.{kind} is empty)")
     report = ReadReport()
-    mixed: list[Any] = []
+    per_source: list[list[Any]] = []
     errors: list[str] = []
     for index, source in enumerate(sources):
         label = str(source["path"])
@@ -149,13 +154,25 @@ def read_examples(
             kept.append(example)
         report.kept[label] = len(kept)
         report.skipped[label] = n_bad
-        mixed.extend(_weighted(kept, float(source.get("weight", 1.0)), seed + index))
+        per_source.append(kept)
     if errors:
         shown = "\n  ".join(errors[:max_shown])
         more = f"\n  ... and {len(errors) - max_shown} more" if len(errors) > max_shown else ""
         raise DataError(
             f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}"
         )
+    n_records = sum(map(len, per_source))
+    if holdout > 0 and n_records > 1:
+        order = list(range(n_records))
+        random.Random(seed).shuffle(order)
+        held = set(order[: max(1, int(round(holdout * n_records)))])
+        flat = [(k, ex) for k, kept in enumerate(per_source) for ex in kept]
+        report.held_out = [ex for i, (_, ex) in enumerate(flat) if i in held]
+        per_source = [[ex for i, (k2, ex) in enumerate(flat) if k2 == k and i not in held]
+                      for k in range(len(per_source))]
+    mixed: list[Any] = []
+    for index, (source, kept) in enumerate(zip(sources, per_source)):
+        mixed.extend(_weighted(kept, float(source.get("weight", 1.0)), seed + index))
     total_skipped = sum(report.skipped.values())
     if total_skipped:
         log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s",

@@ -90,7 +90,7 @@ class DataConfig:
     max_length: int = 1024
     max_prompt_length: int = 768
     on_error: str = "raise"  # raise | skip
-    batch_size: int = 4  # per device
+    batch_size: int = 4  # items per micro-batch per device: conversations or pairs; packs when packing=true
     num_workers: int = 0
     packing: bool = False
     shuffle: bool = True
@@ -163,6 +163,15 @@ class TrainConfig:
     ckpt_path: Optional[str] = None  # a .ckpt, a checkpoint folder, or "last"
     task_name: str = "train"
     memory_check: str = "${memory_check:}"  # estimate per device; resolved by --cfg job --resolve
+
+
+def check_train_config(cfg: Any) -> None:
+    """Combinations of keys no run can satisfy, refused before anything loads (``train.py`` calls
+    it first; ``--cfg job --resolve`` shows the reason under ``memory_check``)."""
+    if cfg.objective.name == "dpo":
+        from rolemrc.data.templates import check_pair_lengths
+
+        check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
 
 
 def _asset(name: str) -> str:

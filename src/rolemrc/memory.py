@@ -154,6 +154,9 @@ class _Model:
 def resolver(*, _root_: Any) -> str:
     """``${memory_check:}``: evaluated when the config is resolved (``--cfg job --resolve``)."""
     try:
+        from rolemrc.config import check_train_config
+
+        check_train_config(_root_)
         return check(_root_)
     except Exception as err:  # shown in the printed config instead of breaking --cfg
         return f"not estimated ({type(err).__name__}: {err})"

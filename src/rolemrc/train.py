@@ -14,6 +14,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.checkpoints import AtomicCheckpointIO, find_checkpoint, use_checkpoint_as_model
+from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import check_model_cfg, count_parameters, load_model, load_tokenizer
@@ -80,6 +81,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; return the paths written and the final logged metrics."""
+    check_train_config(cfg)
     check_model_cfg(cfg.model)
     use_checkpoint_as_model(cfg)  # model.path=<a checkpoint or run of ours>: start from its weights
     if cfg.trainer.matmul_precision:

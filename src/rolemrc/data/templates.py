@@ -148,7 +148,8 @@ class ChatFormat:
         self, prompt: list[Message], chosen: str, rejected: str, max_length: int, max_prompt_length: int
     ) -> EncodedPair:
         """Prompt cut from the left to ``max_prompt_length``, then each response cut from the
-        right so prompt + response fits ``max_length``."""
+        right so prompt + response fits ``max_length``: every row is at most ``max_length``."""
+        check_pair_lengths(max_length, max_prompt_length)
         prompt_ids = self.encode_prompt(prompt)
         prompt_truncated = len(prompt_ids) > max_prompt_length
         if prompt_truncated:
@@ -158,3 +159,11 @@ class ChatFormat:
         rejected_ids = self.encode_response(prompt, rejected)
         response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
         return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)
+
+
+def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:
+    """Preference rows need room for a response after the (left-cut) prompt."""
+    if not 0 < max_prompt_length < max_length:
+        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} "
+                         "(and positive): a pair row is the prompt, cut to max_prompt_length, plus a response "
+                         "cut to fit max_length")

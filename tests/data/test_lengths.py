@@ -1,0 +1,52 @@
+"""Every encoded row fits data.max_length; a pair layout that cannot is refused before anything
+loads, naming both keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from rolemrc import asset
+from rolemrc.data.readers import read_examples
+from rolemrc.data.templates import ChatFormat
+from rolemrc.train import run
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatFormat:
+    return ChatFormat(AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3")))
+
+
+@pytest.mark.parametrize("max_length,max_prompt_length", [(64, 48), (40, 39), (200, 16)])
+def test_pair_rows_fit(chat: ChatFormat, max_length: int, max_prompt_length: int) -> None:
+    pairs, _ = read_examples([{"path": asset("sample/pairs.jsonl")}], "pairs")
+    for p in pairs:
+        enc = chat.encode_pair(p.prompt, p.chosen, p.rejected, max_length, max_prompt_length)
+        assert len(enc.prompt_ids) <= max_prompt_length
+        assert len(enc.prompt_ids) + max(len(enc.chosen_ids), len(enc.rejected_ids)) <= max_length
+
+
+def test_sft_rows_fit(chat: ChatFormat) -> None:
+    convs, _ = read_examples([{"path": asset("sample/sft.jsonl")}], "sft")
+    for c in convs:
+        assert len(chat.encode_conversation(c.messages, 50).input_ids) <= 50
+
+
+def test_prompt_as_long_as_the_row_is_refused(chat: ChatFormat, train_cfg) -> None:
+    pairs, _ = read_examples([{"path": asset("sample/pairs.jsonl")}], "pairs")
+    with pytest.raises(ValueError, match=r"data.max_prompt_length=64 must be below data.max_length=64"):
+        chat.encode_pair(pairs[0].prompt, pairs[0].chosen, pairs[0].rejected, 64, 64)
+    with pytest.raises(ValueError, match=r"data.max_prompt_length=2000 must be below data.max_length=1000"):
+        run(train_cfg("objective=dpo", "data.max_prompt_length=2000", "data.max_length=1000",
+                      "model.path=/nonexistent/so/nothing/may/load"))
+
+
+def test_cfg_resolve_reports_it() -> None:
+    out = subprocess.run([sys.executable, "train.py", "objective=dpo", "data.max_prompt_length=2000",
+                          "data.max_length=1000", "--cfg", "job", "--resolve"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "data.max_prompt_length=2000 must be below data.max_length=1000" in " ".join(out.stdout.split())

@@ -74,7 +74,8 @@ class DPOModule(PolicyModule):
             ref = copy.deepcopy(model).eval()
             ref.requires_grad_(False)
             self._ref.append(ref)
-        self._model_key = fingerprint(model) if self.mode == "precomputed" else ""
+        # The initial weights' fingerprint, taken before any checkpoint is restored into them.
+        self._model_key = self._reference_key(model) if self.mode == "precomputed" else ""
         self.ref_tables: dict[str, torch.Tensor] = {}
 
     @property
@@ -106,21 +107,49 @@ class DPOModule(PolicyModule):
     def reference_logps(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         if self.mode == "copy":
             return self.sequence_logps(self.ref_model, batch)[0]
-        if self.mode == "adapter":
-            with self.model.disable_adapter():
-                return self.sequence_logps(self.model, batch)[0]
+        if self.mode == "adapter":  # the base weights in eval mode, like the copy (no dropout)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                with self.model.disable_adapter():
+                    return self.sequence_logps(self.model, batch)[0]
+            finally:
+                self.model.train(was_training)
         table = self.ref_tables[stage].to(self.device)
         pair = table[batch["index"]]  # [B, 2]: chosen, rejected
         return torch.cat([pair[:, 0], pair[:, 1]])
 
     # ---- precomputed reference ------------------------------------------------------------
+    # The tables always come from the initial weights: computed before training (or found in the
+    # cache under the initial weights' key), then carried in every checkpoint, so a run resumed in
+    # any folder finds them there and never recomputes them from trained weights.
+    def _reference_key(self, model: nn.Module) -> str:
+        """Initial weights + what changes their log-probs besides the rows: precision, attention."""
+        extra = f"{self.cfg.trainer.precision}|{self.cfg.model.attn_implementation}"
+        return hashlib.sha256(f"{fingerprint(model)}|{extra}".encode()).hexdigest()[:16]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.mode == "precomputed" and self.ref_tables:
+            checkpoint["reference_logps"] = {k: v.cpu() for k, v in self.ref_tables.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.mode == "precomputed" and "reference_logps" in checkpoint:
+            self.ref_tables.update(checkpoint["reference_logps"])
+
     def on_fit_start(self) -> None:
         if self.mode != "precomputed":
             return
         dm = self.datamodule
         for stage, rows in (("train", dm.train_rows), ("val", dm.val_rows)):
-            if rows:
+            if rows and stage not in self.ref_tables:  # else restored with the checkpoint
                 self.ref_tables[stage] = self._reference_table(rows, stage)
+
+    def _weights_restored(self) -> bool:
+        """Whether the policy already holds a checkpoint's weights (single/DDP restore before
+        ``on_fit_start``; FSDP after it)."""
+        return self.trainer.ckpt_path is not None and not self.trainer.strategy.restore_checkpoint_after_setup
 
     def _cache_path(self, rows: list[dict]) -> Path:
         root = self.cfg.objective.reference_cache_dir or str(Path(self.cfg.run_dir) / "ref_cache")
@@ -131,6 +160,12 @@ class DPOModule(PolicyModule):
         if path.exists():
             log.info("reference log-probs (%s) from cache %s", stage, path)
             return load_file(path)["logps"]
+        if self._weights_restored():
+            raise RuntimeError(
+                f"objective.reference=precomputed: resuming from {self.trainer.ckpt_path}, which holds no reference "
+                f"log-probs ({stage}), and there is no cache of them at {path}. The policy now holds the checkpoint's "
+                "trained weights, so they cannot be recomputed from it. Point objective.reference_cache_dir at the "
+                "first run's ref_cache folder, or start the run again from its initial model.")
         world, rank = self.trainer.world_size, self.trainer.global_rank
         sampler = ResumableSampler(len(rows), False, 0, rank, world)
         loader = DataLoader(rows, batch_size=self.cfg.data.batch_size, sampler=sampler,
@@ -139,7 +174,7 @@ class DPOModule(PolicyModule):
         self.model.eval()
         index, values = [], []
         show = self.trainer.is_global_zero and self.trainer.progress_bar_callback is not None
-        with torch.no_grad():
+        with torch.no_grad(), self.trainer.precision_plugin.forward_context():  # as training computes
             for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 sums = self.sequence_logps(self.model, batch)[0]

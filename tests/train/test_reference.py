@@ -1,0 +1,73 @@
+"""DPO reference log-probs come from the initial weights, always: a precomputed run resumed in
+another folder (its cache gone) continues the uninterrupted run step for step, writes no cache
+from trained weights, and refuses when it could only recompute from them; the adapter reference
+runs in eval mode."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolemrc.data.datamodule import ChatDataModule
+from rolemrc.data.templates import ChatFormat
+from rolemrc.models.loading import load_model, load_tokenizer
+from rolemrc.modules.dpo import DPOModule
+from rolemrc.train import run
+from tests.train.helpers import series
+
+ARGS = ["objective=dpo", "objective.reference=precomputed", "data.max_length=128", "data.max_prompt_length=96",
+        "data.val_fraction=0", "data.batch_size=4", "optim.lr=5e-3", "optim.warmup_ratio=0", "trainer.max_steps=6",
+        "trainer.max_epochs=5", "callbacks=default", "trainer.checkpoint_every_n_steps=1", "export.enabled=false"]
+STOP = ["+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt", "+callbacks.stop.step=3"]
+
+
+def in_dir(cfg, path: Path):
+    cfg.run_dir = str(path)
+    return cfg
+
+
+def test_precomputed_resume_in_another_folder_continues_exactly(train_cfg, tmp_path: Path) -> None:
+    run(in_dir(train_cfg(*ARGS), tmp_path / "whole"))
+    with pytest.raises(RuntimeError, match="stopped at step 3"):
+        run(in_dir(train_cfg(*ARGS, *STOP), tmp_path / "first"))
+    shutil.rmtree(tmp_path / "first" / "ref_cache")  # another machine, a cleaned scratch folder
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    run(in_dir(train_cfg(*ARGS, f"ckpt_path={ckpt}"), tmp_path / "second"))
+    for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected"):
+        whole = series(tmp_path / "whole", key)
+        assert series(tmp_path / "second", key) == pytest.approx(whole[3:], abs=1e-5), key
+    assert not (tmp_path / "second" / "ref_cache").exists(), "nothing computed from the trained weights"
+
+
+def test_resume_without_tables_or_cache_is_refused(train_cfg, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="stopped at step 3"):
+        run(in_dir(train_cfg(*ARGS, *STOP), tmp_path / "first"))
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    del state["reference_logps"]  # as a checkpoint written before the tables travelled with it
+    torch.save(state, ckpt)
+    shutil.rmtree(tmp_path / "first" / "ref_cache")
+    with pytest.raises(RuntimeError, match="cannot be recomputed"):
+        run(in_dir(train_cfg(*ARGS, f"ckpt_path={ckpt}"), tmp_path / "second"))
+    assert not (tmp_path / "second" / "ref_cache").exists()
+
+
+def test_adapter_reference_runs_without_dropout(train_cfg) -> None:
+    cfg = train_cfg("objective=dpo", "objective.reference=adapter", "data.max_length=128", "data.max_prompt_length=96",
+                    "data.val_fraction=0", "model.peft.enabled=true", "model.peft.dropout=0.5",
+                    "+model.init.attention_dropout=0.5")
+    tok = load_tokenizer(cfg.model)
+    dm = ChatDataModule(cfg.data, "pairs", ChatFormat(tok))
+    dm.setup()
+    module = DPOModule(load_model(cfg.model, tok), cfg, dm)
+    batch = dm.collator()(dm.train_rows[:4])
+    module.model.train()
+    a, b = module.reference_logps(batch, "train"), module.reference_logps(batch, "train")
+    assert module.model.training, "the policy's mode is restored"
+    module.model.eval()
+    with torch.no_grad(), module.model.disable_adapter():
+        base = module.sequence_logps(module.model, batch)[0]
+    assert torch.equal(a, b) and torch.allclose(a, base)

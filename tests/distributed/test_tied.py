@@ -5,6 +5,7 @@ and the export loads in plain transformers, tied, computing what the trained wei
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rolemrc.checkpoints import read_model_state
 from tests.conftest import ROOT
+from tests.train.helpers import series
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -24,11 +26,11 @@ ARGS = ["model=tiny_qwen", "model.init.tie_word_embeddings=true", "data.max_leng
         "trainer.checkpoint_every_n_steps=3", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
 
 
-def train(run_dir: Path, devices: int, *overrides: str) -> None:
+def train(run_dir: Path, devices: int, *overrides: str, ok: bool = True) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py", *ARGS, f"trainer.devices={devices}", f"hydra.run.dir={run_dir}",
                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
 
 
 def test_tied_embeddings_stay_tied_under_every_strategy(tmp_path: Path) -> None:
@@ -55,3 +57,18 @@ def test_tied_embeddings_stay_tied_under_every_strategy(tmp_path: Path) -> None:
         for k, v in exports["single"].items():
             # float noise only (an untied head moves these weights by ~10% of their norm in 3 steps)
             assert (exports[name][k] - v).norm() <= 1e-4 * v.norm(), (name, k)
+
+
+def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_run(tmp_path: Path) -> None:
+    """FSDP2 restores checkpoints after on_fit_start: the tables still come from the initial
+    weights (or the checkpoint), and the resumed run logs the same rewards step by step."""
+    dpo = ["objective=dpo", "objective.reference=precomputed", "data.max_prompt_length=64", "trainer.max_steps=4",
+           "trainer.checkpoint_every_n_steps=2", "export.enabled=false", "strategy=fsdp", "strategy.param_dtype=null"]
+    train(tmp_path / "whole", 2, *dpo)
+    train(tmp_path / "first", 2, *dpo, "+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt",
+          "+callbacks.stop.step=2", ok=False)  # dies after step 2's checkpoint
+    shutil.rmtree(tmp_path / "first" / "ref_cache")
+    train(tmp_path / "second", 2, *dpo, f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}")
+    for key in ("train/loss", "train/rewards/chosen", "train/rewards/margins"):
+        whole = series(tmp_path / "whole", key)
+        assert series(tmp_path / "second", key) == pytest.approx(whole[2:], abs=1e-5), key

@@ -80,7 +80,7 @@ def test_prompt_tokens_match_generation_and_pairs(fmt: str) -> None:
     prompt = USER_FIRST[:4]
     rendered = chat.render(prompt, add_generation_prompt=True)
     assert chat.encode_prompt(prompt) == chat.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    pair = chat.encode_pair(prompt, "Aye, safe as houses.", "Yes.", max_length=4096, max_prompt_length=4096)
+    pair = chat.encode_pair(prompt, "Aye, safe as houses.", "Yes.", max_length=8192, max_prompt_length=4096)
     assert pair.prompt_ids == chat.encode_prompt(prompt)
     assert chat.tokenizer.decode(pair.chosen_ids) == "Aye, safe as houses." + FORMATS[fmt][1]
     assert chat.tokenizer.decode(pair.rejected_ids) == "Yes." + FORMATS[fmt][1]
@@ -89,7 +89,7 @@ def test_prompt_tokens_match_generation_and_pairs(fmt: str) -> None:
 def test_pair_truncation_cuts_prompt_left_then_responses_right() -> None:
     chat = chat_format("llama3")
     prompt = USER_FIRST[:4]
-    full = chat.encode_pair(prompt, "Aye, safe as houses tonight.", "Yes.", 4096, 4096)
+    full = chat.encode_pair(prompt, "Aye, safe as houses tonight.", "Yes.", 8192, 4096)
     cut = chat.encode_pair(prompt, "Aye, safe as houses tonight.", "Yes.", max_length=len(full.prompt_ids[-30:]) + 3,
                            max_prompt_length=30)
     assert cut.prompt_truncated and cut.prompt_ids == full.prompt_ids[-30:]

@@ -80,3 +80,13 @@ def test_a_state_that_does_not_fit_the_run_names_the_keys(train_cfg, tmp_path: P
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\], unexpected \['model.extra.weight'\]"):
         export_state(cfg, state, tmp_path / "export", origin="ckpt.pt")
     assert not (tmp_path / "export").exists()
+
+
+def test_exports_are_saved_for_inference(train_cfg) -> None:
+    """Training turns the KV cache off; the exported config turns it back on (generation, judges)."""
+    import json
+
+    from rolemrc.train import run
+
+    out = run(train_cfg("trainer.max_steps=0", "data.val_fraction=0"))
+    assert json.loads((Path(out["export"]) / "config.json").read_text())["use_cache"] is True

@@ -602,7 +602,7 @@ class HFBackend:
             pad = self.tokenizer.eos_token_id
         with torch.no_grad():
             ids = self.model.generate(
-                **enc, do_sample=False, max_new_tokens=self.max_new_tokens, pad_token_id=pad
+                **enc, do_sample=False, max_new_tokens=self.max_new_tokens, pad_token_id=pad, use_cache=True
             )
         new = ids[0, enc["input_ids"].shape[1] :]
         return self.tokenizer.decode(new, skip_special_tokens=True)

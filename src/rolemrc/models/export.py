@@ -36,7 +36,12 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
             to_save = model.merge_and_unload()
         else:
             to_save = model
-        to_save.save_pretrained(partial, safe_serialization=True)
+        config = unwrap(to_save).config
+        training_cache, config.use_cache = config.use_cache, True  # exports are for inference (KV cache)
+        try:
+            to_save.save_pretrained(partial, safe_serialization=True)
+        finally:
+            config.use_cache = training_cache
         tokenizer.save_pretrained(partial)
     finally:
         if isinstance(head, nn.Linear) and type(head) is nn.Linear:

@@ -1,10 +1,12 @@
 """DPO reference log-probs come from the initial weights, always: a precomputed run resumed in
 another folder (its cache gone) continues the uninterrupted run step for step, writes no cache
-from trained weights, and refuses when it could only recompute from them; the adapter reference
-runs in eval mode."""
+from trained weights (a shared cache stays right for later runs), and refuses when it could only
+recompute from them; the precomputed pass runs under the training precision; the adapter
+reference runs in eval mode."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -47,12 +49,46 @@ def test_resume_without_tables_or_cache_is_refused(train_cfg, tmp_path: Path) ->
         run(in_dir(train_cfg(*ARGS, *STOP), tmp_path / "first"))
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    del state["reference_logps"]  # as a checkpoint written before the tables travelled with it
+    state.pop("reference_logps", None)  # as a checkpoint written before the tables travelled with it
     torch.save(state, ckpt)
     shutil.rmtree(tmp_path / "first" / "ref_cache")
     with pytest.raises(RuntimeError, match="cannot be recomputed"):
         run(in_dir(train_cfg(*ARGS, f"ckpt_path={ckpt}"), tmp_path / "second"))
     assert not (tmp_path / "second" / "ref_cache").exists()
+
+
+def test_resumed_run_leaves_a_shared_cache_right(train_cfg, tmp_path: Path) -> None:
+    """The cache key is the initial weights: a resume (cache file gone) must not store log-probs of
+    trained weights under it, or every later run sharing the cache trains against them."""
+    cache = f"objective.reference_cache_dir={tmp_path / 'cache'}"
+    run(in_dir(train_cfg(*ARGS), tmp_path / "whole"))
+    with pytest.raises(RuntimeError, match="stopped at step 3"):
+        run(in_dir(train_cfg(*ARGS, *STOP, cache), tmp_path / "first"))
+    shutil.rmtree(tmp_path / "cache")
+    run(in_dir(train_cfg(*ARGS, cache, f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}"),
+               tmp_path / "second"))
+    run(in_dir(train_cfg(*ARGS, cache), tmp_path / "later"))  # a fresh run, reading the cache if there is one
+    assert series(tmp_path / "later", "train/rewards/chosen")[0] == pytest.approx(0.0, abs=1e-6)
+    assert series(tmp_path / "later", "train/loss") == pytest.approx(series(tmp_path / "whole", "train/loss"), abs=1e-5)
+
+
+def test_resume_with_tables_of_other_rows_is_refused(train_cfg, tmp_path: Path) -> None:
+    """The checkpoint's tables are indexed by row: resumed on differently encoded pairs (here
+    shorter prompts), they are not used."""
+    with pytest.raises(RuntimeError, match="stopped at step 3"):
+        run(in_dir(train_cfg(*ARGS, *STOP), tmp_path / "first"))
+    shutil.rmtree(tmp_path / "first" / "ref_cache")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    with pytest.raises(RuntimeError, match="cannot be recomputed"):
+        run(in_dir(train_cfg(*ARGS, "data.max_prompt_length=48", f"ckpt_path={ckpt}"), tmp_path / "second"))
+
+
+def test_precomputed_pass_runs_under_the_training_precision(train_cfg, tmp_path: Path) -> None:
+    """bf16-mixed: the reference pass autocasts like the policy's forward, so at step 0 policy and
+    reference agree (rewards 0, loss log 2)."""
+    run(in_dir(train_cfg(*ARGS, "trainer.max_steps=1", "trainer.precision=bf16-mixed"), tmp_path / "bf16"))
+    assert series(tmp_path / "bf16", "train/rewards/chosen")[0] == pytest.approx(0.0, abs=1e-6)
+    assert series(tmp_path / "bf16", "train/loss")[0] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_adapter_reference_runs_without_dropout(train_cfg) -> None:

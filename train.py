@@ -11,6 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rolemrc.config import register
+from rolemrc.entry import entry_point
 
 register()
 
@@ -19,7 +20,8 @@ register()
 def main(cfg: DictConfig) -> None:
     from rolemrc.train import run
 
-    run(cfg)
+    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ ASSISTANT_FIRST = [
     {"role": "assistant", "content": "Croissants, my friend: butter, patience, and more butter!"},
 ]
 
+# An opening assistant turn and no System turn: nothing precedes the first reply but what the
+# template itself writes (BOS, a default system prompt, the assistant header).
+ASSISTANT_FIRST_NO_SYSTEM = ASSISTANT_FIRST[1:]
+
 
 def chat_format(name: str) -> ChatFormat:
     return ChatFormat(AutoTokenizer.from_pretrained(asset(f"tokenizers/{FORMATS[name][0]}")))
@@ -45,7 +49,8 @@ def labelled_segments(ids: list[int], labels: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("conv", [USER_FIRST, ASSISTANT_FIRST], ids=["user_first", "assistant_first"])
+@pytest.mark.parametrize("conv", [USER_FIRST, ASSISTANT_FIRST, ASSISTANT_FIRST_NO_SYSTEM],
+                         ids=["user_first", "assistant_first", "assistant_first_no_system"])
 def test_labels_are_exactly_assistant_turns(fmt: str, conv: list[dict]) -> None:
     chat = chat_format(fmt)
     eot = FORMATS[fmt][1]

@@ -17,19 +17,51 @@ from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTC
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
-from rolemrc.data.schemas import Conversation, Pair
-from rolemrc.data.templates import ChatFormat
+from rolemrc.data.schemas import Conversation, DataError, Pair
+from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
 log = logging.getLogger(__name__)
 
 
-def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int) -> tuple[list[dict], dict]:
-    """Encoded rows and the mask report; conversations left with no trained token are dropped."""
+class _Unrenderable:
+    """Records the chat template cannot render: with ``on_error=raise`` one :class:`DataError`
+    listing ``file:line: problem`` for each; with ``skip`` dropped and counted in the report."""
+
+    def __init__(self, kind: str, on_error: str) -> None:
+        self.kind, self.on_error = kind, on_error
+        self.problems: list[str] = []
+
+    def add(self, origin: str, err: TemplateRenderError) -> None:
+        self.problems.append(f"{origin}: {err}")
+
+    def check(self, max_shown: int = 20) -> None:
+        if self.problems and self.on_error != "skip":
+            shown = "\n  ".join(self.problems[:max_shown])
+            more = f"\n  ... and {len(self.problems) - max_shown} more" if len(self.problems) > max_shown else ""
+            raise DataError(f"{len(self.problems)} {self.kind} record(s) the chat template cannot encode "
+                            f"(set data.on_error=skip to drop them):\n  {shown}{more}")
+        if self.problems:
+            log.warning("data.on_error=skip: skipped %d %s record(s) the chat template cannot encode; first: %s",
+                        len(self.problems), self.kind, "; ".join(self.problems[:5]))
+
+    def report(self) -> dict:
+        return {"dropped_template_error": len(self.problems), "template_errors": self.problems[:5]}
+
+
+def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
+               on_error: str = "raise") -> tuple[list[dict], dict]:
+    """Encoded rows and the mask report; conversations left with no trained token are dropped,
+    and so, with ``on_error="skip"``, are those the chat template cannot render."""
     rows: list[dict] = []
     tokens = trained = truncated = 0
     empty: list[str] = []
+    bad = _Unrenderable("sft", on_error)
     for ex in tqdm(examples, desc="encode sft", leave=False, disable=len(examples) < 2000):
-        enc = chat.encode_conversation(ex.messages, max_length)
+        try:
+            enc = chat.encode_conversation(ex.messages, max_length)
+        except TemplateRenderError as err:
+            bad.add(ex.origin, err)
+            continue
         truncated += enc.truncated
         if enc.n_trained == 0:
             empty.append(ex.origin)
@@ -45,18 +77,25 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int) 
         "truncated": truncated,
         "dropped_no_trainable_token": len(empty),
         "dropped_examples": empty[:5],
+        **bad.report(),
     }
+    bad.check()
     return rows, report
 
 
 def encode_pairs(
-    examples: list[Pair], chat: ChatFormat, max_length: int, max_prompt_length: int
+    examples: list[Pair], chat: ChatFormat, max_length: int, max_prompt_length: int, on_error: str = "raise"
 ) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     prompt_tokens = response_tokens = prompt_cut = response_cut = 0
     empty: list[str] = []
+    bad = _Unrenderable("pairs", on_error)
     for ex in tqdm(examples, desc="encode pairs", leave=False, disable=len(examples) < 2000):
-        enc = chat.encode_pair(ex.prompt, ex.chosen, ex.rejected, max_length, max_prompt_length)
+        try:
+            enc = chat.encode_pair(ex.prompt, ex.chosen, ex.rejected, max_length, max_prompt_length)
+        except TemplateRenderError as err:
+            bad.add(ex.origin, err)
+            continue
         prompt_cut += enc.prompt_truncated
         response_cut += enc.response_truncated
         if not enc.chosen_ids or not enc.rejected_ids:
@@ -75,7 +114,9 @@ def encode_pairs(
         "response_truncated": response_cut,
         "dropped_no_trainable_token": len(empty),
         "dropped_examples": empty[:5],
+        **bad.report(),
     }
+    bad.check()
     return rows, report
 
 
@@ -121,8 +162,8 @@ class ChatDataModule(L.LightningDataModule):
 
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
         if self.kind == "sft":
-            return encode_sft(examples, self.chat, self.cfg.max_length)
-        return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length)
+            return encode_sft(examples, self.chat, self.cfg.max_length, self.cfg.on_error)
+        return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length, self.cfg.on_error)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
@@ -139,7 +180,10 @@ class ChatDataModule(L.LightningDataModule):
         self.train_rows, train_report = self._encode(train)
         self.val_rows, val_report = self._encode(val) if val else ([], {})
         if not self.train_rows:
-            raise ValueError(f"no {self.kind} example left to train on after encoding: {train_report}")
+            raise DataError(f"no {self.kind} example left to train on after encoding: {train_report}")
+        if holdout > 0 and not val:
+            log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
+                        holdout, sum(read_report.kept.values()), self.kind)
         self.report = {"sources": read_report.kept, "skipped": read_report.skipped,
                        "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
         for line in read_report.lines():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.data.schemas import FORMAT_PARSERS, PARSERS, DataError, RecordError
+from rolemrc.errors import InputNotFound
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,15 @@ def _local_files(path: str) -> list[Path] | None:
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.suffix in LOCAL_SUFFIXES)
         if not files:
-            raise FileNotFoundError(f"{p}: folder has no {'/'.join(LOCAL_SUFFIXES)} files")
+            raise InputNotFound(f"{p}: folder has no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
     if any(ch in path for ch in "*?["):
         files = sorted(Path(f) for f in glob.glob(str(p)))
         if not files:
-            raise FileNotFoundError(f"{path}: glob matches no files")
+            raise InputNotFound(f"{path}: glob matches no files")
         return files
     if p.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data file not found: {p}")
+        raise InputNotFound(f"data file not found: {p}")
     return None
 
 
@@ -93,8 +94,12 @@ def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
     files = _local_files(path)
     if files is not None:
         for f in files:
+            empty = True
             for line, record in iter_file(f):
+                empty = False
                 yield str(f), line, record
+            if empty:
+                raise DataError(f"{f}: empty data file (no records)")
         return
     import datasets
 

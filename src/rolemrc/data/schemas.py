@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolemrc.errors import UserError
+
 ROLES = ("system", "user", "assistant")
 
 Message = dict[str, str]
@@ -19,7 +21,7 @@ class RecordError(ValueError):
     """A single record is malformed; the message says which field and why."""
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     """Bad records in a data file; the message names file, line and problem for each."""
 
 

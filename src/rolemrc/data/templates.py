@@ -36,6 +36,16 @@ def load_template(spec: str) -> str:
     return path.read_text()
 
 
+class TemplateRenderError(ValueError):
+    """The chat template cannot render one conversation (it refuses its turn order, or the
+    turns cannot be cut into prompt and target); a property of the record, not of the run."""
+
+
+# Content no template changes (no whitespace to trim): where it lands in a rendered one-turn
+# conversation marks the end of the text before the first assistant turn.
+_SENTINEL = "RoleMRCsentinel7f3a"
+
+
 @dataclass
 class EncodedConversation:
     input_ids: list[int]
@@ -76,9 +86,14 @@ class ChatFormat:
         self.eot = eot or self._detect_eot()
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as err:  # jinja's TemplateError (raise_exception in the template) and the like
+            if isinstance(err, TemplateRenderError):
+                raise
+            raise TemplateRenderError(f"the chat template cannot render it: {type(err).__name__}: {err}") from err
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote BOS and special tokens into the text.
@@ -100,18 +115,28 @@ class ChatFormat:
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            prefix = self.render(messages[:i], add_generation_prompt=True)
+            prefix = self._prefix_before_first_turn() if i == 0 else self.render(messages[:i], add_generation_prompt=True)
             upto = self.render(messages[: i + 1])
             if not (upto.startswith(prefix) and full.startswith(upto)):
-                raise ValueError(
+                raise TemplateRenderError(
                     f"chat template is not prefix-consistent at message {i}: rendering a conversation's "
                     "first turns does not give a prefix of the whole; loss masks cannot be derived"
                 )
             end = upto.rfind(self.eot, len(prefix))
             if end < 0:
-                raise ValueError(f"end-of-turn marker {self.eot!r} not found after assistant message {i}")
+                raise TemplateRenderError(f"end-of-turn marker {self.eot!r} not found after assistant message {i}")
             spans.append((len(prefix), end + len(self.eot)))
         return full, spans
+
+    def _prefix_before_first_turn(self) -> str:
+        """What the template writes before an assistant turn that opens the conversation (BOS, a
+        default system prompt, the assistant header). Rendering no messages with the generation
+        prompt would say it, but transformers refuses empty conversations; so render one
+        assistant turn holding a sentinel and keep the text before it."""
+        text = self.render([{"role": "assistant", "content": _SENTINEL}])
+        if text.count(_SENTINEL) != 1:
+            raise TemplateRenderError("the chat template does not render an opening assistant turn's content as is")
+        return text[: text.index(_SENTINEL)]
 
     def encode_conversation(self, messages: list[Message], max_length: int | None = None) -> EncodedConversation:
         """``input_ids``/``labels`` for SFT; long conversations lose their start (left cut)."""

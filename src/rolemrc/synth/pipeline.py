@@ -246,6 +246,19 @@ def _test_count(n: int, frac: float, cap: Optional[int]) -> int:
     return min(k, cap) if cap is not None else k
 
 
+def _no_test_reason(by_task: dict[str, list[Any]], frac: float, cap: Optional[int]) -> str:
+    """Why ``assemble.test_fraction`` > 0 held out no test item."""
+    key = f"assemble.test_fraction={frac}"
+    tasks = {t: len(g) for t, g in by_task.items() if t in TEST_TASKS}
+    if not tasks:
+        return f"{key} holds out nothing: the dialogues hold no item of a RoleMRC test task"
+    if cap == 0:
+        return f"{key} holds out nothing: assemble.test_max_per_task=0"
+    return (f"{key} holds out nothing: every test task has fewer than 2 items ("
+            + ", ".join(f"{t}: {n}" for t, n in sorted(tasks.items()))
+            + ") and each keeps one for training; raise the dialogue quotas or set assemble.test_fraction=0")
+
+
 def run_assemble(ctx: Context) -> dict[str, Any]:
     cfg, a = ctx.cfg, ctx.cfg.assemble
     items = list(read_jsonl(ctx.stage("dialogues").file("items.jsonl")))
@@ -261,6 +274,9 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
         held = set(order[:k])
         for i, it in enumerate(group):
             (test if i in held else train).append(it)
+    if a.test_fraction > 0 and not test:
+        ctx.console.print(escape(f"warning: {_no_test_reason(by_task, a.test_fraction, a.test_max_per_task)}; "
+                                 "test.jsonl is empty"), style="yellow")
     sft, pairs = [], []
     rng = random.Random(f"{cfg.seed}:pairs")
     for it in train:

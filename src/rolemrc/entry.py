@@ -1,0 +1,38 @@
+"""What every entry script (train.py, evaluate.py, probe.py, synthesize.py, export.py) wraps its
+work in: bad input ends in one ``error: <message>`` line, and Lightning's log lines print once."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rolemrc.errors import exit_on_user_error
+
+
+def one_copy_of_lightning_logs() -> None:
+    """Lightning's package logger ``lightning`` has a console handler of its own ("INFO: ...") and
+    also propagates to the root logger, which Hydra has configured (console + ``<job>.log``): every
+    Lightning line printed twice. Where the root logger has handlers, they alone print; the
+    ``lightning.pytorch``/``lightning.fabric`` loggers (which keep their own handler and stop
+    propagating when imported before logging was configured) are routed there too. Call it after
+    ``lightning`` is imported (it is not imported here: evaluate.py does not need it)."""
+    if "lightning" not in sys.modules or not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # Lightning's own; Hydra's sit on the root
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
+@contextmanager
+def entry_point() -> Iterator[None]:
+    """A :class:`~rolemrc.errors.UserError` ends the process with ``error: <message>`` on stderr
+    and exit status 1 (:func:`~rolemrc.errors.exit_on_user_error`); any other exception is a bug
+    and keeps its traceback. Import the run function (and so Lightning) before entering."""
+    one_copy_of_lightning_logs()
+    with exit_on_user_error():
+        yield

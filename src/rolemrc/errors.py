@@ -1,0 +1,49 @@
+"""Errors the user can fix (bad input, a bad path, a missing key). The entry scripts report
+them as one ``error: <message>`` line on stderr and exit status 1, no traceback
+(:func:`exit_on_user_error`, inside :func:`rolemrc.entry.entry_point`); any other exception is a bug and keeps its traceback.
+
+Raise a subclass of :class:`UserError` (it also subclasses the built-in error a caller would
+catch, e.g. ``ValueError``) with a message that names the file, line, field or config key.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """Bad input: the message alone tells the user what to fix."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value no run can satisfy; the message names the key."""
+
+
+class InputNotFound(UserError, FileNotFoundError):
+    """A path given in the config or on the command line does not exist."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be read (truncated, corrupt, not a checkpoint); names the path."""
+
+
+class ModelSourceError(UserError, OSError):
+    """``model.path`` (or another model key) names something that cannot be loaded as a model."""
+
+
+class MissingAPIKey(UserError, RuntimeError):
+    """An API key's environment variable is not set; the message names the variable."""
+
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """A :class:`UserError` ends the process with ``error: <message>`` on stderr and exit status
+    1 (``SystemExit`` passes through Hydra untouched); any other exception keeps its traceback."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

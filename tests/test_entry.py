@@ -1,0 +1,46 @@
+"""The entry scripts' wrapper (rolemrc.entry): user errors as one line and exit 1, bugs with
+their traceback, and Lightning's log lines printed once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rolemrc.entry import entry_point
+from rolemrc.errors import CheckpointError, InputNotFound
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+       "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_user_error_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop, entry_point():
+        raise InputNotFound("data file not found: /nowhere/sft.jsonl")
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == "error: data file not found: /nowhere/sft.jsonl\n"
+    # The user-error types are still what callers catch.
+    assert issubclass(InputNotFound, FileNotFoundError) and issubclass(CheckpointError, ValueError)
+
+
+def test_a_bug_keeps_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ZeroDivisionError), entry_point():
+        1 / 0  # noqa: B018
+    assert "error:" not in capsys.readouterr().err
+
+
+def test_lightning_lines_print_once(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.max_steps=1", "export.enabled=false",
+         "logger=none", "callbacks=none", "data.val_fraction=0", "trainer.enable_progress_bar=false"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout + done.stderr
+    for line in ("`Trainer.fit` stopped: `max_steps=1` reached.", "GPU available: False"):
+        assert printed.count(line) == 1, printed[-3000:]
+        assert (run / "train.log").read_text().count(line) == 1  # and Hydra's log file has it

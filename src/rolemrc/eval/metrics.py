@@ -131,6 +131,7 @@ def _pstd(xs: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- BLEU
 
+
 def _ref_list(reference: str | Sequence[str], where: str = "reference") -> list[str]:
     """``reference`` as a non-empty list of strings (a bare string is one reference)."""
     if isinstance(reference, str):

@@ -1,0 +1,133 @@
+"""Finding a run's checkpoint: ``last.ckpt``, its ``.old`` twin after a crash mid-swap, SLURM's
+``hpc_ckpt_<n>.ckpt`` by age; what counts as a training checkpoint and which run folder owns it.
+Real files and real (interrupted) atomic saves; no training."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolemrc.checkpointing import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
+from rolemrc.checkpointing.io import AtomicCheckpointIO, _swap_in
+
+
+def touch(path: Path, mtime: float, dcp: bool = False) -> Path:
+    """A ``.ckpt`` file, or (``dcp``) a sharded checkpoint folder, last modified at ``mtime``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if dcp:
+        path.mkdir()
+        (path / ".metadata").write_bytes(b"meta")
+        (path / "__0_0.distcp").write_bytes(b"shard")
+    else:
+        path.write_bytes(b"ckpt")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+T = 1_700_000_000.0
+
+
+def test_nothing_to_find(tmp_path: Path) -> None:
+    assert find_checkpoint(tmp_path) is None
+    assert find_checkpoint(tmp_path / "no-such-run") is None
+    touch(tmp_path / "checkpoints" / "last.ckpt.partial", T)  # a half-written save is never a checkpoint
+    touch(tmp_path / "checkpoints" / "epoch=0-step=5.ckpt", T)  # only ``last`` resumes a run
+    assert find_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_last_and_its_old_twin(tmp_path: Path, dcp: bool) -> None:
+    ckpts = tmp_path / "checkpoints"
+    old = touch(ckpts / "last.ckpt.old", T + 50, dcp)
+    assert find_checkpoint(tmp_path) == old  # crash between the two renames: the previous one
+    last = touch(ckpts / "last.ckpt", T, dcp)
+    assert find_checkpoint(str(tmp_path)) == last  # a complete last wins over .old, even an older one
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_newest_of_last_and_slurm_checkpoints(tmp_path: Path, dcp: bool) -> None:
+    last = touch(tmp_path / "checkpoints" / "last.ckpt", T + 10, dcp)
+    touch(tmp_path / "hpc_ckpt_1.ckpt", T, dcp)
+    assert find_checkpoint(tmp_path) == last
+    hpc2 = touch(tmp_path / "hpc_ckpt_2.ckpt", T + 20, dcp)
+    assert find_checkpoint(tmp_path) == hpc2
+    hpc3 = touch(tmp_path / "hpc_ckpt_3.ckpt", T + 15, dcp)  # a higher number but older: age decides
+    assert find_checkpoint(tmp_path) == hpc2
+    os.utime(hpc3, (T + 30, T + 30))
+    assert find_checkpoint(tmp_path) == hpc3
+
+
+def test_old_twin_competes_with_slurm_checkpoints_by_age(tmp_path: Path) -> None:
+    old = touch(tmp_path / "checkpoints" / "last.ckpt.old", T + 10)
+    hpc = touch(tmp_path / "hpc_ckpt_1.ckpt", T)
+    assert find_checkpoint(tmp_path) == old
+    os.utime(hpc, (T + 20, T + 20))
+    assert find_checkpoint(tmp_path) == hpc
+
+
+def test_interrupted_folder_swap_leaves_the_old_checkpoint_findable(tmp_path: Path, monkeypatch) -> None:
+    """The crash ``_swap_in`` guards against: the old folder moved aside, the new one not yet in."""
+    ckpts = tmp_path / "checkpoints"
+    final = touch(ckpts / "last.ckpt", T, dcp=True)
+    (final / "step").write_text("6")
+    tmp = touch(ckpts / "last.ckpt.partial", T + 1, dcp=True)
+    (tmp / "step").write_text("9")
+
+    real_rename = Path.rename
+
+    def crash_on_second(self: Path, target):
+        if self == tmp:
+            raise OSError("killed mid-swap")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_second)
+    with pytest.raises(OSError, match="killed mid-swap"):
+        _swap_in(tmp, final)
+    monkeypatch.undo()
+    found = find_checkpoint(tmp_path)
+    assert found == ckpts / "last.ckpt.old" and (found / "step").read_text() == "6"
+    assert is_training_checkpoint(found)
+
+    _swap_in(tmp, final)  # the next save puts a complete last.ckpt back, which wins over the twin
+    assert find_checkpoint(tmp_path) == final and (final / "step").read_text() == "9"
+    assert not tmp.exists()
+    newer = touch(ckpts / "last.ckpt.partial", T + 2, dcp=True)
+    (newer / "step").write_text("12")
+    _swap_in(newer, final)  # and the save after that clears the stale twin
+    assert find_checkpoint(tmp_path) == final and (final / "step").read_text() == "12"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]
+
+
+def test_failed_single_file_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    io = AtomicCheckpointIO()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"global_step": 6}, last)
+    with pytest.raises(Exception):
+        io.save_checkpoint({"global_step": 9, "bad": lambda: None}, last)  # cannot be pickled
+    assert find_checkpoint(tmp_path) == last
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+
+
+def test_is_training_checkpoint(tmp_path: Path) -> None:
+    assert is_training_checkpoint(touch(tmp_path / "a.ckpt", T))
+    assert is_training_checkpoint(touch(tmp_path / "sharded", T, dcp=True))
+    assert not is_training_checkpoint(touch(tmp_path / "model.safetensors", T))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert not is_training_checkpoint(tmp_path / "hf")
+    assert not is_training_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_checkpoint_run_dir(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    assert checkpoint_run_dir(touch(run / "checkpoints" / "last.ckpt", T)) == run.resolve()
+    assert checkpoint_run_dir(touch(run / "hpc_ckpt_2.ckpt", T)) == run.resolve()
+    assert checkpoint_run_dir(touch(run / "checkpoints" / "sharded.ckpt", T, dcp=True)) == run.resolve()
+    stray = touch(tmp_path / "elsewhere" / "x" / "last.ckpt", T)
+    with pytest.raises(FileNotFoundError, match=r"no \.hydra/config\.yaml"):
+        checkpoint_run_dir(stray)

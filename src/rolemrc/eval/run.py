@@ -219,7 +219,7 @@ def log_to_loggers(cfg: DictConfig, scalars: Mapping[str, float], rows: list[lis
     """Scalars to every configured logger; the samples table to those that take tables (W&B)."""
     if not cfg.logger:
         return
-    from rolemrc.train import build_loggers
+    from rolemrc.build import build_loggers
 
     for lg in build_loggers(cfg):
         lg.log_metrics(dict(scalars), step=0)
@@ -248,14 +248,15 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
-    from rolemrc.checkpoints import use_checkpoint_as_model
+    from rolemrc.models.source import resolve_model_sources
     from rolemrc.data.templates import ChatFormat
     from rolemrc.eval.judge import aggregate, judge_items
     from rolemrc.eval.report import write_report
     from rolemrc.eval.verifiers import agreement, verify_all
     from rolemrc.models.loading import load_tokenizer
 
-    source = use_checkpoint_as_model(cfg).get("model.path")  # the checkpoint an export came from
+    cfg, resolved = resolve_model_sources(cfg)
+    source = resolved.get("model.path")  # the checkpoint an export came from
 
     if cfg.generation.backend not in ("hf", "vllm"):
         raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")

@@ -25,7 +25,8 @@ def main() -> None:
     args = parser.parse_args()
 
     register()
-    from rolemrc.checkpoints import checkpoint_run_dir, export_checkpoint
+    from rolemrc.checkpointing import checkpoint_run_dir
+    from rolemrc.models.export import export_checkpoint
 
     try:
         run_dir = args.run_dir or checkpoint_run_dir(args.checkpoint)

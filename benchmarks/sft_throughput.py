@@ -44,7 +44,7 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
 
     from rolemrc.data.datamodule import ChatDataModule
     from rolemrc.data.packing import pack_rows
-    from rolemrc.data.templates import IGNORE
+    from rolemrc.objectives import IGNORE_INDEX
     from rolemrc.train import run
 
     timer = lightning_timer()
@@ -58,7 +58,7 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
 
             def collate(examples):
                 batch = inner(examples)
-                fill = {"input_ids": self.chat.tokenizer.pad_token_id, "labels": IGNORE, "attention_mask": 0}
+                fill = {"input_ids": self.chat.tokenizer.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
                 for key, value in fill.items():
                     extra = length - batch[key].shape[1]
                     batch[key] = torch.nn.functional.pad(batch[key], (0, extra), value=value)

@@ -1,4 +1,5 @@
-"""``strategy=single|ddp|fsdp`` -> a Lightning strategy; FSDP2 sharding of HF decoders."""
+"""``strategy=single|ddp|fsdp`` -> a Lightning strategy (the sharding itself is
+:func:`rolemrc.models.sharding.shard_model`, called from the module's ``configure_model``)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,8 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
 
 log = logging.getLogger(__name__)
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
 
 
 def world_size(t: Any) -> int:
@@ -39,7 +35,7 @@ def build_strategy(cfg: Any) -> Any:
 
         return DDPStrategy(find_unused_parameters=False)
     if s.name == "fsdp":
-        from rolemrc.checkpoints import AtomicModelParallelStrategy
+        from rolemrc.checkpointing.io import AtomicModelParallelStrategy
 
         if cfg.model.quantization.load_in_4bit:
             raise ValueError(
@@ -51,49 +47,3 @@ def build_strategy(cfg: Any) -> Any:
             data_parallel_size=world_size(cfg.trainer), tensor_parallel_size=1, save_distributed_checkpoint=True
         )
     raise ValueError(f"strategy.name must be single, ddp or fsdp, got {s.name!r}")
-
-
-def shard_model(model: nn.Module, device_mesh: Any, s: Any, master_dtype: torch.dtype = torch.float32) -> None:
-    """FSDP2 ``fully_shard`` on each decoder layer, the embeddings, the decoder (final norm) and lm_head.
-
-    rolemrc calls the decoder and the lm_head as modules (not the top-level model), so each
-    is its own FSDP unit and its forward hooks gather its parameters. Tied embeddings (one
-    parameter for ``embed_tokens`` and ``lm_head``) are sharded once, in one unit holding both
-    modules, so they stay one parameter that receives both gradients. Each unit's trainable
-    parameters are cast to ``master_dtype`` (fp32 masters) just before it is sharded, so no rank
-    ever holds a full fp32 copy of the model; ``strategy.param_dtype`` is what the gathered
-    parameters compute in.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    from rolemrc.models.loading import unwrap
-    from rolemrc.models.precision import cast_trainable
-
-    # The full mesh would silently become HSDP; shard over the data-parallel dimension.
-    mesh = device_mesh["data_parallel"]
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(s.param_dtype), reduce_dtype=_dtype(s.reduce_dtype)),
-        offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy(),
-    )
-
-    def shard(unit: nn.Module | list[nn.Module]) -> None:
-        for m in unit if isinstance(unit, list) else [unit]:
-            cast_trainable(m, master_dtype)
-        fully_shard(unit, **kwargs)
-
-    base = unwrap(model)
-    if s.activation_checkpointing and not getattr(base, "is_gradient_checkpointing", False):
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    decoder = base.get_decoder()
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    for layer in decoder.layers:
-        shard(layer)
-    tied = head.weight is embed.weight
-    if tied:
-        shard([embed, head])
-    shard(decoder)
-    if not tied:
-        shard(head)
-    log.info("FSDP2: sharded %d decoder layers over %d ranks%s", len(decoder.layers), mesh.size(),
-             " (tied embeddings: one unit for embed_tokens and lm_head)" if tied else "")

@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from rolemrc import asset
-from rolemrc.data.templates import IGNORE, ChatFormat
+from rolemrc.data.templates import ChatFormat
+from rolemrc.objectives import IGNORE_INDEX
 
 FORMATS = {"llama3": ("tiny-llama3", "<|eot_id|>"), "chatml": ("tiny-chatml", "<|im_end|>")}
 
@@ -38,7 +39,7 @@ def labelled_segments(ids: list[int], labels: list[int]) -> list[list[int]]:
     runs: list[list[int]] = []
     prev = False
     for tok, lab in zip(ids, labels):
-        on = lab != IGNORE
+        on = lab != IGNORE_INDEX
         if on:
             assert lab == tok, "labels must equal input ids where trained (shift happens in the loss)"
             if not prev:

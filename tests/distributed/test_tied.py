@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rolemrc.checkpoints import read_model_state
+from rolemrc.checkpointing import read_model_state
 from tests.conftest import ROOT
 from tests.train.helpers import series
 

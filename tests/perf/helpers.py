@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from rolemrc.models.forward import policy_hidden
+from rolemrc.models.loading import decoder_and_head
 from rolemrc.modules.base import PolicyModule
+from rolemrc.objectives import shift_labels, token_logprobs
+
+
+def token_logps(module: PolicyModule, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the labelled tokens (``[N]``, and their ``[B, T]`` mask), through the
+    same forward as training (:func:`policy_hidden`) and the objectives' chunked log-probs."""
+    decoder, head = decoder_and_head(module.model)
+    hidden = policy_hidden(module.model, decoder, batch, module.packs_with_context())
+    labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
+    return token_logprobs(hidden, head.weight, labels, bias=head.bias)
 
 
 def tokens_by_sequence(module: PolicyModule, batch: dict[str, torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
@@ -14,7 +26,7 @@ def tokens_by_sequence(module: PolicyModule, batch: dict[str, torch.Tensor]) -> 
     name the sequence of every position in ``sequence_ids`` (pairs: j chosen, P + j rejected).
     """
     with torch.no_grad():
-        logps, mask = module.token_logps(module.model, batch)
+        logps, mask = token_logps(module, batch)
     index = batch["index"].tolist()
     n = len(index)
     owner = batch["sequence_ids"][mask] if "sequence_ids" in batch else mask.nonzero()[:, 0]

@@ -12,13 +12,13 @@ import torch
 from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.packing import best_fit_decreasing, item_length, item_pieces, pack_rows
-from rolemrc.data.templates import IGNORE, ChatFormat
+from rolemrc.data.templates import ChatFormat
+from rolemrc.objectives import IGNORE_INDEX
 from rolemrc.models.loading import load_model, load_tokenizer
-from rolemrc.modules import packed_attention
-from rolemrc.modules.dpo import DPOModule
-from rolemrc.modules.sft import SFTModule
+from rolemrc.build import build_module
+from rolemrc.models import packed_attention
 from tests.conftest import compose_train
-from tests.perf.helpers import max_abs_diff, tokens_by_sequence
+from tests.perf.helpers import max_abs_diff, token_logps, tokens_by_sequence
 
 TOL = 1e-5  # fp32; observed differences are ~1e-7 (kernel summation order)
 MODELS = ["tiny", "tiny_qwen"]
@@ -35,7 +35,7 @@ def build(kind: str, model: str, *overrides: str):
     dm.setup()
     torch.manual_seed(0)
     net = load_model(cfg.model, tok)
-    module = SFTModule(net, cfg) if kind == "sft" else DPOModule(net, cfg, dm)
+    module = build_module(cfg, net, dm)
     return module.eval(), dm, tok.pad_token_id
 
 
@@ -64,10 +64,10 @@ def test_best_fit_decreasing_fills_bins_deterministically() -> None:
 def test_shared_pair_layout() -> None:
     row = {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6, 7, 8], "index": 0}
     chosen, rejected = item_pieces(row, share_prompt=True)
-    assert chosen.ids == [1, 2, 3, 4, 5] and chosen.labels == [IGNORE] * 3 + [4, 5]
+    assert chosen.ids == [1, 2, 3, 4, 5] and chosen.labels == [IGNORE_INDEX] * 3 + [4, 5]
     # A copy of the last prompt token predicts the first rejected token, at its original position,
     # seeing the rest of the prompt as context.
-    assert rejected.ids == [3, 6, 7, 8] and rejected.labels == [IGNORE, 6, 7, 8]
+    assert rejected.ids == [3, 6, 7, 8] and rejected.labels == [IGNORE_INDEX, 6, 7, 8]
     assert rejected.pos0 == 2 and rejected.context == (0, 2) and rejected.side == 1
     assert item_length(row, True) == 9 and item_length(row, False) == 11
     batch = PackedCollator(0, share_prompt=True)([[row, {**row, "index": 1}]])
@@ -87,7 +87,7 @@ def test_packed_sft_equals_unpacked(model: str, route: str) -> None:
     packed = tokens_by_sequence(module, batch)
     assert max_abs_diff(plain, packed) < TOL
     # Same per-token values, hence the same loss; no piece predicts its neighbour's first token.
-    assert sum(v.numel() for v in packed.values()) == sum(x != IGNORE for r in rows for x in r["labels"][1:])
+    assert sum(v.numel() for v in packed.values()) == sum(x != IGNORE_INDEX for r in rows for x in r["labels"][1:])
     if route == "segments":
         assert packed_attention.packed_route(module.model, False) == "segments"
 
@@ -108,8 +108,8 @@ def test_shared_prompt_equals_separate(model: str, pairs_per_row: int, route: st
     assert shared_batch["input_ids"].numel() < PairCollator(pad_id)(rows)["input_ids"].numel()
     # Summed per pair the way the DPO loss sees them: chosen then rejected.
     with torch.no_grad():
-        sums, counts = module.sequence_logps(module.model, shared_batch)
-        ref_sums, ref_counts = module.sequence_logps(module.model, PairCollator(pad_id)(rows))
+        sums, counts = module.pair_logps(module.model, shared_batch)
+        ref_sums, ref_counts = module.pair_logps(module.model, PairCollator(pad_id)(rows))
     order = shared_batch["index"].tolist()
     ref_sums = torch.cat([ref_sums[: len(rows)][order], ref_sums[len(rows) :][order]])
     ref_counts = torch.cat([ref_counts[: len(rows)][order], ref_counts[len(rows) :][order]])
@@ -122,7 +122,9 @@ def test_packed_logps_under_bf16_autocast() -> None:
     module, dm, pad_id = build("sft", "tiny")
     batch = PackedCollator(pad_id)(pack_rows(dm.train_rows[:6], 512)[0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logps, mask = module.token_logps(module.model, batch)
+        seq = module.sequence_logps(module.model, batch, batch["index"].shape[0])
+        logps, mask = token_logps(module, batch)
+    assert seq.logps.dtype == torch.float32 and torch.isfinite(seq.logps).all()
     assert logps.dtype == torch.float32 and torch.isfinite(logps).all() and logps.numel() == mask.sum()
 
 

@@ -16,7 +16,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from rolemrc.checkpoints import export_state, hf_model_path, use_checkpoint_as_model
+from rolemrc.models.export import export_state
+from rolemrc.models.source import hf_model_path, resolve_model_sources
 from rolemrc.models.loading import load_model, load_tokenizer
 from tests.conftest import ROOT, compose_train
 
@@ -111,10 +112,12 @@ def test_saved_weights_bring_their_own_tokenizer(tmp_path: Path) -> None:
     assert "<|start_header_id|>" in load_tokenizer(explicit.model).chat_template  # an explicit choice wins
 
 
-def test_use_checkpoint_as_model_rewrites_only_what_names_a_checkpoint(lora_run: Path) -> None:
-    cfg = OmegaConf.create({"model": {"path": str(lora_run / "checkpoints" / "last.ckpt")},
-                            "compare": {"path": "Qwen/Qwen2.5-7B"}})
-    use_checkpoint_as_model(cfg, "compare.path")
+def test_resolve_model_sources_rewrites_only_what_names_a_checkpoint(lora_run: Path) -> None:
+    given = OmegaConf.create({"model": {"path": str(lora_run / "checkpoints" / "last.ckpt")},
+                              "compare": {"path": "Qwen/Qwen2.5-7B"}})
+    cfg, changed = resolve_model_sources(given, "compare.path")
+    assert changed == {"model.path": given.model.path}
+    assert given.model.path.endswith("last.ckpt")  # the caller's config is not mutated
     assert cfg.model.path == str(lora_run / "exports" / "last") and cfg.compare.path == "Qwen/Qwen2.5-7B"
     assert json.loads((lora_run / "exports" / "last" / "rolemrc_source.json").read_text())["checkpoint"].endswith(
         "last.ckpt")
@@ -133,7 +136,7 @@ def test_ranks_resolving_one_checkpoint_at_once_export_it_once(lora_run: Path, t
     run = tmp_path / "run"
     shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("export", "exports"))
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
-            "from rolemrc.checkpoints import hf_model_path; print(hf_model_path(sys.argv[1]))")
+            "from rolemrc.models.source import hf_model_path; print(hf_model_path(sys.argv[1]))")
     ranks = [subprocess.Popen([sys.executable, "-c", code, str(run / "checkpoints" / "last.ckpt")], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [rank.communicate(timeout=300) for rank in ranks]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rolemrc.checkpoints import skeleton_config
+from rolemrc.models.export import skeleton_config
 from rolemrc.models.loading import load_model, load_tokenizer, plain
 from rolemrc.train import run
 

@@ -11,7 +11,8 @@ from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
 from rolemrc.modules.dpo import DPOModule
-from rolemrc.train import run
+from rolemrc.build import build_module
+from rolemrc.train import fit, run, setup
 from tests.train.helpers import series
 
 DPO = ["objective=dpo", "data.max_length=160", "data.max_prompt_length=96", "trainer.max_epochs=50",
@@ -20,17 +21,16 @@ LORA = ["model.peft.enabled=true", "model.peft.r=16", "model.peft.alpha=32",
         "model.peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"]
 
 
-def train_pair_accuracy(module: DPOModule) -> tuple[float, float]:
+def train_pair_accuracy(module: DPOModule, dm) -> tuple[float, float]:
     """Reward accuracy and mean margin over every training pair, after training."""
-    dm = module.datamodule
     module.eval()
     correct, margins = [], []
     with torch.no_grad():
         for batch in dm.train_dataloader():
             b = batch["index"].shape[0]
-            policy = module.sequence_logps(module.model, batch)[0]
+            policy = module.pair_logps(module.model, batch).logps
             ref = module.reference_logps(batch, "train")
-            beta = module.cfg.objective.beta
+            beta = module.objective.beta
             chosen, rejected = beta * (policy[:b] - ref[:b]), beta * (policy[b:] - ref[b:])
             correct.append((chosen > rejected).float())
             margins.append(chosen - rejected)
@@ -38,23 +38,16 @@ def train_pair_accuracy(module: DPOModule) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("mode", ["copy", "precomputed", "adapter"])
-def test_each_reference_mode_learns_the_preferences(train_cfg, mode: str, monkeypatch) -> None:
-    captured: dict[str, DPOModule] = {}
-    original = DPOModule.__init__
-
-    def keep(self, *args, **kwargs):  # hold on to the module the pipeline builds
-        original(self, *args, **kwargs)
-        captured["module"] = self
-
-    monkeypatch.setattr(DPOModule, "__init__", keep)
+def test_each_reference_mode_learns_the_preferences(train_cfg, mode: str) -> None:
     # LoRA adapters learn through fewer parameters: a higher lr and more steps.
     steps, extra = (40, LORA + ["optim.lr=2e-2"]) if mode == "adapter" else (25, ["optim.lr=3e-3"])
-    out = run(train_cfg(*DPO, f"objective.reference={mode}", f"trainer.max_steps={steps}", *extra))
+    parts = setup(train_cfg(*DPO, f"objective.reference={mode}", f"trainer.max_steps={steps}", *extra))
+    out = fit(parts)
     run_dir = Path(out["run_dir"])
     margins = series(run_dir, "train/rewards/margins")
     assert len(margins) == steps
     assert sum(margins[-5:]) / 5 > sum(margins[:5]) / 5 + 0.2, margins
-    accuracy, margin = train_pair_accuracy(captured["module"])
+    accuracy, margin = train_pair_accuracy(parts.module, parts.datamodule)
     assert accuracy > 0.9, f"{mode}: reward accuracy on training pairs {accuracy:.2f}"
     assert margin > 0
 
@@ -92,7 +85,7 @@ def test_adapter_mode_holds_no_second_copy(train_cfg) -> None:
         cfg = train_cfg(*DPO, f"objective.reference={mode}", *extra)
         tok = load_tokenizer(cfg.model)
         dm = ChatDataModule(cfg.data, "pairs", ChatFormat(tok))
-        module = DPOModule(load_model(cfg.model, tok), cfg, dm)
+        module = build_module(cfg, load_model(cfg.model, tok), dm)
         held = {id(p): p.numel() for p in module.model.parameters()}
         if module.ref_model is not None:
             held |= {id(p): p.numel() for p in module.ref_model.parameters()}
@@ -113,6 +106,6 @@ def test_share_prompt_must_match_the_datamodule_layout(train_cfg) -> None:
     cfg = train_cfg(*DPO, "objective.share_prompt=true")
     tok = load_tokenizer(cfg.model)
     with pytest.raises(ValueError, match="objective.share_prompt=True but the datamodule lays pairs out"):
-        DPOModule(load_model(cfg.model, tok), cfg, ChatDataModule(cfg.data, "pairs", ChatFormat(tok)))
+        build_module(cfg, load_model(cfg.model, tok), ChatDataModule(cfg.data, "pairs", ChatFormat(tok)))
     shared = ChatDataModule(cfg.data, "pairs", ChatFormat(tok), share_prompt=True)
-    assert DPOModule(load_model(cfg.model, tok), cfg, shared).datamodule.share_prompt
+    assert build_module(cfg, load_model(cfg.model, tok), shared).packs_with_context()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rolemrc.checkpoints import export_state
+from rolemrc.models.export import export_state
 from rolemrc.models.loading import load_model, load_tokenizer
 
 LORA = ["model.peft.enabled=true", "model.peft.r=4", "model.peft.alpha=8"]

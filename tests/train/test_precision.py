@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rolemrc.checkpoints import read_model_state
+from rolemrc.checkpointing import read_model_state
 from rolemrc.models.precision import precision_policy
 from rolemrc.train import run
 from tests.conftest import ROOT

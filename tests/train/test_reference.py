@@ -16,7 +16,7 @@ import torch
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import load_model, load_tokenizer
-from rolemrc.modules.dpo import DPOModule
+from rolemrc.build import build_module
 from rolemrc.train import run
 from tests.train.helpers import series
 
@@ -98,12 +98,12 @@ def test_adapter_reference_runs_without_dropout(train_cfg) -> None:
     tok = load_tokenizer(cfg.model)
     dm = ChatDataModule(cfg.data, "pairs", ChatFormat(tok))
     dm.setup()
-    module = DPOModule(load_model(cfg.model, tok), cfg, dm)
+    module = build_module(cfg, load_model(cfg.model, tok), dm)
     batch = dm.collator()(dm.train_rows[:4])
     module.model.train()
     a, b = module.reference_logps(batch, "train"), module.reference_logps(batch, "train")
     assert module.model.training, "the policy's mode is restored"
     module.model.eval()
     with torch.no_grad(), module.model.disable_adapter():
-        base = module.sequence_logps(module.model, batch)[0]
+        base = module.pair_logps(module.model, batch).logps
     assert torch.equal(a, b) and torch.allclose(a, base)

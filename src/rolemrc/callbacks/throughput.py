@@ -32,6 +32,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from rolemrc.objectives import IGNORE_INDEX
+
 log = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment, most specific first.
@@ -100,7 +102,7 @@ def batch_counts(batch: dict[str, Tensor]) -> Tensor:
         else:
             n = torch.full((ids.shape[0],), float(ids.shape[-1]), device=ids.device, dtype=torch.float64)
         pairs = (n * (n + 1) / 2).sum()
-    trained = (batch["labels"][..., 1:] != -100).sum() if "labels" in batch else real * 0
+    trained = (batch["labels"][..., 1:] != IGNORE_INDEX).sum() if "labels" in batch else real * 0
     samples = batch["index"].shape[0] if "index" in batch else ids.shape[0]
     # Packed rows are flattened to their real tokens before the forward (rolemrc's default
     # routes), so they compute no padding slot; padded batches compute every slot.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.data.templates import IGNORE
+from rolemrc.objectives import IGNORE_INDEX
 
 
 def pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -29,7 +29,7 @@ class SFTCollator:
         ids = [e["input_ids"] for e in examples]
         return {
             "input_ids": pad(ids, self.pad_id),
-            "labels": pad([e["labels"] for e in examples], IGNORE),
+            "labels": pad([e["labels"] for e in examples], IGNORE_INDEX),
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
@@ -49,10 +49,10 @@ class PairCollator:
         for side in ("chosen_ids", "rejected_ids"):
             for e in examples:
                 ids.append(e["prompt_ids"] + e[side])
-                labels.append([IGNORE] * len(e["prompt_ids"]) + e[side])
+                labels.append([IGNORE_INDEX] * len(e["prompt_ids"]) + e[side])
         return {
             "input_ids": pad(ids, self.pad_id),
-            "labels": pad(labels, IGNORE),
+            "labels": pad(labels, IGNORE_INDEX),
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
@@ -114,7 +114,7 @@ class PackedCollator:
             seq_rows.append(seq)
         return {
             "input_ids": pad(ids_rows, self.pad_id),
-            "labels": pad(label_rows, IGNORE),
+            "labels": pad(label_rows, IGNORE_INDEX),
             "position_ids": pad(pos_rows, 0),
             "sequence_ids": pad(seq_rows, -1),
             "segments": torch.tensor(segments, dtype=torch.long),
@@ -132,7 +132,7 @@ def row_totals(row: dict[str, Any]) -> tuple[int, ...]:
     chosen response's trained tokens."""
     if "prompt_ids" in row:
         return 1, len(row["chosen_ids"]) - (0 if row["prompt_ids"] else 1)
-    return (sum(1 for label in row["labels"][1:] if label != IGNORE),)
+    return (sum(1 for label in row["labels"][1:] if label != IGNORE_INDEX),)
 
 
 class StepCollator:

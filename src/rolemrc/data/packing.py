@@ -25,14 +25,14 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from rolemrc.data.templates import IGNORE
+from rolemrc.objectives import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
 class Piece:
     """One attention segment of a packed row.
 
-    ``ids``/``labels``: unshifted, same length (labels ``IGNORE`` where nothing is trained).
+    ``ids``/``labels``: unshifted, same length (labels ``IGNORE_INDEX`` where nothing is trained).
     ``pos0``: position id of the first token. ``context``: ``(start, end)`` offsets, relative to
     the start of the item's first piece, of tokens this piece sees in full (``(0, 0)``: none).
     ``side``: ``0`` (conversation or chosen) or ``1`` (rejected).
@@ -51,13 +51,13 @@ def item_pieces(row: dict[str, Any], share_prompt: bool = False) -> list[Piece]:
     if "input_ids" in row:
         return [Piece(row["input_ids"], row["labels"])]
     prompt, chosen, rejected = row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]
-    first = Piece(prompt + chosen, [IGNORE] * len(prompt) + chosen)
+    first = Piece(prompt + chosen, [IGNORE_INDEX] * len(prompt) + chosen)
     if not share_prompt:
-        return [first, Piece(prompt + rejected, [IGNORE] * len(prompt) + rejected, side=1)]
+        return [first, Piece(prompt + rejected, [IGNORE_INDEX] * len(prompt) + rejected, side=1)]
     if not prompt:
         raise ValueError("share_prompt needs a non-empty prompt (the generation prompt is always there)")
     # Context = prompt[:-1], which sits at the very start of the first piece.
-    return [first, Piece(prompt[-1:] + rejected, [IGNORE] + rejected, len(prompt) - 1, (0, len(prompt) - 1), 1)]
+    return [first, Piece(prompt[-1:] + rejected, [IGNORE_INDEX] + rejected, len(prompt) - 1, (0, len(prompt) - 1), 1)]
 
 
 def item_length(row: dict[str, Any], share_prompt: bool = False) -> int:

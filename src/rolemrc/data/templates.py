@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.data.schemas import Message
+from rolemrc.objectives.logprobs import IGNORE_INDEX
 
-IGNORE = -100
 SHIPPED_TEMPLATES = {"llama3": "llama3.jinja", "chatml": "chatml.jinja"}
 
 
@@ -49,12 +49,12 @@ _SENTINEL = "RoleMRCsentinel7f3a"
 @dataclass
 class EncodedConversation:
     input_ids: list[int]
-    labels: list[int]  # IGNORE except on assistant content + end-of-turn tokens
+    labels: list[int]  # IGNORE_INDEX except on assistant content + end-of-turn tokens
     truncated: bool
 
     @property
     def n_trained(self) -> int:
-        return sum(label != IGNORE for label in self.labels)
+        return sum(label != IGNORE_INDEX for label in self.labels)
 
 
 @dataclass
@@ -148,11 +148,11 @@ class ChatFormat:
             context = self.tokenize(text[cursor:start])
             target = self.tokenize(text[start:end])
             ids += context + target
-            labels += [IGNORE] * len(context) + target
+            labels += [IGNORE_INDEX] * len(context) + target
             cursor = end
         tail = self.tokenize(text[cursor:])
         ids += tail
-        labels += [IGNORE] * len(tail)
+        labels += [IGNORE_INDEX] * len(tail)
         truncated = max_length is not None and len(ids) > max_length
         if truncated:
             ids, labels = ids[-max_length:], labels[-max_length:]

@@ -1,4 +1,6 @@
-"""Write a trained model in HF format (safetensors + config + tokenizer + chat template)."""
+"""Write a trained model in HF format (safetensors + config + tokenizer + chat template): from a
+live model (:func:`export_pretrained`), from a full state dict in a meta-device skeleton of a
+run's model (:func:`export_state`) or from a checkpoint file/folder (:func:`export_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from rolemrc.models.loading import LogprobHead, unwrap
+from rolemrc.checkpointing.state import read_model_state
+from rolemrc.models.loading import load_model, load_tokenizer, unwrap
+from rolemrc.models.logprob_head import install_logprob_head, restore_linear_head
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +31,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     if partial.exists():
         shutil.rmtree(partial)
     is_peft = hasattr(model, "get_base_model")
-    head = unwrap(model).get_output_embeddings()
-    if isinstance(head, LogprobHead):
-        head.__class__ = nn.Linear  # saved models are plain transformers models
+    restore_linear_head(model)  # saved models are plain transformers models
     try:
         if is_peft and merge_lora:
             if getattr(unwrap(model), "is_loaded_in_4bit", False):
@@ -44,10 +47,62 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
             config.use_cache = training_cache
         tokenizer.save_pretrained(partial)
     finally:
-        if isinstance(head, nn.Linear) and type(head) is nn.Linear:
-            head.__class__ = LogprobHead
+        install_logprob_head(model)
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
     log.info("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
     return out
+
+
+def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:
+    """Load a checkpoint's weights into the run's model and export it in HF format."""
+    return export_state(run_cfg, read_model_state(checkpoint), out_dir, merge_lora, origin=str(checkpoint))
+
+
+def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Path, merge_lora: bool | None = None,
+                 origin: str = "state dict") -> Path:
+    """Build the model skeleton from a run's config, load ``state`` (full, unsharded), export.
+
+    The skeleton's parameters live on the meta device (no pretrained weights are read, nothing
+    is initialised, no second copy of an 8B model is held): ``state``'s tensors, cast to the
+    run's dtype, become the parameters. A missing or extra key is an error.
+    """
+    from accelerate import init_empty_weights
+
+    tokenizer = load_tokenizer(run_cfg.model)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
+        model = load_model(skeleton_config(run_cfg.model), tokenizer)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise ValueError(f"{origin}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    cast = {k: v.to(expected[k].dtype) for k, v in state.items()}
+    model.load_state_dict(cast, strict=True, assign=True)
+    del cast
+    model.tie_weights()  # assign=True replaced tied tensors by two copies of the same values
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
+    merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
+    return export_pretrained(model, tokenizer, out_dir, merge)
+
+
+def skeleton_config(model_cfg: Any) -> Any:
+    """A copy of ``model_cfg`` that builds the same architecture without reading weights."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    if cfg["path"] is not None:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg["path"], trust_remote_code=cfg["trust_remote_code"])
+        cfg["tokenizer"] = cfg["tokenizer"] or cfg["path"]
+        cfg["arch"] = hf.model_type
+        cfg["init"] = {k: v for k, v in hf.to_diff_dict().items()
+                       if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
+        cfg["path"] = None
+    cfg["quantization"]["load_in_4bit"] = False
+    cfg["gradient_checkpointing"] = False
+    return OmegaConf.create(cfg)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.models.logprob_head import install_logprob_head
+
 log = logging.getLogger(__name__)
 
 
@@ -160,35 +162,13 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
     return model
 
 
-class LogprobHead(nn.Linear):
-    """The model's lm_head, also able to return log-probs of given targets without ever
-    holding the [tokens x vocab] logits. Called as a module so FSDP's hooks gather its weight."""
-
-    chunk_size: int = 1024
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        if labels is None:
-            return super().forward(hidden)
-        from rolemrc.objectives.logprobs import token_logprobs
-
-        logps, _ = token_logprobs(hidden, self.weight, labels, chunk_size=self.chunk_size, bias=self.bias)
-        return logps
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def install_logprob_head(model: nn.Module) -> None:
-    head = unwrap(model).get_output_embeddings()
-    if type(head) is nn.Linear:
-        head.__class__ = LogprobHead  # same parameters, one more way to call it
-    elif not isinstance(head, LogprobHead):
-        raise TypeError(f"unsupported lm_head type {type(head).__name__}: expected nn.Linear")
-
-
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, LogprobHead]:
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The decoder stack (embeddings, layers, final norm) and the output head, each called as a module."""
     base = unwrap(model)
     return base.get_decoder(), base.get_output_embeddings()
 

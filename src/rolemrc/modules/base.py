@@ -1,5 +1,10 @@
-"""What SFT and DPO share: the policy model, its forward to per-token log-probs, the
-optimizer/schedule and FSDP2 sharding."""
+"""What SFT and DPO share: the policy model, its forward to per-sequence log-probs (the
+objectives' :func:`~rolemrc.objectives.sequence_logprobs` through the model's
+:class:`~rolemrc.models.logprob_head.LogprobHead`), loss normalisation over the global batch,
+the optimizer/schedule and FSDP2 sharding.
+
+A module receives what it needs, not the whole config: the model, the ``objective`` and
+``optim`` config nodes, the precision policy and (for FSDP2) the ``strategy`` node."""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ import lightning as L
 import torch
 from torch import nn
 
+from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head
-from rolemrc.models.precision import cast_trainable, precision_policy
-from rolemrc.objectives.logprobs import shift_labels
+from rolemrc.models.precision import PrecisionPolicy, cast_trainable
+from rolemrc.objectives.logprobs import SequenceLogProbs, shift_labels
+from rolemrc.rng import rng_state, set_rng_state
 
 
 def _gather_rows(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,57 +67,41 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
 class PolicyModule(L.LightningModule):
     """Holds ``self.model`` (a transformers causal LM, maybe PEFT-wrapped)."""
 
-    def __init__(self, model: nn.Module, cfg: Any) -> None:
+    def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
+                 sharding: Any = None) -> None:
         super().__init__()
         # from_pretrained returns a model in eval mode and Lightning keeps module modes as it
         # finds them: without this, a model loaded from a path trains with dropout off and, worse,
         # with gradient checkpointing silently inactive (transformers checkpoints only in training).
         model.train()
         self.model = model
-        self.cfg = cfg
-        self.policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
+        self.objective = objective
+        self.optim = optim
+        self.policy = policy
+        self.sharding = sharding  # the strategy node: FSDP2 unit options (used under a device mesh)
         self._sharded = False
 
     # ---- forward -------------------------------------------------------------------------
-    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of every labelled token: ([N] fp32, [B, T] bool mask of their positions).
+    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], n: int) -> SequenceLogProbs:
+        """Summed log-probs of the labelled tokens of each of the batch's ``n`` sequences, and
+        their counts (``[n]`` fp32, ``[n]`` long).
 
-        The lm_head is applied only at those N positions, in chunks (never [B*T, V] logits).
-        Packed batches (``segments``, ``sequence_ids``, ``position_ids`` from
+        The lm_head is applied only at labelled positions, in chunks (never ``[B*T, V]``
+        logits). Packed batches (``segments``, ``sequence_ids``, ``position_ids`` from
         :class:`~rolemrc.data.collate.PackedCollator`) attend within each piece only, and a
         piece's last token is never trained to predict the next piece's first.
         """
         decoder, head = decoder_and_head(model)
-        head.chunk_size = self.cfg.objective.logprob_chunk_size
-        if "segments" in batch:
-            from rolemrc.modules.packed_attention import packed_hidden, packed_route
-
-            hidden = packed_hidden(decoder, batch, packed_route(model, self.packs_with_context()))
-        else:
-            hidden = decoder(
-                input_ids=batch["input_ids"],
-                attention_mask=batch.get("attention_mask"),
-                position_ids=batch.get("position_ids"),
-            ).last_hidden_state
+        head.chunk_size = self.objective.logprob_chunk_size
+        hidden = policy_hidden(model, decoder, batch, self.packs_with_context())
         labels = batch.get("shifted_labels")
         if labels is None:
             labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
-        return head(hidden, labels=labels), labels != -100  # fp32 even under autocast
+        return head(hidden, labels=labels, sequence_ids=batch.get("sequence_ids"), num_sequences=n)
 
     def packs_with_context(self) -> bool:
         """Whether packed pieces may see a context span (shared-prompt DPO); SFT: never."""
         return False
-
-    def sequence_sums(self, logps: torch.Tensor, mask: torch.Tensor, batch: dict[str, torch.Tensor],
-                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sequence sums of token log-probs and token counts ``([n], [n])``.
-
-        Unpacked batches hold one sequence per row; packed / shared-prompt ones say which
-        sequence each position belongs to (``sequence_ids``)."""
-        owner = batch["sequence_ids"][mask] if "sequence_ids" in batch else mask.nonzero()[:, 0]
-        sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
-        counts = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, owner, torch.ones_like(owner))
-        return sums, counts
 
     # ---- loss normalisation over the global batch -----------------------------------------
     def global_mean(self, local_sum: torch.Tensor, batch: dict[str, torch.Tensor], total: str) -> torch.Tensor:
@@ -176,8 +167,6 @@ class PolicyModule(L.LightningModule):
         raise NotImplementedError
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from rolemrc.checkpoints import rng_state
-
         checkpoint["rng_state"] = rng_state()  # dropout etc. continue exactly after a resume
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -188,8 +177,6 @@ class PolicyModule(L.LightningModule):
         # Restored here, after Lightning's own setup consumed random numbers.
         state = getattr(self, "_rng_to_restore", None)
         if state is not None:
-            from rolemrc.checkpoints import set_rng_state
-
             set_rng_state(state)
             self._rng_to_restore = None
 
@@ -200,7 +187,7 @@ class PolicyModule(L.LightningModule):
 
     # ---- optimisation --------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
-        o = self.cfg.optim
+        o = self.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
@@ -219,10 +206,10 @@ class PolicyModule(L.LightningModule):
         if self.device_mesh is None:
             cast_trainable(self.model, self.policy.master)
         else:
-            from rolemrc.strategies import shard_model
+            from rolemrc.models.sharding import shard_model
 
             for m in self.models_to_shard():
-                shard_model(m, self.device_mesh, self.cfg.strategy, self.policy.master)
+                shard_model(m, self.device_mesh, self.sharding, self.policy.master)
         self._sharded = True
 
     def models_to_shard(self) -> list[nn.Module]:

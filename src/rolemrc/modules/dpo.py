@@ -21,30 +21,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
-from rolemrc.modules.reference import (  # noqa: F401 - fingerprints re-exported
-    REFERENCE_MODES,
-    Reference,
-    fingerprint,
-    make_reference,
-    rows_fingerprint,
-)
+from rolemrc.modules.reference import Reference
 from rolemrc.objectives.dpo import average_logps, dpo_loss
+from rolemrc.objectives.logprobs import SequenceLogProbs
 
 log = logging.getLogger(__name__)
 
+
 class DPOModule(PolicyModule):
-    def __init__(self, model: nn.Module, cfg: Any, datamodule: Any) -> None:
-        super().__init__(model, cfg)
-        o = cfg.objective
-        # Built from the initial weights (precomputed: their fingerprint), before any checkpoint is restored.
-        self.reference: Reference = make_reference(model, cfg)
-        self.mode = o.reference
-        self.datamodule = datamodule
-        if datamodule is not None and bool(o.share_prompt) != datamodule.share_prompt:
-            raise ValueError(f"objective.share_prompt={o.share_prompt} but the datamodule lays pairs out with "
-                             f"share_prompt={datamodule.share_prompt}: build it with "
-                             f"ChatDataModule(..., share_prompt=cfg.objective.share_prompt)")
+    """``objective``: the dpo objective node (beta, loss_type, label_smoothing, sft_weight,
+    share_prompt, logprob_chunk_size); ``reference``: where the reference log-probs come from,
+    built from the initial weights before any checkpoint is restored
+    (:func:`rolemrc.modules.reference.make_reference`)."""
+
+    def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
+                 reference: Reference, sharding: Any = None) -> None:
+        super().__init__(model, objective, optim, policy, sharding)
+        self.reference = reference
+        self.mode = reference.mode
 
     @property
     def ref_model(self) -> nn.Module | None:
@@ -64,14 +60,13 @@ class DPOModule(PolicyModule):
         super().configure_model()
 
     # ---- log-probs ------------------------------------------------------------------------
-    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed response log-probs and token counts: ([2B], [2B]), chosen then rejected
+    def pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogProbs:
+        """Summed response log-probs and token counts ``[2B]``, chosen then rejected
         (packed / shared-prompt batches: pair j's chosen side is sequence j, its rejected side B + j)."""
-        logps, mask = self.token_logps(model, batch)
-        return self.sequence_sums(logps, mask, batch, 2 * batch["index"].shape[0])
+        return self.sequence_logps(model, batch, 2 * batch["index"].shape[0])
 
     def packs_with_context(self) -> bool:
-        return bool(self.cfg.objective.share_prompt)
+        return bool(self.objective.share_prompt)
 
     def reference_logps(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         """Summed reference log-probs ``[2B]`` (chosen then rejected), without gradient."""
@@ -93,9 +88,9 @@ class DPOModule(PolicyModule):
     # ---- steps -----------------------------------------------------------------------------
     def _pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
         """Per-pair loss terms and metrics of one micro-batch (all ``[B]``)."""
-        o = self.cfg.objective
+        o = self.objective
         b = batch["index"].shape[0]
-        policy, counts = self.sequence_logps(self.model, batch)
+        policy, counts = self.pair_logps(self.model, batch)
         ref = self.reference_logps(batch, stage)
         if o.loss_type == "ipo":  # IPO compares length-normalised log-probs
             pol_in, ref_in = average_logps(policy, counts), average_logps(ref, counts)
@@ -118,9 +113,9 @@ class DPOModule(PolicyModule):
         shares = {f"train/{k}": self.global_mean(terms[k].detach().double().sum(), batch, "pairs")
                   for k in _PAIR_METRICS}
         loss = pair_loss
-        if self.cfg.objective.sft_weight > 0:
+        if self.objective.sft_weight > 0:
             nll = self.global_mean(terms["nll_chosen"].sum(), batch, "chosen_tokens")
-            loss = loss + self.cfg.objective.sft_weight * nll
+            loss = loss + self.objective.sft_weight * nll
             shares["train/nll_chosen"] = nll
         shares["train/loss"] = loss
         self.log_step_shares(batch, shares, prog_bar=("train/loss",))
@@ -134,9 +129,9 @@ class DPOModule(PolicyModule):
         cols = dict(zip(_VAL_COLUMNS, values.unbind(-1)))
         out = {k: cols[k].mean() for k in _PAIR_METRICS}
         out["loss"] = cols["loss"].mean()
-        if self.cfg.objective.sft_weight > 0:
+        if self.objective.sft_weight > 0:
             out["nll_chosen"] = cols["nll_chosen"].sum() / cols["chosen_tokens"].sum().clamp(min=1)
-            out["loss"] = out["loss"] + self.cfg.objective.sft_weight * out["nll_chosen"]
+            out["loss"] = out["loss"] + self.objective.sft_weight * out["nll_chosen"]
         return out
 
 

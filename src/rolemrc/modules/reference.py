@@ -81,7 +81,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 class Reference:
     """One reference mode. ``module`` is the :class:`~rolemrc.modules.dpo.DPOModule` (policy,
-    trainer, ``sequence_logps``)."""
+    trainer, ``pair_logps``)."""
 
     mode: str
 
@@ -117,7 +117,7 @@ class CopyReference(Reference):
 
     def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         with torch.no_grad():
-            return module.sequence_logps(self.model, batch)[0]
+            return module.pair_logps(self.model, batch).logps
 
 
 class AdapterReference(Reference):
@@ -129,15 +129,16 @@ class AdapterReference(Reference):
 
     def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         with torch.no_grad(), eval_mode(module.model), module.model.disable_adapter():
-            return module.sequence_logps(module.model, batch)[0]
+            return module.pair_logps(module.model, batch).logps
 
 
 class PrecomputedReference(Reference):
     mode = "precomputed"
 
-    def __init__(self, model: nn.Module, cfg: Any) -> None:
-        self.cfg = cfg
-        self.key = reference_key(model, cfg)  # the initial weights: nothing is restored into them yet
+    def __init__(self, model: nn.Module, key: str, cache_dir: str, batch_size: int) -> None:
+        self.key = key  # the initial weights (fingerprinted before anything is restored) + settings
+        self.cache_dir = cache_dir
+        self.batch_size = batch_size
         self.tables: dict[str, torch.Tensor] = {}
         self.rows: dict[str, str] = {}  # stage -> rows_fingerprint of its table (unknown: absent)
 
@@ -171,7 +172,7 @@ class PrecomputedReference(Reference):
 
     # ---- fit start ----------------------------------------------------------------------------
     def on_fit_start(self, module: DPOModule) -> None:
-        dm = module.datamodule
+        dm = module.trainer.datamodule
         for stage, rows in (("train", dm.train_rows), ("val", dm.val_rows)):
             if rows:
                 self._ensure(module, stage, rows)
@@ -208,7 +209,7 @@ class PrecomputedReference(Reference):
                 "reference must be the initial model). Point objective.reference_cache_dir at the first run's "
                 "ref_cache folder (and use the same data, model, precision and attention settings), or start "
                 "the run again from its initial model.")
-        self.tables[stage] = table = compute_table(module, rows, stage)  # the initial weights
+        self.tables[stage] = table = compute_table(module, rows, stage, self.batch_size)  # the initial weights
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -217,8 +218,7 @@ class PrecomputedReference(Reference):
             log.info("reference log-probs (%s, %d pairs) written to %s", stage, len(rows), path)
 
     def cache_path(self, rows: list[dict]) -> Path:
-        root = self.cfg.objective.reference_cache_dir or str(Path(self.cfg.run_dir) / "ref_cache")
-        return Path(root) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
+        return Path(self.cache_dir) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
 
 
 def reference_key(model: nn.Module, cfg: Any) -> str:
@@ -230,20 +230,19 @@ def reference_key(model: nn.Module, cfg: Any) -> str:
 
 
 @torch.no_grad()
-def compute_table(module: DPOModule, rows: list[dict], stage: str) -> torch.Tensor:
+def compute_table(module: DPOModule, rows: list[dict], stage: str, batch_size: int) -> torch.Tensor:
     """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now, in eval
     mode under the trainer's precision context; each rank computes a strided share (collective)."""
     trainer = module.trainer
     world, rank = trainer.world_size, trainer.global_rank
     sampler = ResumableSampler(len(rows), False, 0, rank, world)
-    loader = DataLoader(rows, batch_size=module.cfg.data.batch_size, sampler=sampler,
-                        collate_fn=module.datamodule.collator())
+    loader = DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=trainer.datamodule.collator())
     index, values = [], []
     show = trainer.is_global_zero and trainer.progress_bar_callback is not None
     with eval_mode(module.model), trainer.precision_plugin.forward_context():  # as training computes
         for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):
             batch = {k: v.to(module.device) for k, v in batch.items()}
-            sums = module.sequence_logps(module.model, batch)[0]
+            sums = module.pair_logps(module.model, batch).logps
             b = batch["index"].shape[0]
             index.append(batch["index"])
             values.append(torch.stack([sums[:b], sums[b:]], dim=-1))
@@ -290,5 +289,6 @@ def make_reference(model: nn.Module, cfg: Any) -> Reference:
     if mode == "adapter":
         return AdapterReference(model)
     if mode == "precomputed":
-        return PrecomputedReference(model, cfg)
+        cache_dir = cfg.objective.reference_cache_dir or str(Path(cfg.run_dir) / "ref_cache")
+        return PrecomputedReference(model, reference_key(model, cfg), cache_dir, cfg.data.batch_size)
     raise ValueError(f"objective.reference must be one of {REFERENCE_MODES}, got {mode!r}")

@@ -18,16 +18,16 @@ from rolemrc.modules.base import PolicyModule
 
 class SFTModule(PolicyModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logps, mask = self.token_logps(self.model, batch)
-        share = self.global_mean(-logps.sum(), batch, "tokens")
+        seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])
+        share = self.global_mean(-seq.logps.sum(), batch, "tokens")
         # train/tokens: the step's label tokens (each micro-batch's count, summed over the step)
-        self.log_step_shares(batch, {"train/loss": share, "train/tokens": mask.sum()}, prog_bar=("train/loss",))
+        self.log_step_shares(batch, {"train/loss": share, "train/tokens": seq.num_tokens.sum()},
+                             prog_bar=("train/loss",))
         return share * self.backward_scale()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logps, mask = self.token_logps(self.model, batch)
-        sums, counts = self.sequence_sums(logps, mask, batch, batch["index"].shape[0])
-        self.collect_val(batch["index"], torch.stack([-sums.detach().double(), counts.double()], dim=-1))
+        seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])
+        self.collect_val(batch["index"], torch.stack([-seq.logps.detach().double(), seq.num_tokens.double()], dim=-1))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         nll, tokens = values.sum(0)

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
-from rolemrc.checkpoints import use_checkpoint_as_model
 from rolemrc.models.loading import check_source, load_model, load_tokenizer
+from rolemrc.models.source import resolve_model_sources
 from rolemrc.probing.capture import check_site
 from rolemrc.probing.maps import (
     ALL,
@@ -100,7 +100,7 @@ def check_settings(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Probe as configured; return the paths written."""
     check_settings(cfg)
-    use_checkpoint_as_model(cfg, "compare.path")
+    cfg, _ = resolve_model_sources(cfg, "compare.path")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)  # path-less (random-init) models are reproducible

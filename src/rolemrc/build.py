@@ -1,0 +1,140 @@
+"""Config -> parts. Every entry point builds what it needs here, in pipeline order:
+
+    chat = build_chat(cfg.model)                       # tokenizer + the one chat format
+    datamodule = build_datamodule(cfg, chat)           # read, validate, encode, batch
+    model = build_model(cfg.model, chat.tokenizer)     # HF model, dtype, attention, PEFT/QLoRA
+    module = build_module(cfg, model, datamodule)      # the objective's LightningModule
+    trainer = build_trainer(cfg)                       # strategy, loggers, callbacks, plugins
+
+``rolemrc.train.setup`` strings them together for training; evaluation and probing use
+:func:`build_chat`, :func:`build_model` and :func:`build_loggers`. ``_target_`` instantiation is
+kept for what users swap for third-party classes (loggers, callbacks); the rest is plain code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import hydra
+import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from omegaconf import OmegaConf
+from torch import nn
+
+from rolemrc.data.datamodule import ChatDataModule
+from rolemrc.data.templates import ChatFormat
+from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_chat(model_cfg: Any) -> ChatFormat:
+    """The model's tokenizer wrapped in the chat format that turns messages into ids + labels."""
+    return ChatFormat(load_tokenizer(model_cfg), eot=model_cfg.eot_token)
+
+
+def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
+    """SFT conversations or preference pairs, as the objective needs (the pair layout, shared
+    prompt or not, is an objective setting)."""
+    kind = "sft" if cfg.objective.name == "sft" else "pairs"
+    share_prompt = kind == "pairs" and bool(cfg.objective.share_prompt)
+    return ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
+
+
+def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
+    model = load_model(model_cfg, tokenizer)
+    trainable, total = count_parameters(model)
+    log.info("model %s: %s parameters, %s trainable", model_cfg.name, f"{total:,}", f"{trainable:,}")
+    return model
+
+
+def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None = None) -> L.LightningModule:
+    """The LightningModule of ``objective.name``; DPO gets its reference built from the initial
+    weights here, before any checkpoint is restored into them."""
+    from rolemrc.models.precision import precision_policy
+
+    policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
+    sharding = cfg.strategy if cfg.strategy.name == "fsdp" else None
+    if cfg.objective.name == "sft":
+        from rolemrc.modules.sft import SFTModule
+
+        return SFTModule(model, cfg.objective, cfg.optim, policy, sharding)
+    if cfg.objective.name == "dpo":
+        from rolemrc.modules.dpo import DPOModule
+        from rolemrc.modules.reference import make_reference
+
+        if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
+            raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
+                             f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
+        return DPOModule(model, cfg.objective, cfg.optim, policy, make_reference(model, cfg), sharding)
+    raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
+
+
+def build_loggers(cfg: Any) -> list[Any]:
+    """``cfg.logger``: ``{name: {_target_: ...}}``; W&B without a key logs offline into the run folder."""
+    loggers = []
+    for spec in (cfg.logger or {}).values():
+        spec = OmegaConf.to_container(spec, resolve=True)
+        if spec.get("_target_", "").endswith("WandbLogger") and spec.get("offline") is None:
+            spec["offline"] = not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online"
+        loggers.append(hydra.utils.instantiate(spec))
+    return loggers
+
+
+def build_callbacks(cfg: Any) -> list[Any]:
+    callbacks = []
+    every = runtime_value(cfg, "checkpoint_every_n_steps")
+    for name, spec in (cfg.callbacks or {}).items():
+        if spec is None:
+            continue
+        if name == "checkpoint" and every:
+            spec = OmegaConf.merge(spec, {"every_n_train_steps": every})
+        callbacks.append(hydra.utils.instantiate(spec))
+    return callbacks
+
+
+def trainer_args(cfg: Any) -> dict[str, Any]:
+    """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments."""
+    try:
+        from rolemrc.config import lightning_trainer_args
+    except ImportError:  # older config module: runtime keys still live under trainer
+        t = OmegaConf.to_container(cfg.trainer, resolve=True)
+        for key in ("matmul_precision", "checkpoint_every_n_steps", "device_memory_gb"):
+            t.pop(key, None)
+        return {k: v for k, v in t.items() if v is not None}
+    return lightning_trainer_args(cfg)
+
+
+def runtime_value(cfg: Any, key: str) -> Any:
+    """A runtime setting (``runtime.<key>``; older configs: ``trainer.<key>``)."""
+    node = cfg.get("runtime")
+    if node is not None and key in node:
+        return node[key]
+    return cfg.trainer.get(key)
+
+
+def build_trainer(cfg: Any) -> L.Trainer:
+    """Strategy (checked against the model options), loggers, callbacks, atomic checkpoint IO,
+    and on SLURM the preemption handling (checkpoint at a step boundary, then requeue)."""
+    from rolemrc.checkpointing.io import AtomicCheckpointIO
+    from rolemrc.strategies import build_strategy
+
+    strategy = build_strategy(cfg)
+    plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
+    callbacks = build_callbacks(cfg)
+    if SLURMEnvironment.detect():
+        from rolemrc.callbacks.slurm_requeue import SlurmRequeue
+
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(SlurmRequeue())
+    return L.Trainer(
+        **trainer_args(cfg),
+        strategy=strategy,
+        logger=build_loggers(cfg) or False,
+        callbacks=callbacks,
+        default_root_dir=str(cfg.run_dir),
+        use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself
+        plugins=plugins,
+    )

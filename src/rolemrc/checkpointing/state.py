@@ -1,0 +1,40 @@
+"""Model weights out of checkpoints and sharded models, as full (unsharded) state dicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict of a (maybe FSDP2-sharded) model; collective, every rank
+    must call it. Rank 0 gets the tensors, the other ranks an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The policy weights stored in a Lightning checkpoint: a single ``.ckpt`` file or a
+    distributed (DCP) folder, read on one process without a process group."""
+    path = Path(path)
+    if path.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        if not (path / ".metadata").exists():
+            raise ValueError(f"{path}: not a complete distributed checkpoint (no .metadata)")
+        reader = dcp.FileSystemReader(str(path))
+        meta = reader.read_metadata().state_dict_metadata
+        head = "state_dict." + prefix
+        template = {
+            key[len("state_dict."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in meta.items()
+            if key.startswith(head) and hasattr(m, "size")
+        }
+        state = {"state_dict": template}
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        weights = state["state_dict"]
+    else:
+        weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}

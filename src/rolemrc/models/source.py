@@ -1,0 +1,99 @@
+"""What ``model.path`` names, turned into something transformers loads.
+
+``model.path`` (and ``compare.path``) may be a hub id, an HF folder, or anything this framework
+wrote: a run folder, a ``.ckpt`` file, a sharded (DCP) checkpoint folder. Checkpoints are
+exported once (LoRA merged) next to their run and reused while unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
+from rolemrc.fileio import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+def _signature(checkpoint: Path) -> dict[str, Any]:
+    stat = (checkpoint / ".metadata" if checkpoint.is_dir() else checkpoint).stat()
+    return {"checkpoint": str(checkpoint), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def hf_model_path(path: str | None) -> str | None:
+    """``model.path`` as transformers can load it.
+
+    A training checkpoint (``.ckpt`` file or sharded folder) is exported once, LoRA merged, to
+    ``<run>/exports/<checkpoint name>`` (or, where the run folder is not writable, under
+    ``$ROLEMRC_CACHE_DIR`` = ``~/.cache/rolemrc``) and that folder is returned; later calls reuse it while
+    the checkpoint is unchanged (``last.ckpt`` rewritten: exported again). A run folder stands
+    for its final ``export/``, or for its newest checkpoint when it has none. Anything else (an
+    HF folder, a hub id, None) is returned as it is. Safe to call from every rank at once.
+    """
+    if path is None or not Path(path).expanduser().exists():
+        return path
+    source = Path(path).expanduser().resolve()
+    if (source / ".hydra" / "config.yaml").is_file() and not is_training_checkpoint(source):
+        if (source / "export" / "config.json").is_file():
+            return str(source / "export")
+        newest = find_checkpoint(source)
+        if newest is None:
+            raise FileNotFoundError(f"run folder {source} has neither export/ nor a checkpoint")
+        source = newest.resolve()
+    if not is_training_checkpoint(source):
+        return path
+    from filelock import FileLock
+    from omegaconf import OmegaConf
+
+    from rolemrc.config import register
+    from rolemrc.models.export import export_checkpoint
+
+    run_dir = checkpoint_run_dir(source)
+    out = run_dir / "exports" / source.name.removesuffix(".ckpt")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()  # can we write there at all?
+    except OSError as err:  # someone else's run, a read-only mount: a per-user cache instead
+        cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc")
+        digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
+        out = cache / "exports" / f"{digest}-{source.name.removesuffix('.ckpt')}"
+        log.warning("cannot write in %s (%s): exporting %s to %s", run_dir / "exports", err, source, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+    marker = out / "rolemrc_source.json"
+    with FileLock(str(out) + ".lock"):
+        signature = _signature(source)
+        if marker.is_file() and json.loads(marker.read_text()) == signature:
+            log.info("model.path %s: using its export %s", source, out)
+            return str(out)
+        register()
+        log.info("model.path %s: exporting it to %s", source, out)
+        export_checkpoint(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), source, out, merge_lora=True)
+        atomic_write_json(marker, signature, indent=None)
+    return str(out)
+
+
+def resolve_model_sources(cfg: Any, *more: str) -> tuple[Any, dict[str, str]]:
+    """A copy of ``cfg`` whose ``model.path`` (and the dotted keys in ``more``, e.g.
+    ``compare.path``) name loadable folders where they named a checkpoint or run folder of ours
+    (:func:`hf_model_path`), and ``{key: what it said before}`` for the keys that changed, for
+    the record. ``cfg`` itself is left as it is."""
+    from omegaconf import OmegaConf, open_dict
+
+    out = copy.deepcopy(cfg)
+    changed = {}
+    with open_dict(out):
+        for key in ("model.path", *more):
+            value = OmegaConf.select(out, key)
+            resolved = hf_model_path(value)
+            if resolved != value:
+                OmegaConf.update(out, key, resolved)
+                changed[key] = value
+    return out, changed

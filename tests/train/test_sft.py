@@ -71,7 +71,12 @@ def test_bad_records_stop_or_are_skipped(train_cfg) -> None:
                         "data.val_fraction=0", "export.enabled=false"))
     report = json.loads((Path(out["run_dir"]) / "data_report_sft.json").read_text())
     assert report["skipped"] == {bad: 4} and report["train"]["examples"] == 6
-    assert report["skipped_examples"][0].endswith("invalid JSON: Expecting property name enclosed in double quotes (column 2)") or "invalid JSON" in report["skipped_examples"][0]
+    # Each skipped record is named by file:line with its own reason, in file order.
+    reasons = [(3, "invalid JSON: "), (5, "missing field 'conversations' (has: task, dialogue)"),
+               (7, "conversations[2].role: unknown role 'Narrator'"), (9, "field 'conversations[1].content' is empty")]
+    assert len(report["skipped_examples"]) == len(reasons), report["skipped_examples"]
+    for shown, (line, reason) in zip(report["skipped_examples"], reasons):
+        assert shown.startswith(f"{bad}:{line}: {reason}"), shown
 
 
 @pytest.mark.parametrize("merge", [True, False])

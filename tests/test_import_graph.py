@@ -245,9 +245,6 @@ def test_no_import_cycle() -> None:
     assert not cycles, f"{len(cycles)} import cycle(s) among project modules:\n{show_cycles(cycles)}"
 
 
-@pytest.mark.xfail(strict=True, reason="config <-> memory: rolemrc.config -> rolemrc.memory (src/rolemrc/config.py:196, "
-                   "registering the memory_check resolver), rolemrc.memory -> rolemrc.config (src/rolemrc/memory.py:157); "
-                   "goes once the memory check is called explicitly rather than from a resolver (issue 14 item 3)")
 def test_no_import_cycle_through_function_level_imports() -> None:
     """A cycle closed by an import inside a function still ties two modules together (the
     synth assets <-> rules cycle of issue 14 was one); ``if TYPE_CHECKING:`` imports do not count."""

@@ -7,6 +7,8 @@
     python train.py --cfg job                         # print the resolved config
 """
 
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -25,4 +27,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from rolemrc.resume import continue_run_argv
+
+    with entry_point():  # ckpt_path=last: continue the matching run in its folder (README: Training)
+        sys.argv = continue_run_argv(sys.argv, Path(__file__).parent / "conf", "train")
     main()

@@ -1,0 +1,153 @@
+"""The README's resume command, ``python train.py <same overrides> ckpt_path=last``, continues the
+interrupted run in its own folder (the run Hydra would start is never a new step-0 run beside
+it); its ``csv/metrics.csv`` then holds the rows of an uninterrupted run (none lost to the kill,
+none dropped by the resume) and W&B continues the same run id. Ambiguous cases (several runs
+with this config, a run whose config changed since) stop with an error listing them; a
+requeued SLURM job keeps its job-id folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rolemrc.resume import continue_run_argv
+from tests.conftest import CONF, ROOT
+from tests.train.helpers import metric_rows
+
+ARGS = ["data.max_length=96", "trainer.max_steps=10", "trainer.deterministic=true", "trainer.enable_progress_bar=false",
+        "export.enabled=false", "data.val_fraction=0", "trainer.checkpoint_every_n_steps=4", "task_name=resumetest"]
+# Killed at the start of step 8: rows of steps 1-7 logged, last checkpoint at step 4.
+KILL = ["+callbacks.kill._target_=tests.train.killer.KillAt", "+callbacks.kill.step=7"]
+
+
+def train(cwd: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_continues_a_killed_run_in_its_folder_with_all_its_rows(tmp_path: Path) -> None:
+    # One command, run twice: the first run is SIGKILLed mid-training, the second continues it.
+    command = [*ARGS, "logger=[csv,wandb]", *KILL, f"+callbacks.kill.marker={tmp_path / 'killed'}", "ckpt_path=last"]
+    reference = train(tmp_path, *ARGS, "logger=csv", f"hydra.run.dir={tmp_path / 'reference'}")
+    rc, _, err = finish(train(tmp_path, *command))
+    assert rc == -9, err[-3000:]  # killed: a fresh run with ckpt_path=last started normally
+    runs = sorted((tmp_path / "outputs" / "resumetest").iterdir())
+    assert len(runs) == 1
+    run = runs[0]
+    # Every step's row up to the kill is on disk (Lightning's CSV logger wrote every 100 steps).
+    assert [r["step"] for r in metric_rows(run) if "train/loss" in r] == list(range(7))
+    run_id = (run / "wandb_run_id").read_text().strip()
+
+    rc, out, err = finish(train(tmp_path, *command))
+    assert rc == 0, err[-3000:]
+    assert f"ckpt_path=last: continuing outputs/resumetest/{run.name}" in out
+    assert sorted((tmp_path / "outputs" / "resumetest").iterdir()) == [run], "no new run folder"
+
+    rc, _, err = finish(reference)
+    assert rc == 0, err[-3000:]
+    rows, expected = metric_rows(run), metric_rows(tmp_path / "reference")
+    assert len(rows) == len(expected) == 20  # per step: the lr monitor's row and the module's row
+    for got, want in zip(rows, expected):
+        assert got.keys() == want.keys()
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+    # W&B: both processes logged to the run id kept in the folder.
+    offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)
+
+
+# ------------------------------------------------------------- which folder (no training)
+
+
+def saved_run(root: Path, name: str, args: list[str], **changes: object) -> Path:
+    """A run folder as train.py leaves it: Hydra's saved config and overrides, and a checkpoint
+    (never loaded here: only the folder choice is tested)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=args)
+    GlobalHydra.instance().clear()
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value)
+    folder = root / name
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(args)))
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"not read")
+    return folder
+
+
+@pytest.fixture
+def outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    return Path("outputs") / "resumetest"
+
+
+def choose(*args: str) -> list[str]:
+    return continue_run_argv(["train.py", *args], CONF, "train")[1:]
+
+
+def test_the_one_matching_run_is_continued_others_are_not(outputs: Path) -> None:
+    saved_run(outputs, "2026-01-01_00-00-00", ARGS)
+    saved_run(outputs, "2026-01-02_00-00-00", [*ARGS, "optim.lr=1e-3"])  # another experiment
+    saved_run(outputs, "2026-01-03_00-00-00", [*ARGS, "seed=1"])
+    (outputs / "2026-01-04_00-00-00" / ".hydra").mkdir(parents=True)  # crashed before its first checkpoint
+    assert choose(*ARGS, "ckpt_path=last", "trainer.max_steps=20") == [
+        *ARGS, "ckpt_path=last", "trainer.max_steps=20", f'hydra.run.dir="{outputs}/2026-01-01_00-00-00"']
+    assert choose(*ARGS, "ckpt_path=last", "seed=2") == [*ARGS, "ckpt_path=last", "seed=2"]  # none: a new run
+    assert choose(*ARGS) == ARGS  # no ckpt_path=last: untouched
+    explicit = [*ARGS, "ckpt_path=last", "hydra.run.dir=elsewhere"]
+    assert choose(*explicit) == explicit
+
+
+def test_two_runs_with_this_config_are_an_error_listing_both(outputs: Path) -> None:
+    a = saved_run(outputs, "2026-01-01_00-00-00", ARGS)
+    b = saved_run(outputs, "2026-01-02_00-00-00", ARGS)
+    with pytest.raises(ValueError, match="2 run folders") as err:
+        choose(*ARGS, "ckpt_path=last")
+    assert str(a) in str(err.value) and str(b) in str(err.value) and "hydra.run.dir=<folder>" in str(err.value)
+
+
+def test_same_command_with_a_changed_config_is_an_error_naming_the_key(outputs: Path) -> None:
+    old = saved_run(outputs, "2026-01-01_00-00-00", ARGS, optim__lr=0.5)  # e.g. conf/train.yaml edited since
+    with pytest.raises(ValueError, match="another config") as err:
+        choose(*ARGS, "ckpt_path=last")
+    assert str(old) in str(err.value) and "optim.lr: 0.5 -> 0.002" in str(err.value)
+
+
+def test_entry_script_reports_the_ambiguity_in_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "outputs" / "resumetest"
+    saved_run(root, "2026-01-01_00-00-00", ARGS)
+    saved_run(root, "2026-01-02_00-00-00", ARGS)
+    rc, _, err = finish(train(tmp_path, *ARGS, "ckpt_path=last"), timeout=120)
+    assert rc == 1
+    assert err.strip().splitlines()[-1].startswith("error: ckpt_path=last: 2 run folders"), err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_slurm_requeue_keeps_its_job_folder(outputs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved_run(outputs, "2026-01-01_00-00-00", ARGS)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    # A requeued job: its own folder (outputs/<task>/<job id>) holds the checkpoint; Hydra reuses it.
+    saved_run(outputs, "4242", ARGS)
+    assert choose(*ARGS, "ckpt_path=last") == [*ARGS, "ckpt_path=last"]
+    # A new job resubmitted after the old one was killed continues the old job's run.
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    with pytest.raises(ValueError, match="2 run folders"):  # both earlier folders match
+        choose(*ARGS, "ckpt_path=last")

@@ -2,10 +2,14 @@
 
     python export.py outputs/train/<run>/checkpoints/last.ckpt            # -> <run>/export
     python export.py outputs/train/<run>/hpc_ckpt_1.ckpt                  # SLURM preemption checkpoint
-    python export.py <checkpoint> --out <dir> [--adapter]                  # LoRA: adapter only
+    python export.py <checkpoint> --out <dir> --adapter                    # LoRA: the adapter alone
+    python export.py <checkpoint> --out <dir> --merge                      # LoRA: merged, whatever the run said
 
 Reads the run's resolved config (``<run>/.hydra/config.yaml``) to rebuild the model; writes
 into ``<out>.partial`` and renames at the end, so an interrupted export can simply be rerun.
+A LoRA run exports as its ``model.peft.merge_on_export`` says unless ``--merge`` or
+``--adapter`` is given; an adapter's ``adapter_config.json`` names its base model, so
+``peft.AutoPeftModelForCausalLM.from_pretrained(<out>)`` loads it.
 """
 
 import argparse
@@ -14,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rolemrc.config import register
+from rolemrc.errors import InputNotFound, exit_on_user_error
 
 
 def main() -> None:
@@ -21,25 +26,30 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="default: <run>/export")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: the checkpoint's run folder")
-    parser.add_argument("--adapter", action="store_true", help="save a LoRA adapter instead of merging it")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true", help="LoRA: save the adapter alone (PEFT format)")
+    lora.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights, even "
+                                                          "if the run said model.peft.merge_on_export=false")
     args = parser.parse_args()
 
     register()
     from rolemrc.checkpointing import checkpoint_run_dir
     from rolemrc.models.export import export_checkpoint
+    from rolemrc.models.source import resolve_model_sources
 
-    try:
-        run_dir = args.run_dir or checkpoint_run_dir(args.checkpoint)
-    except FileNotFoundError as err:
-        raise SystemExit(str(err)) from None
+    if not args.checkpoint.exists():
+        raise InputNotFound(f"checkpoint not found: {args.checkpoint}")
+    run_dir = args.run_dir or checkpoint_run_dir(args.checkpoint)
     config = run_dir / ".hydra" / "config.yaml"
     if not config.exists():
-        raise SystemExit(f"{config} not found: pass --run-dir <the run folder holding .hydra/config.yaml>")
-    cfg = OmegaConf.load(config)
+        raise InputNotFound(f"{config} not found: pass --run-dir <the run folder holding .hydra/config.yaml>")
+    cfg, _ = resolve_model_sources(OmegaConf.load(config))  # the base the run started from, loadable
 
-    out = export_checkpoint(cfg, args.checkpoint, args.out or run_dir / "export", merge_lora=False if args.adapter else None)
+    merge = True if args.merge else False if args.adapter else None
+    out = export_checkpoint(cfg, args.checkpoint, args.out or run_dir / "export", merge_lora=merge)
     print(f"exported model: {out}")
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_user_error():  # bad input: one "error: ..." line, exit 1; bugs keep their traceback
+        main()

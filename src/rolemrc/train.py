@@ -114,7 +114,8 @@ def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:
     out = Path(cfg.run_dir) / cfg.export.dir
     if cfg.model.quantization.load_in_4bit:  # QLoRA (never sharded): the adapter, from the model itself
         if trainer.is_global_zero:
-            export_pretrained(module.model, build_chat(cfg.model).tokenizer, out, cfg.model.peft.merge_on_export)
+            export_pretrained(module.model, build_chat(cfg.model).tokenizer, out, cfg.model.peft.merge_on_export,
+                              base=cfg.model.path)
         state = None
     elif cfg.strategy.name == "fsdp":
         state = full_state_dict(module.model)  # collective: every rank takes part

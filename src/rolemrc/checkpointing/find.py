@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rolemrc.errors import InputNotFound
+
 
 def find_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run: ``checkpoints/last.ckpt`` (or its ``.old``
@@ -30,5 +32,5 @@ def checkpoint_run_dir(checkpoint: str | Path) -> Path:
     for folder in (checkpoint.parent, checkpoint.parent.parent):
         if (folder / ".hydra" / "config.yaml").is_file():
             return folder
-    raise FileNotFoundError(f"{checkpoint}: no .hydra/config.yaml in {checkpoint.parent} or its parent; the run's "
+    raise InputNotFound(f"{checkpoint}: no .hydra/config.yaml in {checkpoint.parent} or its parent; the run's "
                             "config rebuilds the model (export.py --run-dir <run folder> names it)")

@@ -19,12 +19,16 @@ from rolemrc.models.logprob_head import install_logprob_head, restore_linear_hea
 log = logging.getLogger(__name__)
 
 
-def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True) -> Path:
+def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True,
+                      base: str | None = None) -> Path:
     """Save ``model`` so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
-    LoRA models are merged into the base weights (``merge_lora``) or saved as a PEFT adapter.
-    Writes into ``<out_dir>.partial`` and renames at the end, so an interrupted export never
-    leaves a folder that looks complete; rerunning simply writes it again.
+    LoRA models are merged into the base weights (``merge_lora``) or saved as a PEFT adapter
+    whose ``adapter_config.json`` names its base model, so ``peft.AutoPeftModelForCausalLM``
+    loads it: ``base`` (the ``model.path`` it was loaded from: a hub id, or a folder written as
+    an absolute path) or, for a random-init base, the base weights saved next to the adapter in
+    ``<out_dir>/base_model``. Writes into ``<out_dir>.partial`` and renames at the end, so an
+    interrupted export never leaves a folder that looks complete; rerunning simply writes it again.
     """
     out = Path(out_dir)
     partial = out.with_name(out.name + ".partial")
@@ -42,7 +46,10 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
         config = unwrap(to_save).config
         training_cache, config.use_cache = config.use_cache, True  # exports are for inference (KV cache)
         try:
-            to_save.save_pretrained(partial, safe_serialization=True)
+            if is_peft and not merge_lora:
+                _save_adapter(to_save, partial, out, base)
+            else:
+                to_save.save_pretrained(partial, safe_serialization=True)
         finally:
             config.use_cache = training_cache
         tokenizer.save_pretrained(partial)
@@ -53,6 +60,18 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     partial.rename(out)
     log.info("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
     return out
+
+
+def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) -> None:
+    """The adapter alone, its config naming the base model (peft writes ``null`` for a base that
+    was built from a config or whose ``_name_or_path`` is a relative folder)."""
+    if base is not None and Path(base).expanduser().exists():
+        base = str(Path(base).expanduser().resolve())  # a folder: valid from any working directory
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = base or str(out.resolve() / "base_model")
+    model.save_pretrained(partial, safe_serialization=True)
+    if base is None:  # random init: the adapter means nothing without these very base weights
+        model.unload().save_pretrained(partial / "base_model", safe_serialization=True)
 
 
 def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:
@@ -86,7 +105,7 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     if still_meta:
         raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
     merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
-    return export_pretrained(model, tokenizer, out_dir, merge)
+    return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path)
 
 
 def skeleton_config(model_cfg: Any) -> Any:

@@ -22,9 +22,11 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    from rolemrc.eval.resume import resume_config
     from rolemrc.eval.run import run
 
     with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+        cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
         run(cfg)
 
 

@@ -1,0 +1,135 @@
+"""``python evaluate.py out_dir=<dir>``: resume with the config that folder was made with.
+
+Every evaluation saves its config (unresolved, ``out_dir`` written out) and Hydra's group
+choices to ``<out_dir>/run_config.yaml`` before it starts; folders from before that hold
+``.hydra/config.yaml`` when ``out_dir`` was Hydra's run folder, which is read instead (unless
+this command's Hydra just rewrote it). When ``out_dir`` holds a saved config, the run uses it;
+overrides on the command line apply on top of it, and one that changes a saved value while the
+folder holds results (generations, metrics, verdicts, summary) is an error naming the key:
+finished results are never silently rewritten with other settings. Exempt: the keys in
+:data:`RUNTIME` (how fast, where, how loud; they change no result), and adding a judge to a
+folder evaluated without one (``judge=openai ...`` when the saved ``judge.backend`` is none:
+nothing judged is rewritten).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rolemrc.errors import ConfigError
+from rolemrc.fileio import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SAVED = "run_config.yaml"
+RESULTS = ("generations.jsonl", "metrics.json", "judge.jsonl", "summary.md")
+# Keys that change no result: they may differ from the saved run (the new value is used).
+RUNTIME = (
+    "out_dir", "run_dir", "logger",
+    "generation.batch_size", "generation.device", "generation.cpu_threads", "generation.progress",
+    "generation.vllm_kwargs",
+    "judge.concurrency", "judge.timeout_s", "judge.max_attempts", "judge.max_requests", "judge.backoff_s",
+    "judge.max_backoff_s", "judge.base_url", "judge.api_key_env", "judge.device",
+    "metrics.bertscore.batch_size", "metrics.bertscore.device",
+)
+_MISSING = "<not set>"
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def load_saved(out_dir: Path, hydra_output_dir: Path) -> tuple[dict[str, Any], dict[str, Any], Path] | None:
+    """``(config, group choices, file)`` saved in ``out_dir``, or None."""
+    saved = out_dir / SAVED
+    if saved.is_file():
+        doc = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+            raise ConfigError(f"{saved}: not a saved evaluation config (expected keys config and choices)")
+        return doc["config"], doc.get("choices") or {}, saved
+    legacy = out_dir / ".hydra" / "config.yaml"
+    if legacy.is_file() and out_dir.resolve() != hydra_output_dir.resolve():  # not the one Hydra just wrote
+        config = OmegaConf.to_container(OmegaConf.load(legacy), resolve=False)
+        choices: dict[str, Any] = {}
+        hydra_yaml = out_dir / ".hydra" / "hydra.yaml"
+        if hydra_yaml.is_file():
+            choices = OmegaConf.to_container(OmegaConf.load(hydra_yaml), resolve=False)["hydra"]["runtime"]["choices"]
+        return config, choices, legacy
+    return None
+
+
+def has_results(out_dir: Path) -> bool:
+    return any((out_dir / name).is_file() and (out_dir / name).stat().st_size > 0 for name in RESULTS)
+
+
+def _value(node: Any, key: str) -> Any:
+    value = OmegaConf.select(OmegaConf.create(node) if isinstance(node, dict) else node, key,
+                             default=_MISSING, throw_on_resolution_failure=False)
+    return OmegaConf.to_container(value, resolve=False) if OmegaConf.is_config(value) else value
+
+
+def resume_config(cfg: DictConfig) -> DictConfig:
+    """The config to run: ``cfg`` (the command line) on a new folder; on a folder with a saved
+    config, that config with the command line's overrides on top (see the module). Saves the
+    result to ``<out_dir>/run_config.yaml``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rolemrc.config import EvaluateConfig
+
+    hc = HydraConfig.get()
+    out_dir = Path(str(cfg.out_dir))
+    choices_now = {k: v for k, v in OmegaConf.to_container(hc.runtime.choices).items() if not k.startswith("hydra")}
+    found = load_saved(out_dir, Path(hc.runtime.output_dir))
+    if found is None:
+        config = OmegaConf.to_container(cfg, resolve=False)
+        effective = cfg
+    else:
+        config, choices_then, source = found
+        overrides = OverridesParser.create().parse_overrides(list(hc.overrides.task))
+        effective_node = OmegaConf.create(config)
+        conflicts: list[str] = []
+        saved_judge = _value(config, "judge.backend")
+        for o in overrides:
+            key = o.key_or_group
+            if key.startswith("hydra.") or key == "hydra":
+                continue
+            if key in choices_now:  # a config group: same choice keeps the saved node (and its field overrides)
+                then, now = choices_then.get(key, _MISSING), choices_now[key]
+                if then == now:
+                    continue
+                shown_then, shown_now = then, now
+            else:
+                shown_then, shown_now = _value(config, key), _value(cfg, key)
+                if shown_then == shown_now:
+                    continue
+            OmegaConf.update(effective_node, key, _value(cfg, key), merge=False, force_add=True)
+            adding_judge = _under(key, ("judge",)) and saved_judge == "none"
+            if not _under(key, RUNTIME) and not adding_judge:
+                conflicts.append(f"{key} (saved {shown_then!r}, given {shown_now!r})")
+        if conflicts and has_results(out_dir):
+            raise ConfigError(
+                f"out_dir={out_dir} holds results made with another config ({source}); the command line changes "
+                f"{'; '.join(conflicts)}. Resume with `python evaluate.py out_dir={out_dir}` alone, or use a new "
+                "out_dir")
+        effective_node.out_dir = str(out_dir)
+        config = OmegaConf.to_container(effective_node, resolve=False)
+        try:
+            effective = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), effective_node)
+        except Exception as err:  # a key this version no longer has, a value of the wrong type
+            first = str(err).splitlines()[0]
+            raise ConfigError(f"{source}: the saved config does not fit this version's evaluate config: {first}") from err
+        OmegaConf.set_struct(effective, True)
+        log.info("out_dir=%s: resuming with the config saved in %s", out_dir, source)
+        print(f"resuming {out_dir} with its saved config ({source.relative_to(out_dir)})", flush=True)
+        choices_now = {**choices_then, **{k: v for k, v in choices_now.items() if k in
+                                          {o.key_or_group for o in overrides}}}
+    config["out_dir"] = str(out_dir)
+    header = ("# The config this folder's results were made with (evaluate.py). `python evaluate.py "
+              "out_dir=<this folder>` resumes with it.\n")
+    atomic_write_text(out_dir / SAVED, header + OmegaConf.to_yaml({"config": config, "choices": choices_now}))
+    return effective

@@ -44,3 +44,26 @@ def train_cfg(tmp_path: Path):
         return compose_train([*FAST, *overrides], run_dir=tmp_path / "run")
 
     return make
+
+
+# ---------------------------------------------------------------- the fake OpenAI-compatible server
+
+TEST_API_KEY_ENV = "ROLEMRC_TEST_API_KEY"
+TEST_API_KEY = "sk-test-secret-do-not-log-1234"
+
+
+@pytest.fixture
+def api_key_env(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """(environment variable name, secret) of the API key the fake server expects."""
+    monkeypatch.setenv(TEST_API_KEY_ENV, TEST_API_KEY)
+    return TEST_API_KEY_ENV, TEST_API_KEY
+
+
+@pytest.fixture
+def fake_openai(api_key_env: tuple[str, str]):
+    """A started :class:`tests.fake_openai.FakeOpenAI` on 127.0.0.1 checking the test key; good
+    answers are ``"ok"`` unless a test sets ``_answer`` / scripts faults."""
+    from tests.fake_openai import FakeOpenAI
+
+    with FakeOpenAI(api_key=api_key_env[1]) as server:
+        yield server

@@ -237,29 +237,38 @@ class EvalMetricsConfig:
 
 
 @dataclass
-class EvalJudgeConfig:
+class JudgeConfig:
+    """The LLM judge: ``judge:`` of ``evaluate.py`` (conf/judge/*.yaml) and of the judge-scores
+    callback (``callbacks.judge_scores.judge``). Built by ``rolemrc.eval.judge.make_judge``."""
+
     backend: str = "none"  # none | hf | openai
-    # hf: local folder or hub id of the judge (None = the model being evaluated);
+    # hf: local folder or hub id of the judge (None = the model being evaluated / trained);
     # openai: the served model name.
     model: Optional[str] = None
     max_tokens: int = 256  # judge answer length (short reasoning + VERDICT line)
     temperature: float = 0.0  # openai (hf is always greedy)
     dtype: str = "auto"  # hf judge weights
+    device: Optional[str] = None  # hf judge loaded from `model`; None: the evaluated/trained model's device
     base_url: Optional[str] = None  # openai: None = the client's default / OPENAI_BASE_URL
     api_key_env: str = "OPENAI_API_KEY"  # name of the variable holding the key (never the key)
     concurrency: int = 8
     timeout_s: float = 60.0
-    max_attempts: int = 5
+    max_attempts: int = 5  # per judgement: faults, malformed answers and answers without a verdict are retried
+    backoff_s: float = 1.0  # exponential backoff with jitter between attempts (Retry-After honoured)
+    max_backoff_s: float = 60.0
     max_requests: Optional[int] = None  # budget: no more requests than this (retries included)
     cache_dir: Optional[str] = None  # None: <out_dir>/judge_cache; share one to reuse answers across runs
     show_reference: bool = False  # also show the reference reply to the judge
+
+
+EvalJudgeConfig = JudgeConfig  # the name before the judge config was shared with the callback
 
 
 @dataclass
 class EvaluateConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
-    judge: EvalJudgeConfig = field(default_factory=EvalJudgeConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     generation: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
     metrics: EvalMetricsConfig = field(default_factory=EvalMetricsConfig)
     logger: Any = None  # {name: {_target_: ...}}: conf/logger (none | csv | wandb)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.eval.conftest import judge_key_env, openai_server  # noqa: F401  (pytest fixtures)
+from tests.eval.conftest import judge_key_env, judge_server, openai_server  # noqa: F401  (pytest fixtures)
 
 
 @pytest.fixture(autouse=True)

@@ -166,7 +166,7 @@ def test_configs_compose_with_the_default_callbacks(tmp_path: Path) -> None:
     typo = compose_train(["callbacks=judge_scores", "+callbacks.judge_scores.judge.modle=x"], run_dir=tmp_path)
     with pytest.raises(Exception, match="modle"):  # a misspelt judge key fails at start-up
         build_callbacks(typo)
-    with pytest.raises(ValueError, match="needs judge.model"):
+    with pytest.raises(ValueError, match="needs judge_scores.judge.model"):
         JudgeScores(judge={"backend": "openai"})
     with pytest.raises(ValueError, match="unknown"):
         JudgeScores(metrics=["bleu", "blue"])

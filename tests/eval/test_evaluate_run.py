@@ -135,14 +135,15 @@ def test_end_to_end_then_rerun_hits_caches(export: Path, data_dir: Path, tmp_pat
     assert len(doc["rule_verifier"]) == 1 and doc["verifier_agreement"]["n_without_verdict"] == 1
     assert "Nested Instruction-following (NI)" in (out / "summary.md").read_text()
 
-    # Rerun into the same folder: nothing regenerated, every judgement from the cache.
+    # Rerun into the same folder: nothing regenerated. Answers without a verdict are never cached,
+    # so the (greedy, local) judge is asked again and says the same.
     before = (out / "generations.jsonl").read_bytes()
     again = run(cfg)
     assert again["generation"].n_new == 0 and again["generation"].n_resumed == 6
     assert (out / "generations.jsonl").read_bytes() == before
     stats = again["judge_stats"]
-    assert stats.requests == 0 and stats.cache_hits == stats.prompts == len(verdicts)
-    assert all(v["cached"] for v in map(json.loads, lines(out / "judge.jsonl")))
+    assert stats.cache_hits == 0 and stats.requests == stats.prompts == len(verdicts)
+    assert [(v["raw"], v["cached"]) for v in map(json.loads, lines(out / "judge.jsonl"))] == [(v["raw"], False) for v in verdicts]
 
 
 SLOW_CHILD = """

@@ -1,12 +1,24 @@
-"""The OpenAI judge backend against a real loopback HTTP server with scripted faults."""
+"""The OpenAI judge backend (``rolemrc.api.ApiClient``) against the fake loopback server with
+scripted faults: HTTP errors, timeouts and malformed 200s are retried; only verdicts are cached."""
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 
 import pytest
 
-from rolemrc.eval.judge import Judge, OpenAIBackend, OpenAIJudgeConfig, aggregate, judge_items, read_verdicts
+from rolemrc.config import JudgeConfig
+from rolemrc.eval.judge import (
+    CACHE_FILE,
+    Judge,
+    OpenAIBackend,
+    aggregate,
+    cache_key,
+    judge_items,
+    judge_messages,
+    read_verdicts,
+)
 from rolemrc.eval.report import write_report
 
 SYSTEM = "You are Captain Mora, a gruff sea captain who says 'Arr' a lot. Passage: The ship sailed in 1820."
@@ -24,6 +36,12 @@ MIXED = [
     ("role_related_mrc_answer_with_narration-refused", "Here you go. [[bad400]]"),  # PI
     ("role_related_mrc_answer_no_narration-refused", "I must not say. [[good]]"),  # PI
     ("role_unrelated_mrc_answer_no_narration", "Hmm [[garbage]]"),  # RS
+    # Malformed 200s on the first attempt: retried like any fault, never cached as an answer.
+    ("role_related_mrc_answer_no_narration", "Arr. [[good]] [[empty1]]"),  # KB: empty choices
+    ("role_related_mrc_answer_no_narration", "Arr! [[good]] [[trunc1]]"),  # KB: truncated JSON
+    ("role_related_mrc_answer_no_narration", "Arr? [[good]] [[nonjson1]]"),  # KB: HTML body
+    ("role_related_mrc_answer_no_narration", "Arr... [[good]] [[blank1]]"),  # KB: empty content
+    ("role_related_mrc_answer_no_narration", "Arr; [[good]] [[garbage1]]"),  # KB: no verdict line
 ]
 MAX_ATTEMPTS = 4
 
@@ -47,24 +65,26 @@ def _expected(reply: str) -> tuple[str, int | None, int]:
     if "[[bad400]]" in reply:
         return "failed", None, 1
     if "[[garbage]]" in reply:
-        return "unparseable", None, 1
-    attempts = 1 + 2 * ("[[rate2]]" in reply) + ("[[err1]]" in reply) + ("[[slow1]]" in reply)
+        return "unparseable", None, MAX_ATTEMPTS  # asked again, in vain
+    once = ("[[err1]]", "[[slow1]]", "[[empty1]]", "[[trunc1]]", "[[nonjson1]]", "[[blank1]]", "[[garbage1]]")
+    attempts = 1 + 2 * ("[[rate2]]" in reply) + sum(m in reply for m in once)
     return "ok", int("[[good]]" in reply), attempts
 
 
-def _config(base_url: str, key_env: str, **kw) -> OpenAIJudgeConfig:
+def _config(base_url: str, key_env: str, **kw) -> JudgeConfig:
     base = dict(
+        backend="openai",
         model="judge-test",
         base_url=base_url,
         api_key_env=key_env,
         concurrency=4,
         timeout_s=0.4,
         max_attempts=MAX_ATTEMPTS,
-        backoff_base_s=0.01,
-        backoff_max_s=0.05,
+        backoff_s=0.01,
+        max_backoff_s=0.05,
     )
     base.update(kw)
-    return OpenAIJudgeConfig(**base)
+    return JudgeConfig(**base)
 
 
 def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_key_env, tmp_path, caplog):
@@ -72,7 +92,7 @@ def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_k
     base_url, server = openai_server
     test_items, replies = _items(MIXED)
     items = judge_items(test_items, replies)
-    assert len(items) == 13  # two tasks map to two dimensions each
+    assert len(items) == 18  # two tasks map to two dimensions each
 
     judge = Judge(OpenAIBackend(_config(base_url, judge_key_env[0])), cache_dir=tmp_path / "cache")
     verdicts = judge.judge(items)
@@ -85,7 +105,7 @@ def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_k
         if status != "ok":
             assert v.verdict is None  # a failure is never a 0
         if status == "unparseable":
-            assert v.raw and "VERDICT" not in v.raw
+            assert v.raw and "VERDICT" not in v.raw and v.error and "no_verdict" in v.error
     # The server saw exactly the requests the retry policy implies, all authorised.
     assert server.requests == sum(_expected(it.reply)[2] for it in items) == judge.last_stats.requests
     assert server.unauthorized == 0 and server.models == {"judge-test"}
@@ -94,12 +114,19 @@ def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_k
     table = aggregate(verdicts)
     assert list(table) == ["KB", "RS", "MT", "NI", "PI"]
     kb, rs, mt, ni, pi = (table[d] for d in ("KB", "RS", "MT", "NI", "PI"))
-    assert (kb.n_ok, kb.n_unparseable, kb.n_failed, kb.accuracy) == (3, 0, 0, pytest.approx(2 / 3))
+    assert (kb.n_ok, kb.n_unparseable, kb.n_failed, kb.accuracy) == (8, 0, 0, pytest.approx(7 / 8))
     assert (rs.n_ok, rs.n_unparseable, rs.n_failed, rs.accuracy) == (3, 1, 0, pytest.approx(2 / 3))
     assert (ni.n_ok, ni.n_unparseable, ni.accuracy) == (1, 1, 1.0)  # the garbage one is not a 0
     assert (mt.n_ok, mt.n_failed, mt.accuracy) == (1, 1, 1.0)  # the 503 one is not a 0
     assert (pi.n_ok, pi.n_failed, pi.accuracy) == (1, 1, 1.0)
     assert sum(s.n_total for s in table.values()) == len(items)
+    # Every fault kind the server produced was counted by the client.
+    faults = judge.last_stats.faults
+    assert faults["empty_choices"] == 1 and faults["malformed_body"] == 2 and faults["empty_content"] == 1
+    assert faults["rejected"] == 1 + MAX_ATTEMPTS * 2  # garbage1 once; the two [[garbage]] prompts every time
+    assert faults["rate_limited"] == server.fault_counts["rate_limit"] == 4
+    assert faults["server_error"] == server.fault_counts["server_error"] + server.fault_counts["unavailable"]
+    assert faults["timeout"] == 1 and faults["http_error"] == 1
 
     # The key was used (Authorization header) but never logged, cached or reported.
     paths = write_report(tmp_path / "report", verdicts=verdicts)
@@ -109,24 +136,24 @@ def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_k
     assert secret not in paths["judge.jsonl"].read_text() + paths["metrics.json"].read_text()
     assert [v.to_dict() for v in read_verdicts(paths["judge.jsonl"])] == [v.to_dict() for v in verdicts]
 
-    # A rerun answers everything the judge answered from the cache; only failures are re-sent.
+    # Only answers with a verdict were cached: a rerun re-sends failures and unparseable ones.
     before = server.requests
     again = Judge(OpenAIBackend(_config(base_url, judge_key_env[0])), cache_dir=tmp_path / "cache").judge(items)
-    failed = [it for it in items if _expected(it.reply)[0] == "failed"]
-    assert server.requests - before == sum(_expected(it.reply)[2] for it in failed)
+    missing = [it for it in items if _expected(it.reply)[0] != "ok"]
+    assert server.requests - before == sum(_expected(it.reply)[2] for it in missing)
     for v1, v2 in zip(verdicts, again):
         assert (v2.status, v2.verdict) == (v1.status, v1.verdict)
-        assert v2.cached == (v1.status in ("ok", "unparseable"))
+        assert v2.cached == (v1.status == "ok")
 
 
 def test_rerun_sends_zero_requests(openai_server, judge_key_env, tmp_path):
     base_url, server = openai_server
-    answerable = [(t, r) for t, r in MIXED if "[[down]]" not in r and "[[bad400]]" not in r]
+    answerable = [(t, r) for t, r in MIXED if not any(m in r for m in ("[[down]]", "[[bad400]]", "[[garbage]]"))]
     items = judge_items(*_items(answerable))
     cfg = _config(base_url, judge_key_env[0])
 
     first = Judge(OpenAIBackend(cfg), cache_dir=tmp_path / "c").judge(items)
-    assert all(v.status in ("ok", "unparseable") for v in first)
+    assert all(v.status == "ok" for v in first)  # every malformed answer was asked again
     sent = server.requests
     assert sent > len(items)  # retries happened
 
@@ -178,8 +205,34 @@ def test_budget_counts_retries(openai_server, judge_key_env, tmp_path):
 def test_missing_key_is_a_clear_error(openai_server, monkeypatch, tmp_path):
     base_url, server = openai_server
     monkeypatch.delenv("ROLEMRC_NO_SUCH_KEY", raising=False)
-    items = judge_items(*_items(MIXED[:1]))
-    judge = Judge(OpenAIBackend(_config(base_url, "ROLEMRC_NO_SUCH_KEY")), cache_dir=tmp_path)
-    with pytest.raises(RuntimeError, match="ROLEMRC_NO_SUCH_KEY"):
-        judge.judge(items)
+    with pytest.raises(RuntimeError, match="ROLEMRC_NO_SUCH_KEY"):  # when the backend is made
+        OpenAIBackend(_config(base_url, "ROLEMRC_NO_SUCH_KEY"))
     assert server.requests == 0
+
+
+def test_invalid_answers_an_older_version_cached_are_not_served(openai_server, judge_key_env, tmp_path):
+    """An existing judge_cache.sqlite (same layout as before) holding an empty answer and one
+    without a verdict line: both are asked again and replaced; the valid entry is served."""
+    base_url, server = openai_server
+    spec = [("role_related_mrc_answer_no_narration", f"Answer {i} [[good]]") for i in range(3)]
+    items = judge_items(*_items(spec))
+    cfg = _config(base_url, judge_key_env[0])
+    backend = OpenAIBackend(cfg)
+    keys = [cache_key(cfg.model, judge_messages(it), backend.sampling()) for it in items]
+    (tmp_path / "c").mkdir()
+    db = sqlite3.connect(tmp_path / "c" / CACHE_FILE)
+    db.execute("CREATE TABLE answers (key TEXT PRIMARY KEY, model TEXT, text TEXT, created REAL)")
+    db.executemany("INSERT INTO answers VALUES (?, ?, ?, 0)", [
+        (keys[0], cfg.model, ""),  # an empty 200, cached as an answer by the old judge
+        (keys[1], cfg.model, "I think it is fine."),  # an answer without a verdict
+        (keys[2], cfg.model, "Checked.\nVERDICT: 0"),  # a valid answer: served as it is
+    ])
+    db.commit()
+    db.close()
+    judge = Judge(backend, cache_dir=tmp_path / "c")
+    verdicts = judge.judge(items)
+    assert server.requests == 2 and judge.last_stats.cache_hits == 1
+    assert [(v.status, v.verdict, v.cached) for v in verdicts] == [("ok", 1, False), ("ok", 1, False), ("ok", 0, True)]
+    judge.close()
+    again = Judge(OpenAIBackend(cfg), cache_dir=tmp_path / "c").judge(items)
+    assert server.requests == 2 and [v.verdict for v in again] == [1, 1, 0]

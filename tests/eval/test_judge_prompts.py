@@ -116,19 +116,20 @@ class _FlakyBackend:
             if i == self.n:
                 raise _Interrupted
             self.sent += 1
-            out.append(Answer("answered", text="VERDICT: 1", attempts=1))
+            out.append(Answer("ok", text="VERDICT: 1", attempts=1))
             on_answer(i, out[-1])
         return out
 
 
 def test_answers_are_cached_as_they_arrive(tmp_path):
-    from rolemrc.eval.judge import Judge, VerdictCache
+    from rolemrc.api import AnswerCache
+    from rolemrc.eval.judge import CACHE_FILE, Judge
 
     spec = [{"task": "role_related_mrc_answer_no_narration", "question": []}] * 5
     items = judge_items(spec, [f"reply {i}" for i in range(5)])
     with pytest.raises(_Interrupted):
         Judge(_FlakyBackend(3), cache_dir=tmp_path).judge(items)
-    assert len(VerdictCache(tmp_path)) == 3  # what was answered before the crash is kept
+    assert len(AnswerCache(tmp_path / CACHE_FILE)) == 3  # what was answered before the crash is kept
 
     backend = _FlakyBackend(99)
     with Judge(backend, cache_dir=tmp_path) as judge:

@@ -51,17 +51,19 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from rolemrc.config import JudgeConfig
 from rolemrc.eval.generation import greedy_generate_ids, item_id, stop_token_ids
 from rolemrc.eval.judge import (
     STATUSES,
     DimensionSummary,
     HFBackend,
     Judge,
-    OpenAIBackend,
-    OpenAIJudgeConfig,
     Verdict,
     aggregate,
+    check_judge,
+    judge_config,
     judge_items,
+    make_judge,
 )
 from rolemrc.eval.metrics import METRICS, compute_metrics, ensure_wordnet
 from rolemrc.eval.run import load_test_items
@@ -71,34 +73,11 @@ from rolemrc.tasks import TASKS
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS: tuple[str, ...] = ("bleu", "rouge1", "rougeL")  # cheap: no model, no corpus download
-JUDGE_BACKENDS = ("none", "hf", "openai")
 
 
-@dataclass(frozen=True)
-class JudgeSettings:
-    """The callback's ``judge:`` block (the keys of ``conf/judge/*.yaml``, plus ``device``)."""
-
-    backend: str = "none"  # none | hf | openai
-    # hf: folder or hub id of a judge model (None: the model being trained, verdicts meaningless);
-    # openai: the served model name.
-    model: str | None = None
-    max_tokens: int = 256
-    dtype: str = "auto"  # hf judge loaded from ``model``
-    device: str | None = None  # hf judge loaded from ``model``; None: rank 0's training device
-    base_url: str | None = None  # openai
-    api_key_env: str = "OPENAI_API_KEY"  # openai: the variable holding the key (never the key)
-    temperature: float = 0.0  # openai
-    concurrency: int = 8
-    timeout_s: float = 60.0
-    max_attempts: int = 5
-    max_requests: int | None = None  # openai: request budget per round (retries included)
-    cache_dir: str | None = None  # None: <out_dir>/judge_cache (never used for the live model)
-    show_reference: bool = False
-
-    @property
-    def live(self) -> bool:
-        """The model being trained judges itself."""
-        return self.backend == "hf" and self.model is None
+def is_live(judge: JudgeConfig) -> bool:
+    """The model being trained judges itself (``backend: hf`` with ``model: null``)."""
+    return judge.backend == "hf" and judge.model is None
 
 
 def plain(value: Any) -> Any:
@@ -126,14 +105,18 @@ def chat_of(trainer: L.Trainer) -> Any:
 
 
 def test_sources(explicit: Any, pl_module: L.LightningModule) -> tuple[list[dict[str, Any]], str]:
-    """(test sources, on_error): the callback's own ``test`` or the training config's ``data.test``."""
-    cfg = getattr(pl_module, "cfg", None)
-    on_error = str(cfg.data.on_error) if cfg is not None else "raise"
+    """(test sources, on_error): the callback's own ``test`` or the run's ``data.test`` (from the
+    trainer's datamodule, whose ``cfg`` is the data config)."""
+    trainer = getattr(pl_module, "_trainer", None)
+    data = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+    if data is None and getattr(pl_module, "cfg", None) is not None:
+        data = pl_module.cfg.data  # a module that carries the whole config
+    on_error = str(data.on_error) if data is not None else "raise"
     if explicit is not None:
         return list(plain(explicit)), on_error
-    if cfg is None:
-        raise ValueError("no test sources: give the callback `test: [{path: ...}]` (the module has no cfg.data.test)")
-    return list(plain(cfg.data.test)), on_error
+    if data is None or not data.get("test"):
+        raise ValueError("no test sources: give the callback `test: [{path: ...}]` (the run's data config has no test)")
+    return list(plain(data.test)), on_error
 
 
 class SyncedGenerate:
@@ -194,7 +177,8 @@ class JudgeScores(L.Callback):
         n_items: test items, taken round-robin over tasks (``balanced_subset``).
         max_new_tokens, batch_size: greedy generation (hf ``generate``, left-padded batches).
         metrics: reference metrics (names of :data:`rolemrc.eval.metrics.METRICS`); [] for none.
-        judge: :class:`JudgeSettings` fields; ``backend: none`` skips judging.
+        judge: :class:`rolemrc.config.JudgeConfig` fields (the keys of ``conf/judge/*.yaml``, plus
+            ``device``); ``backend: none`` skips judging.
         test: test sources (``[{path: ...}]``); None: the training config's ``data.test``.
         out_dir: where the files go; None: ``<run_dir>/callbacks/judge_scores``.
         table_key: the W&B table's key.
@@ -220,11 +204,8 @@ class JudgeScores(L.Callback):
             raise ValueError(f"judge_scores.metrics: unknown {unknown}; known: {', '.join(METRICS)}")
         if "meteor" in self.metrics:
             ensure_wordnet()  # now, not at the first validation round hours later
-        self.judge = JudgeSettings(**(plain(judge) or {}))  # an unknown key fails here
-        if self.judge.backend not in JUDGE_BACKENDS:
-            raise ValueError(f"judge_scores.judge.backend must be one of {JUDGE_BACKENDS}, got {self.judge.backend!r}")
-        if self.judge.backend == "openai" and not self.judge.model:
-            raise ValueError("judge_scores.judge.backend=openai needs judge.model (the served model name)")
+        # An unknown key, a bad backend or a missing model name fails here, naming the key.
+        self.judge = judge_config(plain(judge) or {}, where="judge_scores.judge")
         self.every_n_val = every_n_val
         self.n_items = n_items
         self.max_new_tokens = max_new_tokens
@@ -252,9 +233,8 @@ class JudgeScores(L.Callback):
         self._stops = stop_token_ids(self._chat.tokenizer, self._chat.eot)
         default_out = Path(trainer.default_root_dir) / "callbacks" / "judge_scores"
         self._out = Path(self.out_dir) if self.out_dir else default_out
-        if self.judge.backend == "openai" and trainer.is_global_zero and not os.environ.get(self.judge.api_key_env):
-            raise RuntimeError(f"judge_scores.judge.backend=openai reads its API key from ${self.judge.api_key_env}, "
-                               "which is not set")
+        if trainer.is_global_zero:
+            check_judge(self.judge, where="judge_scores.judge")  # the API key's variable, before training
         log.info("judge_scores: %d test items over %d tasks, every %d validation round(s), judge %s",
                  len(self._items), len({it.task for it in self._items}), self.every_n_val, self.judge.backend)
 
@@ -293,7 +273,7 @@ class JudgeScores(L.Callback):
                 batch_size=self.batch_size, max_new_tokens=self.max_new_tokens, pad_id=pad_id, stop_ids=self._stops,
             )
         replies = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in new_ids]
-        if everywhere and self.judge.live:
+        if everywhere and is_live(self.judge):
             # Tiny numeric differences between ranks must not give them different judge prompts.
             replies = trainer.strategy.broadcast(replies, src=0)
         verdicts = self.run_judge(trainer, pl_module, replies, everywhere, step)
@@ -325,12 +305,12 @@ class JudgeScores(L.Callback):
         that takes no part)."""
         if self.judge.backend == "none":
             return None
-        if not (self.judge.live and everywhere) and not trainer.is_global_zero:
+        if not (is_live(self.judge) and everywhere) and not trainer.is_global_zero:
             return None
         judged = [k for k, it in enumerate(self._items) if it.task in TASKS]  # RoleBench items are not judged
         jitems = judge_items([self._items[k] for k in judged], [replies[k] for k in judged],
                              [self._ids[k] for k in judged])
-        if not self.judge.live:
+        if not is_live(self.judge):
             return self.external_judge(pl_module).judge(jitems)
         model = pl_module.model
         # The weights change every round: the step in the model id keeps answers apart, and no
@@ -343,19 +323,10 @@ class JudgeScores(L.Callback):
     def external_judge(self, pl_module: L.LightningModule) -> Judge:
         """The hf judge loaded from ``judge.model``, or the openai one: built at first use, kept."""
         if self._external_judge is None:
-            j = self.judge
-            cache_dir = j.cache_dir or str(self._out / "judge_cache")
-            if j.backend == "hf":
-                device = j.device or str(pl_module.device)
-                backend: Any = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=device,
-                                                         max_new_tokens=j.max_tokens)
-            else:
-                backend = OpenAIBackend(OpenAIJudgeConfig(
-                    model=j.model, base_url=j.base_url, api_key_env=j.api_key_env, concurrency=j.concurrency,
-                    timeout_s=j.timeout_s, max_attempts=j.max_attempts, max_requests=j.max_requests,
-                    temperature=j.temperature, max_tokens=j.max_tokens,
-                ))
-            self._external_judge = Judge(backend, cache_dir=cache_dir, show_reference=j.show_reference)
+            judge = make_judge(self.judge, cache_dir=self._out / "judge_cache", device=str(pl_module.device),
+                               where="judge_scores.judge")
+            assert judge is not None
+            self._external_judge = judge
         return self._external_judge
 
     # ---- outputs -------------------------------------------------------------------------

@@ -7,15 +7,18 @@ expects for this task (``rolemrc.tasks.expectation_of``); it must end its answer
 accuracy is computed over parseable (``ok``) verdicts only and failures are counted, never
 scored as 0 (the public script's silent bias, facts §3).
 
-Backends: :class:`OpenAIBackend` (any OpenAI-compatible server; async, bounded concurrency,
-retries with backoff, request budget) and :class:`HFBackend` (a local transformers causal LM,
-greedy). Every answer the judge gave is cached on disk by a hash of (judge model, prompt
-messages, sampling settings), so a rerun sends no request for anything already answered.
+Backends: :class:`OpenAIBackend` (any OpenAI-compatible server through
+:class:`rolemrc.api.ApiClient`: bounded concurrency, retries with backoff on faults, malformed
+answers and answers without a verdict, request budget) and :class:`HFBackend` (a local
+transformers causal LM, greedy). Every answer with a verdict is cached on disk
+(:class:`rolemrc.api.AnswerCache`) by a hash of (judge model, prompt messages, sampling
+settings), so a rerun sends no request for anything already answered; answers without a verdict
+are never cached (nor served if an older version cached them).
 
-Typical use::
+Typical use (``make_judge`` is what ``evaluate.py`` and the judge-scores callback call)::
 
     items = judge_items(test_items, replies)            # one per (item, dimension)
-    judge = Judge(OpenAIBackend(OpenAIJudgeConfig(model="gpt-4-turbo")), cache_dir="cache/judge")
+    judge = make_judge(JudgeConfig(backend="openai", model="gpt-4-turbo"), cache_dir="cache/judge")
     verdicts = judge.judge(items)
     table = aggregate(verdicts)                          # {Dimension: DimensionSummary}
 """
@@ -26,17 +29,16 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import random
 import re
-import sqlite3
-import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
+from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary
+from rolemrc.config import JudgeConfig
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
 
 log = logging.getLogger(__name__)
@@ -225,6 +227,15 @@ def parse_verdict(text: str | None) -> int | None:
     return int(m.group(1))
 
 
+def check_verdict(text: str) -> int:
+    """The verdict in ``text``, or :class:`rolemrc.api.Rejected` (the client retries; the cache
+    never stores or serves such an answer)."""
+    v = parse_verdict(text)
+    if v is None:
+        raise Rejected("no_verdict", "the answer does not end with a line `VERDICT: 0` or `VERDICT: 1`")
+    return v
+
+
 # ---------------------------------------------------------------- results
 
 
@@ -248,9 +259,9 @@ class Verdict:
 
 @dataclass
 class Answer:
-    """What a backend got for one prompt: text, or why not."""
+    """What a backend got for one prompt: a checked answer, the last unparseable one, or why not."""
 
-    status: Literal["answered", "failed", "budget_exhausted"]
+    status: Status
     text: str | None = None
     attempts: int = 0
     error: str | None = None
@@ -260,65 +271,34 @@ OnAnswer = Callable[[int, Answer], None]
 
 
 class Backend(Protocol):
-    """A judge model. ``model_id`` and ``sampling()`` go into the cache key.
+    """A judge model. ``model_id`` and ``sampling()`` go into the cache key; ``counts`` are the
+    faults seen (by kind, see :data:`rolemrc.api.FAULT_KINDS`); ``retries_unparseable`` says
+    whether asking again can change an answer without a verdict (an API judge: yes; greedy: no).
 
     ``answer_all`` returns one :class:`Answer` per prompt, in order, and calls
     ``on_answer(index, answer)`` as soon as each one is known (so it can be cached at once).
     """
 
     model_id: str
+    counts: Counter[str]
+    retries_unparseable: bool
 
     def sampling(self) -> dict[str, Any]: ...
 
     async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]: ...
 
 
-# ---------------------------------------------------------------- cache
+def cache_key(model_id: str, messages: Sequence[Message], sampling: Mapping[str, Any]) -> str:
+    """Hash of (judge model, prompt messages, sampling settings): the judge cache's key."""
+    blob = json.dumps(
+        {"model": model_id, "messages": list(messages), "sampling": dict(sampling)},
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-class VerdictCache:
-    """Judge answers on disk (sqlite), keyed by hash of (model, messages, sampling).
-
-    Only answers the judge actually gave (parseable or not) are stored; failures are not,
-    so a rerun retries them. The raw text is stored and re-parsed on read, so a parser fix
-    applies to cached answers too.
-    """
-
-    def __init__(self, cache_dir: str | Path) -> None:
-        self.path = Path(cache_dir) / "judge_cache.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path)
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, model TEXT, text TEXT, created REAL)"
-        )
-        self._db.commit()
-
-    @staticmethod
-    def key(model_id: str, messages: Sequence[Message], sampling: Mapping[str, Any]) -> str:
-        blob = json.dumps(
-            {"model": model_id, "messages": list(messages), "sampling": dict(sampling)},
-            sort_keys=True,
-            ensure_ascii=False,
-        )
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-    def get(self, key: str) -> str | None:
-        row = self._db.execute("SELECT text FROM answers WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
-
-    def put(self, key: str, model_id: str, text: str) -> None:
-        # Committed one by one so an interrupted run keeps everything answered so far.
-        self._db.execute(
-            "INSERT OR REPLACE INTO answers (key, model, text, created) VALUES (?, ?, ?, ?)",
-            (key, model_id, text, time.time()),
-        )
-        self._db.commit()
-
-    def __len__(self) -> int:
-        return int(self._db.execute("SELECT COUNT(*) FROM answers").fetchone()[0])
-
-    def close(self) -> None:
-        self._db.close()
+CACHE_FILE = "judge_cache.sqlite"
 
 
 # ---------------------------------------------------------------- the judge
@@ -331,15 +311,21 @@ class RunStats:
     prompts: int = 0
     cache_hits: int = 0
     requests: int = 0  # sends attempted by the backend (retries included)
+    faults: dict[str, int] = field(default_factory=dict)  # by kind (rolemrc.api.FAULT_KINDS)
+
+    def missing(self, verdicts: Sequence[Verdict], final_unparseable: bool) -> dict[str, int]:
+        """Judgements without a verdict that a rerun could still obtain, by status."""
+        bad = ("failed", "budget_exhausted") + (() if final_unparseable else ("unparseable",))
+        return {s: n for s in bad if (n := sum(v.status == s for v in verdicts))}
 
 
 class Judge:
-    """Judges items with a backend, through the on-disk cache."""
+    """Judges items with a backend, through the on-disk cache (valid answers only)."""
 
     def __init__(self, backend: Backend, cache_dir: str | Path | None, show_reference: bool = False,
                  progress: bool = False) -> None:
         self.backend = backend
-        self.cache = VerdictCache(cache_dir) if cache_dir is not None else None
+        self.cache = AnswerCache(Path(cache_dir) / CACHE_FILE) if cache_dir is not None else None
         self.show_reference = show_reference
         self.progress = progress  # a bar over the prompts not in the cache
         self.last_stats = RunStats()
@@ -355,13 +341,14 @@ class Judge:
     async def ajudge(self, items: Sequence[JudgeItem]) -> list[Verdict]:
         sampling = self.backend.sampling()
         prompts = [judge_messages(it, self.show_reference) for it in items]
-        keys = [VerdictCache.key(self.backend.model_id, p, sampling) for p in prompts]
+        keys = [cache_key(self.backend.model_id, p, sampling) for p in prompts]
         stats = RunStats(prompts=len(items))
 
         texts: dict[str, str] = {}
         if self.cache is not None:
             for k in set(keys):
-                if (t := self.cache.get(k)) is not None:
+                # Checked on read: an answer without a verdict stored by an older version is asked again.
+                if (t := self.cache.get(k, valid=check_verdict)) is not None:
                     texts[k] = t
         stats.cache_hits = sum(k in texts for k in keys)
 
@@ -373,16 +360,17 @@ class Judge:
         answers: dict[str, Answer] = {}
         todo_keys = list(todo)
         bar = tqdm(total=len(todo), desc="judge", unit="prompt", disable=not (self.progress and todo))
+        counts_before = Counter(getattr(self.backend, "counts", {}))
 
         def on_answer(i: int, ans: Answer) -> None:
             # Stored the moment it arrives: an interrupted run keeps what it paid for.
             k = todo_keys[i]
             answers[k] = ans
             bar.update(1)
-            if ans.status == "answered":
-                texts[k] = ans.text or ""
+            if ans.status == "ok" and ans.text is not None:
+                texts[k] = ans.text
                 if self.cache is not None:
-                    self.cache.put(k, self.backend.model_id, texts[k])
+                    self.cache.put(k, ans.text, self.backend.model_id)
 
         if todo:
             try:
@@ -393,6 +381,8 @@ class Judge:
                 if todo_keys[i] not in answers:  # a backend that skipped the callback
                     on_answer(i, ans)
             stats.requests = sum(a.attempts for a in answers.values())
+        counts_after = Counter(getattr(self.backend, "counts", {}))
+        stats.faults = {k: n for k, n in (counts_after - counts_before).items() if k in FAULT_KINDS}
 
         verdicts = []
         for it, k in zip(items, keys):
@@ -400,21 +390,14 @@ class Judge:
             attempts = ans.attempts if ans is not None else 0
             base = dict(item_id=it.item_id, task=it.task, dimension=it.dimension.short, attempts=attempts)
             if k in texts:
-                v = parse_verdict(texts[k])
-                verdicts.append(
-                    Verdict(
-                        **base,
-                        verdict=v,
-                        status="ok" if v is not None else "unparseable",
-                        raw=texts[k],
-                        cached=ans is None,
-                    )
-                )
+                verdicts.append(Verdict(**base, verdict=parse_verdict(texts[k]), status="ok", raw=texts[k],
+                                        cached=ans is None))
             else:
                 assert ans is not None
-                verdicts.append(Verdict(**base, verdict=None, status=ans.status, raw=None, error=ans.error))
+                verdicts.append(Verdict(**base, verdict=None, status=ans.status, raw=ans.text, error=ans.error))
         self.last_stats = stats
-        log.info("judge: %d prompts, %d from cache, %d requests sent", stats.prompts, stats.cache_hits, stats.requests)
+        log.info("judge: %d prompts, %d from cache, %d requests sent; faults: %s", stats.prompts, stats.cache_hits,
+                 stats.requests, fault_summary(stats.faults))
         bad = {s: n for s in STATUSES[1:] if (n := sum(v.status == s for v in verdicts))}
         if bad:
             log.warning("judge: %s of %d judgements have no verdict (not scored)", bad, len(verdicts))
@@ -434,108 +417,50 @@ class Judge:
 # ---------------------------------------------------------------- OpenAI-compatible backend
 
 
-@dataclass(frozen=True)
-class OpenAIJudgeConfig:
-    """An OpenAI-compatible judge endpoint. The API key is read from ``api_key_env`` only.
+class OpenAIBackend:
+    """Judge through any OpenAI-compatible chat-completions server, with :class:`rolemrc.api.ApiClient`.
 
     ``max_requests`` caps the requests sent in one ``answer_all`` call (retries included);
-    prompts that would need more are reported ``budget_exhausted`` and not sent.
+    prompts that would need more are reported ``budget_exhausted`` and not sent. An answer
+    without a verdict line is retried like a fault; after ``max_attempts`` it is ``unparseable``.
+    The key is read (from ``api_key_env``) when the backend is made.
     """
 
-    model: str = "gpt-4-turbo"
-    base_url: str | None = None  # None: the openai client's default (or OPENAI_BASE_URL)
-    api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = 8
-    timeout_s: float = 60.0
-    max_attempts: int = 5
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
-    max_requests: int | None = None
-    temperature: float = 0.0
-    max_tokens: int = 256
-    seed: int | None = 0  # jitter RNG seed, for reproducible retry timing in tests
+    retries_unparseable = True
 
-
-# Status codes worth retrying: request timeout, conflict, rate limit, server errors.
-_RETRY_STATUS = {408, 409, 429}
-
-
-class OpenAIBackend:
-    """Judge through any OpenAI-compatible chat-completions server (async)."""
-
-    def __init__(self, config: OpenAIJudgeConfig) -> None:
+    def __init__(self, config: JudgeConfig) -> None:
+        if not config.model:
+            raise ValueError("judge.backend=openai needs judge.model (the served model name)")
+        api_key(config.api_key_env, "judge")  # fail now, naming the variable, not after generation
         self.config = config
         self.model_id = config.model
+        self.counts: Counter[str] = Counter()
 
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
 
-    def _client(self) -> Any:
-        import openai
-
-        key = os.environ.get(self.config.api_key_env)
-        if not key:
-            raise RuntimeError(
-                f"the judge's API key is read from the environment variable {self.config.api_key_env}, "
-                "which is not set (for a local server that ignores keys, set it to any value)"
-            )
-        # max_retries=0: retries are ours, so they are counted against the budget.
-        return openai.AsyncOpenAI(
-            api_key=key, base_url=self.config.base_url, timeout=self.config.timeout_s, max_retries=0
+    async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]:
+        c = self.config
+        client = ApiClient(
+            "judge", base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency, timeout_s=c.timeout_s,
+            max_attempts=c.max_attempts, backoff_s=c.backoff_s, max_backoff_s=c.max_backoff_s,
+            budget=Budget(c.max_requests, names=("judge.max_requests", "")), counts=self.counts,
         )
 
-    async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]:
-        cfg = self.config
-        client = self._client()
-        sem = asyncio.Semaphore(max(1, cfg.concurrency))
-        rng = random.Random(cfg.seed)
-        budget = {"sent": 0}
-
         async def one(i: int, messages: list[Message]) -> Answer:
-            ans = await attempt_all(messages)
+            body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
+            out = await client.chat(body, tag=f"prompt {i}", check=check_verdict)
+            if out.ok:
+                ans = Answer("ok", text=out.text, attempts=out.attempts)
+            elif out.status == "budget_exhausted":
+                ans = Answer("budget_exhausted", text=out.text, attempts=out.attempts, error=out.error)
+            elif out.kind == "rejected":
+                ans = Answer("unparseable", text=out.text, attempts=out.attempts, error=out.error)
+            else:
+                ans = Answer("failed", text=out.text, attempts=out.attempts, error=out.error)
             if on_answer is not None:
                 on_answer(i, ans)
             return ans
-
-        async def attempt_all(messages: list[Message]) -> Answer:
-            import openai
-
-            attempts = 0
-            error: str | None = None
-            while attempts < cfg.max_attempts:
-                # Checked and incremented with no await in between: atomic in one event loop.
-                if cfg.max_requests is not None and budget["sent"] >= cfg.max_requests:
-                    return Answer("budget_exhausted", attempts=attempts, error=error)
-                budget["sent"] += 1
-                attempts += 1
-                retry_after: float | None = None
-                try:
-                    async with sem:
-                        resp = await client.chat.completions.create(
-                            model=cfg.model,
-                            messages=messages,
-                            temperature=cfg.temperature,
-                            max_tokens=cfg.max_tokens,
-                        )
-                    text = resp.choices[0].message.content if resp.choices else None
-                    return Answer("answered", text=text or "", attempts=attempts)
-                except openai.APIStatusError as e:
-                    error = f"HTTP {e.status_code}: {type(e).__name__}"
-                    if e.status_code not in _RETRY_STATUS and e.status_code < 500:
-                        return Answer("failed", attempts=attempts, error=error)
-                    retry_after = _retry_after(e)
-                except openai.APIConnectionError as e:  # includes APITimeoutError
-                    error = type(e).__name__
-                except Exception as e:  # a malformed response etc.: this item fails, the run goes on
-                    return Answer("failed", attempts=attempts, error=f"{type(e).__name__}: {e}")
-                if attempts < cfg.max_attempts:
-                    delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempts - 1))
-                    delay = delay / 2 + rng.uniform(0, delay / 2)  # jitter spreads synchronized retries
-                    if retry_after is not None:
-                        delay = max(delay, min(retry_after, cfg.backoff_max_s))
-                    log.debug("judge request failed (%s), retry %d in %.2fs", error, attempts, delay)
-                    await asyncio.sleep(delay)
-            return Answer("failed", attempts=attempts, error=error)
 
         try:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -543,25 +468,24 @@ class OpenAIBackend:
             await client.close()
 
 
-def _retry_after(e: Any) -> float | None:
-    try:
-        value = e.response.headers.get("retry-after")
-        return float(value) if value is not None else None
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
 # ---------------------------------------------------------------- local transformers backend
 
 
 class HFBackend:
-    """A local causal LM as judge: chat template + greedy decoding, one prompt at a time."""
+    """A local causal LM as judge: chat template + greedy decoding, one prompt at a time.
+
+    Greedy decoding gives the same answer again, so an answer without a verdict is final
+    (``unparseable``), not retried; like every answer without a verdict it is not cached.
+    """
+
+    retries_unparseable = False
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, max_new_tokens: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_new_tokens = max_new_tokens
+        self.counts: Counter[str] = Counter()
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "auto", device: str | None = None, **kw: Any) -> "HFBackend":
@@ -581,10 +505,16 @@ class HFBackend:
         out = []
         for i, messages in enumerate(prompts):
             try:
-                ans = Answer("answered", text=self._generate(messages), attempts=1)
+                text = self._generate(messages)
             except Exception as e:  # e.g. a prompt longer than the model's context
                 log.warning("hf judge failed on a prompt: %s", e)
+                self.counts["failed"] += 1
                 ans = Answer("failed", attempts=1, error=f"{type(e).__name__}: {e}")
+            else:
+                ok = parse_verdict(text) is not None
+                if not ok:
+                    self.counts["rejected"] += 1
+                ans = Answer("ok" if ok else "unparseable", text=text, attempts=1)
             if on_answer is not None:
                 on_answer(i, ans)
             out.append(ans)
@@ -606,6 +536,72 @@ class HFBackend:
             )
         new = ids[0, enc["input_ids"].shape[1] :]
         return self.tokenizer.decode(new, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------- config + factory
+
+JUDGE_BACKENDS = ("none", "hf", "openai")
+
+
+def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
+    """A :class:`rolemrc.config.JudgeConfig` from itself, a DictConfig or a plain mapping; an
+    unknown key or a bad backend is a ValueError naming ``<where>.<key>``."""
+    if isinstance(cfg, JudgeConfig):
+        out = cfg
+    else:
+        from omegaconf import DictConfig, OmegaConf
+
+        raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+        names = {f.name for f in fields(JudgeConfig)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                             f"known: {', '.join(sorted(names))}")
+        out = JudgeConfig(**raw)
+    if out.backend not in JUDGE_BACKENDS:
+        raise ValueError(f"{where}.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {out.backend!r}")
+    if out.backend == "openai" and not out.model:
+        raise ValueError(f"{where}.backend=openai needs {where}.model (the served model name)")
+    return out
+
+
+def check_judge(cfg: JudgeConfig, where: str = "judge") -> None:
+    """What can be checked before any slow work: the backend, the model name, the API key's variable."""
+    judge_config(cfg, where)
+    if cfg.backend == "openai":
+        try:
+            api_key(cfg.api_key_env, where)
+        except MissingApiKey as e:
+            raise MissingApiKey(f"{e} ({where}.api_key_env={cfg.api_key_env})") from None
+
+
+def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = None, tokenizer: Any | None = None,
+               model_id: str | None = None, device: str | None = None, progress: bool = False,
+               where: str = "judge") -> Judge | None:
+    """The judge for ``cfg`` (a :class:`JudgeConfig`, DictConfig or mapping), None for ``backend: none``.
+
+    ``cache_dir`` is used when ``cfg.cache_dir`` is null. For ``backend: hf`` with ``model: null``
+    the given ``model``/``tokenizer`` judge (``model_id`` names them in the cache key);
+    ``device`` is where an hf judge loaded from ``cfg.model`` goes when ``cfg.device`` is null.
+    """
+    j = judge_config(cfg, where)
+    if j.backend == "none":
+        return None
+    check_judge(j, where)
+    backend: Backend
+    if j.backend == "hf":
+        if j.model is not None:
+            backend = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=j.device or device,
+                                                max_new_tokens=j.max_tokens)
+        elif model is not None:
+            # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
+            backend = HFBackend(model, tokenizer, model_id=model_id or "model under evaluation",
+                                max_new_tokens=j.max_tokens)
+        else:
+            raise ValueError(f"{where}.backend=hf with {where}.model=null needs the evaluated model; set {where}.model")
+    else:
+        backend = OpenAIBackend(j)
+    return Judge(backend, cache_dir=j.cache_dir or cache_dir, show_reference=j.show_reference, progress=progress)
 
 
 # ---------------------------------------------------------------- aggregation

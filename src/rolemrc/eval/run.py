@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.errors import UserError
 from rolemrc.eval.generation import (
     GenerationRun,
     GenItem,
@@ -175,41 +176,22 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
     )
 
 
-def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
-    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (backend hf or openai)."""
-    from rolemrc.eval.judge import HFBackend, Judge, OpenAIBackend, OpenAIJudgeConfig
+class JudgeIncomplete(UserError, RuntimeError):
+    """The judge could not obtain every verdict (server down, budget spent): the report is
+    written with what was obtained, and a rerun asks only for the rest."""
 
-    j = cfg.judge
-    cache_dir = j.cache_dir or str(Path(cfg.out_dir) / "judge_cache")
-    if j.backend == "hf":
-        if j.model is not None:
-            backend = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=cfg.generation.device,
-                                                max_new_tokens=j.max_tokens)
-        elif model is not None:
-            # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
-            backend = HFBackend(model, tokenizer, model_id=model_label(cfg), max_new_tokens=j.max_tokens)
-        elif cfg.model.path is not None:
-            backend = HFBackend.from_pretrained(cfg.model.path, dtype=j.dtype, device=cfg.generation.device,
-                                                max_new_tokens=j.max_tokens)
-        else:
-            raise ValueError("judge=hf with judge.model=null needs the evaluated model; set judge.model")
-    elif j.backend == "openai":
-        if not j.model:
-            raise ValueError("judge=openai needs judge.model (the served model name)")
-        backend = OpenAIBackend(OpenAIJudgeConfig(
-            model=j.model,
-            base_url=j.base_url,
-            api_key_env=j.api_key_env,
-            concurrency=j.concurrency,
-            timeout_s=j.timeout_s,
-            max_attempts=j.max_attempts,
-            max_requests=j.max_requests,
-            temperature=j.temperature,
-            max_tokens=j.max_tokens,
-        ))
-    else:
-        raise ValueError(f"judge.backend must be none, hf or openai, got {j.backend!r}")
-    return Judge(backend, cache_dir=cache_dir, show_reference=j.show_reference, progress=cfg.generation.progress)
+
+def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
+    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
+    from dataclasses import replace
+
+    from rolemrc.eval.judge import judge_config, make_judge
+
+    j = judge_config(cfg.judge)
+    if j.backend == "hf" and j.model is None and model is None and cfg.model.path is not None:
+        j = replace(j, model=cfg.model.path)  # generated with vllm: the evaluated model judges, loaded here
+    return make_judge(j, cache_dir=Path(cfg.out_dir) / "judge_cache", model=model, tokenizer=tokenizer,
+                      model_id=model_label(cfg), device=cfg.generation.device, progress=cfg.generation.progress)
 
 
 # ---------------------------------------------------------------- loggers
@@ -250,7 +232,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
     from rolemrc.models.source import resolve_model_sources
     from rolemrc.data.templates import ChatFormat
-    from rolemrc.eval.judge import aggregate, judge_items
+    from rolemrc.api import fault_summary
+    from rolemrc.eval.judge import aggregate, check_judge, judge_config, judge_items
     from rolemrc.eval.report import write_report
     from rolemrc.eval.verifiers import agreement, verify_all
     from rolemrc.models.loading import load_tokenizer
@@ -266,8 +249,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
         if cfg.restraint:
             raise ValueError("restraint hooks into a transformers model: use generation.backend=hf")
-    if cfg.judge.backend not in ("none", "hf", "openai"):
-        raise ValueError(f"judge.backend must be none, hf or openai, got {cfg.judge.backend!r}")
+    # The judge's backend, model name and API key variable are checked before anything slow.
+    check_judge(judge_config(cfg.judge))
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -330,6 +313,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "judgement_status": statuses,
             "judge_cache_hits": judge_stats.cache_hits if judge_stats else 0,
             "judge_requests": judge_stats.requests if judge_stats else 0,
+            "judge_faults": judge_stats.faults if judge_stats else {},
             "rule_items": len(verifier),
             "rule_passed": sum(verifier.values()),
         },
@@ -343,6 +327,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log_to_loggers(cfg, _scalars(metrics, table), rows, columns)
 
     print(f"evaluation summary: {paths['summary.md']}")
+    if verdicts is not None and judge_stats is not None:
+        missing = judge_stats.missing(verdicts, final_unparseable=not getattr(judge.backend, "retries_unparseable", True))
+        if missing:
+            # Promised work is missing: never exit 0. Generations, metrics and the verdicts obtained are kept.
+            raise JudgeIncomplete(
+                f"judge: {len(verdicts) - sum(missing.values())} of {len(verdicts)} verdicts obtained, missing "
+                f"{', '.join(f'{n} {s}' for s, n in missing.items())} (faults: {fault_summary(judge_stats.faults)}); "
+                f"the report in {out_dir} holds what was obtained; rerun the same command to ask only for the rest"
+            )
     return {
         "out_dir": str(out_dir),
         "paths": {k: str(p) for k, p in paths.items()},

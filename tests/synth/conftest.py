@@ -18,7 +18,7 @@ import pytest
 from tests.synth.helpers import (
     API_KEY,
     API_KEY_ENV,
-    FakeOpenAI,
+    SynthServer,
     run_pipeline,
     small_overrides,
     write_inputs,
@@ -45,7 +45,7 @@ def synth_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class SynthRun:
     out_dir: Path
     stats: dict[str, Any]
-    server: FakeOpenAI
+    server: SynthServer
     overrides: list[str]
 
 
@@ -53,7 +53,7 @@ class SynthRun:
 def synth_run(tmp_path_factory: pytest.TempPathFactory, synth_inputs: dict[str, Path], _api_key_env: None) -> Iterator[SynthRun]:
     """One small end-to-end run against the loopback server (server kept up for reruns)."""
     out = tmp_path_factory.mktemp("synth_run") / "out"
-    with FakeOpenAI() as server:
+    with SynthServer() as server:
         ov = small_overrides(server.base_url, out, synth_inputs)
         stats = run_pipeline(ov)
         yield SynthRun(out, stats, server, ov)
@@ -66,6 +66,6 @@ def assembled_dir(synth_run: SynthRun) -> Path:
 
 
 @pytest.fixture()
-def fake_server() -> Iterator[FakeOpenAI]:
-    with FakeOpenAI() as server:
+def fake_server() -> Iterator[SynthServer]:
+    with SynthServer() as server:
         yield server

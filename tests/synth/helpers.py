@@ -1,25 +1,22 @@
-"""Helpers for the synthesis tests: a loopback OpenAI-compatible server, small inputs, runs.
+"""Helpers for the synthesis tests: the shared fake server taught RoleMRC's schemas, small inputs, runs.
 
-``FakeOpenAI`` is a real HTTP server (stdlib ThreadingHTTPServer on 127.0.0.1) that speaks the
-chat-completions and embeddings protocols. Its answers are deterministic functions of the
-request: JSON built from the request's own ``response_format`` schema, bag-of-words embedding
-vectors. It injects 429s (first attempt of about a third of the requests), malformed profiles
-(personas carrying a GLITCH marker) and narration, and counts every request it serves.
+``SynthServer`` is the shared loopback server (``tests/fake_openai.py``) answering chat requests
+with JSON built from the request's own ``response_format`` schema (deterministic per request) and
+embeddings with bag-of-words vectors. It answers the first attempt of about a third of the
+requests with a 429, and the profile of a persona carrying a GLITCH marker with content that
+does not parse (GLITCH-JSON: cut JSON; GLITCH-SCHEMA: a field missing) ``glitch_times`` times
+(default once: the client's retry then gets a good one).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-import re
-import sys
-import threading
-import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from tests.fake_openai import FakeOpenAI, Request, bow_vector  # noqa: F401  (bow_vector: re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY_ENV = "ROLEMRC_TEST_KEY"
@@ -32,183 +29,50 @@ _VOCAB = (
 ).split()
 
 
-def _canon(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+class SynthServer(FakeOpenAI):
+    """``served[key]`` counts good 200 answers per distinct request body; ``malformed[key]`` says
+    which glitch a profile request got ("json" | "schema")."""
 
-
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client killed on purpose leaves broken pipes behind; anything else is reported.
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-            return
-        super().handle_error(request, client_address)
-
-
-class FakeOpenAI:
-    """Loopback server; ``served[key]`` counts 200 answers per distinct request body."""
-
-    def __init__(self, *, delay_s: float = 0.0, rate_limit_mod: int = 3, dim: int = 64) -> None:
-        self.delay_s = delay_s
+    def __init__(self, *, rate_limit_mod: int = 3, glitch_times: int = 1, **kw: Any) -> None:
+        super().__init__(api_key=API_KEY, **kw)
         self.rate_limit_mod = rate_limit_mod
-        self.dim = dim
-        self.lock = threading.Lock()
-        self.attempts: Counter[str] = Counter()
-        self.served: Counter[str] = Counter()
-        self.rate_limited = 0
-        self.unauthorized = 0
-        self.malformed: dict[str, str] = {}  # request key -> "json" | "schema"
-        self.httpd: ThreadingHTTPServer | None = None
-        # hold(): park requests once ``hold_after`` answers were served, so a test can kill the
-        # client at a known point; parked requests are then dropped (503), never answered.
-        self.hold_after: int | None = None
-        self.parked = 0
-        self._gate = threading.Event()
-
-    # ------------------------------------------------------------- lifecycle
-    def __enter__(self) -> FakeOpenAI:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # Headers and body go out in two writes; without this, delayed ACKs add ~40 ms each.
-            disable_nagle_algorithm = True
-
-            def log_message(self, *args: Any) -> None:  # keep test output clean
-                pass
-
-            def do_POST(self) -> None:  # noqa: N802 (stdlib name)
-                length = int(self.headers.get("Content-Length", 0))
-                raw = self.rfile.read(length)
-                status, payload, headers = server.handle(self.path, self.headers.get("Authorization", ""), raw)
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self.httpd is not None
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.glitch_times = glitch_times
+        self.glitched: Counter[str] = Counter()
+        self.malformed: dict[str, str] = {}
 
     @property
-    def base_url(self) -> str:
-        assert self.httpd is not None
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+    def rate_limited(self) -> int:
+        return self.fault_counts["rate_limit"]
 
-    # ------------------------------------------------------------- counters
-    def total_served(self) -> int:
-        with self.lock:
-            return sum(self.served.values())
+    def _schema(self, req: Request) -> dict[str, Any] | None:
+        rf = req.body.get("response_format") or {}
+        return rf["json_schema"] if rf.get("type") == "json_schema" else None
 
-    def repeated(self) -> dict[str, int]:
-        with self.lock:
-            return {k: v for k, v in self.served.items() if v > 1}
-
-    def hold(self, after: int) -> None:
-        self._gate.clear()
-        self.hold_after = after
-
-    def release(self) -> None:
-        """Drop the parked requests; returns once none is parked any more."""
-        self.hold_after = None
-        self._gate.set()
-        deadline = time.monotonic() + 10
-        while self.parked and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not self.parked, "parked requests did not leave"
-
-    def reset_counts(self) -> None:
-        with self.lock:
-            self.served.clear()
-
-    # ------------------------------------------------------------- protocol
-    def handle(self, path: str, auth: str, raw: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
-        if auth != f"Bearer {API_KEY}":
+    def fault(self, req: Request) -> str | None:
+        if req.attempt == 1 and int(req.key[:8], 16) % self.rate_limit_mod == 0:
+            return "rate_limit"
+        spec = self._schema(req)
+        if spec is not None and spec["name"] == "role_profile" and "GLITCH" in req.last_content:
             with self.lock:
-                self.unauthorized += 1
-            return 401, {"error": {"message": "bad key", "type": "invalid_request_error"}}, {}
-        with self.lock:
-            park = self.hold_after is not None and sum(self.served.values()) >= self.hold_after
-            self.parked += park
-        if park:
-            self._gate.wait()
-            with self.lock:
-                self.parked -= 1
-            return 503, {"error": {"message": "dropped while held"}}, {}
-        body = json.loads(raw)
-        key = hashlib.sha256(_canon({"path": path, **body}).encode()).hexdigest()
-        with self.lock:
-            self.attempts[key] += 1
-            first = self.attempts[key] == 1
-        if first and int(key[:8], 16) % self.rate_limit_mod == 0:
-            with self.lock:
-                self.rate_limited += 1
-            return 429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"Retry-After": "0"}
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        if path.endswith("/chat/completions"):
-            out = self.chat(body, key)
-        elif path.endswith("/embeddings"):
-            out = self.embeddings(body)
-        else:
-            return 404, {"error": {"message": f"no route {path}"}}, {}
-        with self.lock:
-            self.served[key] += 1
-        return 200, out, {}
+                if self.glitched[req.key] < self.glitch_times:
+                    self.glitched[req.key] += 1
+                    self.malformed[req.key] = "json" if "GLITCH-JSON" in req.last_content else "schema"
+                    return "invalid_content"
+        return super().fault(req)
 
-    def chat(self, body: dict[str, Any], key: str) -> dict[str, Any]:
-        rf = body.get("response_format") or {}
-        last = body["messages"][-1]["content"]
-        if rf.get("type") == "json_schema":
-            spec = rf["json_schema"]
-            rng = random.Random(key)
-            obj = _instance(spec["schema"], spec["schema"], rng, name="")
-            content = json.dumps(obj)
-            if spec["name"] == "role_profile":
-                if "GLITCH-JSON" in last:
-                    content = content[: len(content) // 2]  # truncated: not JSON
-                    self.malformed[key] = "json"
-                elif "GLITCH-SCHEMA" in last:
-                    obj.pop("speech_style")
-                    obj["speech_examples"] = "not a list"
-                    content = json.dumps(obj)
-                    self.malformed[key] = "schema"
-        else:
-            content = "Plain text answer."
-        ntok = max(1, len(_canon(body["messages"])) // 4)
-        return {
-            "id": "chatcmpl-" + key[:12], "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": ntok, "completion_tokens": len(content) // 4 + 1, "total_tokens": ntok + len(content) // 4 + 1},
-        }
+    def chat_content(self, req: Request) -> str:
+        spec = self._schema(req)
+        if spec is None:
+            return "Plain text answer."
+        return json.dumps(_instance(spec["schema"], spec["schema"], random.Random(req.key), name=""))
 
-    def embeddings(self, body: dict[str, Any]) -> dict[str, Any]:
-        texts = body["input"]
-        texts = [texts] if isinstance(texts, str) else texts
-        return {
-            "object": "list", "model": body["model"],
-            "data": [{"object": "embedding", "index": i, "embedding": bow_vector(t, self.dim)} for i, t in enumerate(texts)],
-            "usage": {"prompt_tokens": sum(len(t) // 4 for t in texts), "total_tokens": sum(len(t) // 4 for t in texts)},
-        }
-
-
-def bow_vector(text: str, dim: int) -> list[float]:
-    """Hashed bag of words: texts sharing words point the same way (so matching means something)."""
-    v = [0.0] * dim
-    for w in re.findall(r"[a-z]+", text.lower()):
-        if len(w) > 3:
-            v[int(hashlib.md5(w.encode()).hexdigest(), 16) % dim] += 1.0
-    v[0] += 0.1  # never the zero vector
-    return v
+    def bad_content(self, req: Request, content: str) -> str:
+        if "GLITCH-SCHEMA" in req.last_content:
+            obj = json.loads(content)
+            obj.pop("speech_style")
+            obj["speech_examples"] = "not a list"
+            return json.dumps(obj)
+        return content[: len(content) // 2]  # truncated: not JSON
 
 
 def _instance(node: dict[str, Any], root: dict[str, Any], rng: random.Random, name: str) -> Any:

@@ -58,5 +58,5 @@ def test_match_stage_with_the_in_process_embedder(synth_run: object, tmp_path) -
     ov = [o for o in synth_run.overrides if not o.startswith(("synth/embedder", "embedder."))]  # type: ignore[attr-defined]
     stats = run_pipeline([*ov, f"out_dir={out}", "stages=[match]", "synth/embedder=minilm", "embedder.batch_size=16"])
     assert "usage" not in stats["match"]  # no request was made
-    assert np.load(out / "match" / "profile_emb.npy").shape == (10, 384)
+    assert np.load(out / "match" / "profile_emb.npy").shape == (12, 384)  # every persona got a profile
     assert np.load(out / "match" / "mrc_emb.npy").shape == (34, 384)

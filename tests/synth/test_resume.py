@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.synth.helpers import REPO, FakeOpenAI, small_overrides
+from tests.synth.helpers import REPO, SynthServer, small_overrides
 
 
 def _start(ov: list[str], cwd: Path) -> subprocess.Popen[bytes]:
@@ -19,10 +20,20 @@ def _start(ov: list[str], cwd: Path) -> subprocess.Popen[bytes]:
 
 
 def _cache_files(out: Path) -> int:
-    return sum(1 for _ in (out / "cache").glob("*/*.json"))
+    """Answers in the run's SQLite cache."""
+    path = out / "cache" / "api_cache.sqlite"
+    if not path.exists():
+        return 0
+    db = sqlite3.connect(path, timeout=30)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM answers").fetchone()[0])
+    except sqlite3.OperationalError:  # created, table not yet there
+        return 0
+    finally:
+        db.close()
 
 
-def _kill_when_held(proc: subprocess.Popen[bytes], server: FakeOpenAI, out: Path, timeout: float = 90) -> None:
+def _kill_when_held(proc: subprocess.Popen[bytes], server: SynthServer, out: Path, timeout: float = 90) -> None:
     """SIGKILL once the server parks a request and every answer it gave is in the cache."""
     deadline = time.monotonic() + timeout
     while not (server.parked and _cache_files(out) == server.total_served()):
@@ -40,7 +51,7 @@ def _kill_when_held(proc: subprocess.Popen[bytes], server: FakeOpenAI, out: Path
 
 def test_killed_run_resumes_without_repeating_requests(tmp_path: Path, synth_inputs: dict[str, Path], synth_run: Any) -> None:
     out = tmp_path / "out"
-    with FakeOpenAI() as server:
+    with SynthServer() as server:
         ov = small_overrides(server.base_url, out, synth_inputs, **{"generator.concurrency": 2})
 
         # 1) killed inside the profiles stage (12 requests)

@@ -1,45 +1,32 @@
-"""Async client for OpenAI-compatible servers: cache, concurrency, retries, budget, dry run.
+"""Synthesis requests on top of :mod:`rolemrc.api`: request bodies, cache keys, usage, dry run.
 
-Every request is keyed by its content (model, messages, sampling parameters, schema). The
-answer is written to an on-disk cache as soon as it arrives, atomically, so a run killed at any
-moment resumes where it stopped and a rerun of a finished run sends nothing.
+Transport, retries (faults, malformed 200s, answers the stage's parser rejects), the budget and
+fault counts are :class:`rolemrc.api.ApiClient`'s. Every request is keyed by its content (model,
+messages, sampling parameters, schema); the answer is written to the SQLite cache
+(:class:`rolemrc.api.AnswerCache`, ``<cache_dir>/api_cache.sqlite``) as soon as it arrives and
+only if it passed the stage's check, so a run killed at any moment resumes where it stopped, a
+rerun of a finished run sends nothing, and an answer that could not be used is asked again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
-import os
-import random
-import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, BudgetExhausted, Outcome
 from rolemrc.synth.config import BudgetConfig, EmbedderConfig, GeneratorConfig
 
+BudgetExceeded = BudgetExhausted  # the name synthesis used before the client was shared
 
-class BudgetExceeded(RuntimeError):
-    """Raised before a request that would pass ``budget.max_requests`` / ``budget.max_tokens``."""
-
-
-class Halted(RuntimeError):
-    """A request not sent because another one failed for good (the stage is stopping)."""
-
-
-async def gather_all(coros: list[Awaitable[Any]]) -> list[Any]:
-    """Run all; after a failure, requests already in flight still finish (and are cached) while
-    queued ones stop (:class:`Halted`). Raises the first real error."""
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise next((e for e in errors if not isinstance(e, Halted)), errors[0])
-    return results
+CACHE_FILE = "api_cache.sqlite"
 
 
 def request_key(payload: dict[str, Any]) -> str:
@@ -49,189 +36,134 @@ def request_key(payload: dict[str, Any]) -> str:
 
 
 class Cache:
-    """One JSON file per request key, written with write-then-rename (crash safe)."""
+    """The run's answer cache: ``<root>/api_cache.sqlite``. Answers cached by older versions as
+    one JSON file per key (``<root>/<k[:2]>/<k>.json``) are still read, checked like any other."""
 
     def __init__(self, root: Path, read_only: bool = False) -> None:
         self.root = Path(root)
         self.read_only = read_only
+        self._db: Optional[AnswerCache] = None
 
-    def _path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.json"
+    @property
+    def db(self) -> Optional[AnswerCache]:
+        if self._db is None and (not self.read_only or (self.root / CACHE_FILE).exists()):
+            self._db = AnswerCache(self.root / CACHE_FILE)
+        return self._db
 
-    def get(self, key: str) -> Optional[dict[str, Any]]:
-        path = self._path(key)
+    def get(self, key: str, valid: Optional[Callable[[str], Any]] = None) -> Optional[str]:
+        db = self.db
+        hit = db.get(key, valid) if db is not None else None
+        if hit is None:
+            hit = self._legacy(key, valid)
+        return hit
+
+    def _legacy(self, key: str, valid: Optional[Callable[[str], Any]]) -> Optional[str]:
+        path = self.root / key[:2] / f"{key}.json"
         try:
             with open(path, encoding="utf-8") as f:
-                return json.load(f)
+                rec = json.load(f)
+            text = rec["content"] if "content" in rec else json.dumps({"b64": rec["b64"], "shape": rec["shape"]})
+            if valid is not None:
+                valid(text)
         except FileNotFoundError:
             return None
-        except json.JSONDecodeError as e:
-            # Only complete files are ever renamed into place, so this is outside damage.
-            raise RuntimeError(f"corrupt cache entry {path}: {e}; delete it to re-request") from e
+        except Exception:  # a damaged file or an answer the check rejects: asked again
+            return None
+        return text
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
-        if self.read_only:
-            return
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}-{id(value)}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(value, f, ensure_ascii=False)
-        os.replace(tmp, path)
+    def put(self, key: str, text: str, model: str = "") -> None:
+        if not self.read_only and self.db is not None:
+            self.db.put(key, text, model)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.root.glob("*/*.json")) if self.root.exists() else 0
+        db = self.db
+        return len(db) if db is not None else 0
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 @dataclass
 class Usage:
-    """What a stage asked for, what came from cache, what was (or would be) sent."""
+    """What a stage asked for, what came from cache, what was (or would be) sent, what went wrong."""
 
     requests: int = 0
     cached: int = 0
-    sent: int = 0
+    sent: int = 0  # attempts sent (retries included)
     retries: int = 0
     rate_limited: int = 0
+    failed: int = 0  # requests without a usable answer after every retry
     prompt_tokens: int = 0  # reported by the server when it does, else estimated
     completion_tokens: int = 0
     est_prompt_tokens: int = 0  # estimates for requests not yet answered (dry run)
     est_completion_tokens: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)  # by kind (rolemrc.api.FAULT_KINDS)
 
     def add(self, other: Usage) -> None:
-        for k in ("requests", "cached", "sent", "retries", "rate_limited", "prompt_tokens", "completion_tokens", "est_prompt_tokens", "est_completion_tokens"):
+        for k in ("requests", "cached", "sent", "retries", "rate_limited", "failed", "prompt_tokens", "completion_tokens",
+                  "est_prompt_tokens", "est_completion_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for k, v in other.by_kind.items():
             self.by_kind[k] = self.by_kind.get(k, 0) + v
+        for k, v in other.faults.items():
+            self.faults[k] = self.faults.get(k, 0) + v
+
+    def add_counts(self, counts: Counter[str]) -> None:
+        """Fold in an :class:`~rolemrc.api.ApiClient`'s counts."""
+        self.sent += counts["sent"]
+        self.retries += counts["retries"]
+        self.rate_limited += counts["rate_limited"]
+        self.failed += counts["failed"]
+        for k in FAULT_KINDS:
+            if counts[k]:
+                self.faults[k] = self.faults.get(k, 0) + counts[k]
 
     def line(self, dry_run: bool = False) -> str:
         if dry_run:
             return f"requests {self.requests} (cached {self.cached}, would send {self.requests - self.cached})"
         s = f"requests {self.requests} (cached {self.cached}, sent {self.sent}"
-        if self.retries:
-            s += f", retries {self.retries}, 429s {self.rate_limited}"
+        if self.retries or self.failed:
+            s += f", retries {self.retries}, failed {self.failed}; faults: " + ", ".join(f"{k} {v}" for k, v in self.faults.items())
         return s + ")"
 
 
-class Budget:
-    """Shared across stages of one run: counts what is sent, refuses what would exceed the caps."""
-
-    def __init__(self, cfg: BudgetConfig) -> None:
-        self.cfg = cfg
-        self.sent = 0
-        self.tokens = 0
-
-    def reserve(self, est_tokens: int, what: str) -> None:
-        if self.cfg.max_requests is not None and self.sent + 1 > self.cfg.max_requests:
-            raise BudgetExceeded(
-                f"request budget reached: {self.sent} requests sent, budget.max_requests={self.cfg.max_requests} "
-                f"(next: {what}). Finished requests are cached; rerun with a larger budget to go on."
-            )
-        if self.cfg.max_tokens is not None and self.tokens + est_tokens > self.cfg.max_tokens:
-            raise BudgetExceeded(
-                f"token budget reached: ~{self.tokens} tokens used, next request ~{est_tokens}, "
-                f"budget.max_tokens={self.cfg.max_tokens} (next: {what}). Finished requests are cached."
-            )
-        self.sent += 1
-        self.tokens += est_tokens
-
-    def settle(self, estimated: int, actual: int) -> None:
-        self.tokens += actual - estimated
+def make_budget(cfg: BudgetConfig) -> Budget:
+    """One budget for the whole run (every stage, generator and embedder)."""
+    return Budget(cfg.max_requests, cfg.max_tokens, names=("budget.max_requests", "budget.max_tokens"))
 
 
 @dataclass
 class ChatRequest:
-    """One chat completion to make. ``placeholder`` answers it in a dry run."""
+    """One chat completion to make. ``placeholder`` answers it in a dry run; ``check`` raises
+    :class:`rolemrc.api.Rejected` for an answer the stage cannot parse (it is then asked again)."""
 
     kind: str  # profile | free_chat | mrc_dialogue | reply | two_turn (budget estimate key)
-    tag: str  # item id, for error messages
+    tag: str  # record id, for reports and error messages
     messages: list[dict[str, str]]  # OpenAI roles (system/user/assistant)
     schema_name: str
     schema: Optional[dict[str, Any]]
     placeholder: str
+    check: Optional[Callable[[str], Any]] = None
 
 
-def _api_key(env: Optional[str], what: str) -> str:
-    if env is None:
-        return "none"  # servers without auth (vllm serve without --api-key) accept anything
-    key = os.environ.get(env)
-    if not key:
-        raise RuntimeError(f"{what}: environment variable {env} is not set (API keys are read from the environment only; set {what}.api_key_env=null for a server that needs none)")
-    return key
+@dataclass
+class ChatResult:
+    """The answer's text, or why there is none (``error``; ``kind``: the last fault's kind)."""
 
-
-_RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
-
-
-class _Endpoint:
-    """Retry/backoff/concurrency wrapper shared by chat and embedding calls."""
-
-    def __init__(self, *, base_url: str, api_key_env: Optional[str], what: str, concurrency: int, timeout_s: float, max_retries: int, backoff_s: float, max_backoff_s: float, dry_run: bool) -> None:
-        self.base_url = base_url
-        self.what = what
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.dry_run = dry_run
-        self.timeout_s = timeout_s
-        self._sem = asyncio.Semaphore(concurrency)
-        self._client: Any = None
-        self._key = None if dry_run else _api_key(api_key_env, what)
-        self._rng = random.Random(0)
-        self.halted = False
-
-    @property
-    def client(self) -> Any:
-        if self._client is None:
-            import openai
-
-            # Retries are ours (counted, with the server's Retry-After honoured), not the SDK's.
-            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0, timeout=self.timeout_s)
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-    async def call(self, fn: Callable[[], Awaitable[Any]], tag: str, usage: Usage) -> Any:
-        import openai
-
-        async with self._sem:
-            for attempt in range(self.max_retries + 1):
-                if self.halted:
-                    raise Halted(f"{self.what} request {tag} not sent: an earlier request failed")
-                try:
-                    return await fn()
-                except (openai.APITimeoutError, openai.APIConnectionError, openai.APIStatusError) as e:
-                    status = getattr(e, "status_code", None)
-                    transient = status is None or status in _RETRY_STATUS
-                    if not transient or attempt == self.max_retries:
-                        self.halted = True
-                        raise RuntimeError(f"{self.what} request {tag} failed after {attempt + 1} attempt(s) at {self.base_url}: {type(e).__name__}: {e}") from e
-                    usage.retries += 1
-                    if status == 429:
-                        usage.rate_limited += 1
-                    await asyncio.sleep(self._delay(e, attempt))
-        raise AssertionError("unreachable")
-
-    def _delay(self, err: Any, attempt: int) -> float:
-        response = getattr(err, "response", None)
-        if response is not None:
-            after = response.headers.get("retry-after")
-            if after is not None:
-                try:
-                    return min(float(after), self.max_backoff_s)
-                except ValueError:
-                    pass  # an HTTP-date; fall back to exponential backoff
-        # Full jitter keeps many workers from retrying in lockstep after a shared 429.
-        return self._rng.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2**attempt)
+    tag: str
+    text: Optional[str]
+    error: Optional[str] = None
+    kind: Optional[str] = None
+    attempts: int = 0
 
 
 class _Client:
-    """What the generator and the embedder share: one endpoint, the cache, the budget, the
+    """What the generator and the embedder share: the API client, the cache, the budget, the
     usage counts. Create inside the event loop that uses it (the semaphore and HTTP client
-    bind to it)."""
+    bind to it). In a dry run nothing is sent and no key is needed."""
 
     what = "client"
 
@@ -243,14 +175,23 @@ class _Client:
         self.cache = cache
         self.dry_run = dry_run
         self.usage = Usage()
-        self.ep = _Endpoint(
-            base_url=cfg.base_url, api_key_env=cfg.api_key_env, what=self.what, concurrency=cfg.concurrency,
-            timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-            max_backoff_s=cfg.max_backoff_s, dry_run=dry_run,
-        )
+        self.api: Optional[ApiClient] = None
+        if not dry_run:
+            self.api = ApiClient(
+                self.what, base_url=cfg.base_url, api_key_env=cfg.api_key_env, concurrency=cfg.concurrency,
+                timeout_s=cfg.timeout_s, max_attempts=cfg.max_retries + 1, backoff_s=cfg.backoff_s,
+                max_backoff_s=cfg.max_backoff_s, budget=budget,
+            )
+
+    @property
+    def halted(self) -> Optional[str]:
+        return self.api.halted if self.api is not None else None
 
     async def close(self) -> None:
-        await self.ep.close()
+        if self.api is not None:
+            self.usage.add_counts(self.api.counts)
+            await self.api.close()
+            self.api = None
 
 
 class Generator(_Client):
@@ -285,39 +226,45 @@ class Generator(_Client):
         chars = sum(len(m["content"]) for m in body["messages"]) + len(json.dumps(body.get("response_format", "")))
         return int(chars / self.budget_cfg.chars_per_token) + 4 * len(body["messages"])
 
-    async def chat(self, req: ChatRequest) -> str:
-        """Text content of the answer (cached, fetched, or the placeholder in a dry run)."""
+    async def chat(self, req: ChatRequest) -> ChatResult:
+        """The answer's text (cached, fetched, or the placeholder in a dry run), or why not."""
         body = self.payload(req)
         # The server address is not part of the key: moving to another host serving the same
         # model keeps the cache valid.
         key = request_key({"endpoint": "chat.completions", **body})
         self.usage.requests += 1
         self.usage.by_kind[req.kind] = self.usage.by_kind.get(req.kind, 0) + 1
-        hit = self.cache.get(key)
+        hit = self.cache.get(key, req.check)
         if hit is not None:
             self.usage.cached += 1
-            return hit["content"]
+            return ChatResult(req.tag, hit)
         est_prompt = self.estimate_prompt_tokens(body)
         est_completion = min(self.budget_cfg.completion_tokens.get(req.kind, self.cfg.max_tokens), self.cfg.max_tokens)
         if self.dry_run:
             self.usage.est_prompt_tokens += est_prompt
             self.usage.est_completion_tokens += est_completion
-            return req.placeholder
-        self.budget.reserve(est_prompt + est_completion, req.tag)
-        self.usage.sent += 1
-        resp = await self.ep.call(lambda: self.ep.client.chat.completions.create(**body), req.tag, self.usage)
-        if not resp.choices:
-            raise RuntimeError(f"generator request {req.tag}: the server returned no choices")
-        choice = resp.choices[0]
-        content = choice.message.content or ""
-        u = resp.usage
-        pt = u.prompt_tokens if u is not None and u.prompt_tokens else est_prompt
-        ct = u.completion_tokens if u is not None and u.completion_tokens else max(1, int(len(content) / self.budget_cfg.chars_per_token))
+            return ChatResult(req.tag, req.placeholder)
+        assert self.api is not None
+        out: Outcome = await self.api.chat(body, tag=req.tag, check=req.check, est_tokens=est_prompt + est_completion)
+        if not out.ok or out.text is None:
+            return ChatResult(req.tag, None, out.error, out.kind if out.status != "budget_exhausted" else "budget_exhausted", out.attempts)
+        content = out.text
+        pt = out.prompt_tokens or est_prompt
+        ct = out.completion_tokens or max(1, int(len(content) / self.budget_cfg.chars_per_token))
         self.usage.prompt_tokens += pt
         self.usage.completion_tokens += ct
         self.budget.settle(est_prompt + est_completion, pt + ct)
-        self.cache.put(key, {"content": content, "finish_reason": choice.finish_reason, "usage": {"prompt_tokens": pt, "completion_tokens": ct}, "tag": req.tag, "time": time.time()})
-        return content
+        self.cache.put(key, content, self.cfg.model)
+        return ChatResult(req.tag, content, attempts=out.attempts)
+
+
+class EmbeddingFailed(RuntimeError):
+    """An embedding batch without a usable answer after every retry (the match stage stops)."""
+
+
+def _decode_embeddings(text: str) -> np.ndarray:
+    rec = json.loads(text)
+    return np.frombuffer(base64.b64decode(rec["b64"]), dtype=np.float32).reshape(rec["shape"])
 
 
 class RemoteEmbedder(_Client):
@@ -337,31 +284,38 @@ class RemoteEmbedder(_Client):
         key = request_key({"endpoint": "embeddings", **body})
         self.usage.requests += 1
         self.usage.by_kind["embed"] = self.usage.by_kind.get("embed", 0) + 1
-        hit = self.cache.get(key)
+
+        def valid(text: str) -> None:
+            if _decode_embeddings(text).shape[0] != len(texts):
+                raise ValueError("cached batch has another row count")
+
+        hit = self.cache.get(key, valid)
         if hit is not None:
             self.usage.cached += 1
-            arr = np.frombuffer(base64.b64decode(hit["b64"]), dtype=np.float32).reshape(hit["shape"])
+            arr = _decode_embeddings(hit)
             self._dim = arr.shape[1]
             return arr
         est = int(sum(len(t) for t in texts) / self.budget_cfg.chars_per_token)
         if self.dry_run:
             self.usage.est_prompt_tokens += est
             return None
-        self.budget.reserve(est, tag)
-        self.usage.sent += 1
-        resp = await self.ep.call(lambda: self.ep.client.embeddings.create(model=self.cfg.model, input=texts, encoding_format="float"), tag, self.usage)
-        rows = sorted(resp.data, key=lambda d: d.index)
-        if len(rows) != len(texts):
-            raise RuntimeError(f"embedder request {tag}: sent {len(texts)} texts, got {len(rows)} embeddings")
-        arr = np.asarray([r.embedding for r in rows], dtype=np.float32)
-        pt = resp.usage.prompt_tokens if getattr(resp, "usage", None) is not None and resp.usage.prompt_tokens else est
+        assert self.api is not None
+        out = await self.api.embeddings({**body, "encoding_format": "float"}, tag=tag, n_inputs=len(texts), est_tokens=est)
+        if out.status == "budget_exhausted":
+            raise BudgetExceeded(out.error or "budget exhausted")
+        if not out.ok:
+            raise EmbeddingFailed(f"embedder request {tag} at {self.cfg.base_url} failed after {out.attempts} attempt(s): {out.error}")
+        arr = np.asarray(out.value, dtype=np.float32)
+        pt = out.prompt_tokens or est
         self.usage.prompt_tokens += pt
         self.budget.settle(est, pt)
         self._dim = arr.shape[1]
-        self.cache.put(key, {"b64": base64.b64encode(arr.tobytes()).decode("ascii"), "shape": list(arr.shape), "tag": tag})
+        self.cache.put(key, json.dumps({"b64": base64.b64encode(arr.tobytes()).decode("ascii"), "shape": list(arr.shape)}), self.cfg.model)
         return arr
 
     async def embed(self, texts: list[str], is_query: bool, tag: str, on_batch: Callable[[int], None] = lambda n: None) -> np.ndarray:
+        import asyncio
+
         prefix = self.cfg.query_prefix if is_query else self.cfg.doc_prefix
         texts = [prefix + t for t in texts]
         bs = self.cfg.batch_size
@@ -371,13 +325,18 @@ class RemoteEmbedder(_Client):
             on_batch(min(bs, len(texts) - i))
             return out
 
-        parts = await gather_all([one(i) for i in range(0, len(texts), bs)])
+        # Every batch runs to its end (and is cached) before the first error is raised.
+        results = await asyncio.gather(*(one(i) for i in range(0, len(texts), bs)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        parts: list[Optional[np.ndarray]] = list(results)  # type: ignore[arg-type]
         if any(p is None for p in parts):
             # Dry run with batches not in the cache: stand-in vectors of the right count, so the
             # later stages can still be planned and counted.
             rng = np.random.default_rng(len(texts))
             return rng.standard_normal((len(texts), self._dim or 8)).astype(np.float32)
-        arr = np.concatenate(parts) if parts else np.zeros((0, 1), np.float32)
+        arr = np.concatenate(parts) if parts else np.zeros((0, 1), np.float32)  # type: ignore[arg-type]
         if self.cfg.normalize:
             arr = arr / np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr

@@ -22,7 +22,7 @@ from rolemrc.synth import rules as rulebook
 from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import ChatRequest
 from rolemrc.synth.config import KINDS, DialoguesConfig
-from rolemrc.synth.profiles import parse
+from rolemrc.synth.profiles import parse, parser
 from rolemrc.synth.records import (
     Profile,
     Reply,
@@ -222,7 +222,7 @@ class Builder:
         placeholder = {"exchanges": [{"user": "…", "role": "…"}] * n}
         if p.role_first:
             placeholder = {"opening": "…", **placeholder}
-        req = ChatRequest(kind=p.kind, tag=p.id, messages=self._messages(user), schema_name=model.__name__, schema=wire_schema(model), placeholder=json.dumps(placeholder))
+        req = ChatRequest(kind=p.kind, tag=p.id, messages=self._messages(user), schema_name=model.__name__, schema=wire_schema(model), placeholder=json.dumps(placeholder), check=parser(model))
         system = self.system(prof, p.narration, mrc)
 
         def finish(text: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:
@@ -278,7 +278,7 @@ class Builder:
             values["min_words"] = min(values["min_words"], max(1, rule["n"] // 2))
             values["max_words"] = min(values["max_words"], rule["n"])
         values["rule_line"] = fill(self.a.prompts["rule_line"], "prompts.yaml: rule_line", rule=rule_text) if rule else ""
-        req = ChatRequest(kind="reply", tag=p.id, messages=self._messages(self.a.render("prompts", "reply", **values)), schema_name="role_reply", schema=wire_schema(Reply), placeholder=json.dumps({"reply": seed_reply + _DRY}))
+        req = ChatRequest(kind="reply", tag=p.id, messages=self._messages(self.a.render("prompts", "reply", **values)), schema_name="role_reply", schema=wire_schema(Reply), placeholder=json.dumps({"reply": seed_reply + _DRY}), check=parser(Reply))
         system = self.system(prof, p.narration, mrc, extra)
 
         def finish(text: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:
@@ -312,7 +312,7 @@ class Builder:
             seed2 = fill(rng.choice(s["attempt"]), "seeds.yaml: attempt", answer=mrc["answer"])
         question = mrc["question"]
         values = {**self._common(prof, p.narration), "context": self.passages_block(mrc), "question": question, "seed": seed1, "push": push, "seed2": seed2}
-        req = ChatRequest(kind="two_turn", tag=p.id, messages=self._messages(self.a.render("prompts", "two_turn", **values)), schema_name="role_two_replies", schema=wire_schema(TwoReplies), placeholder=json.dumps({"first_reply": seed1 + _DRY, "second_reply": seed2 + _DRY}))
+        req = ChatRequest(kind="two_turn", tag=p.id, messages=self._messages(self.a.render("prompts", "two_turn", **values)), schema_name="role_two_replies", schema=wire_schema(TwoReplies), placeholder=json.dumps({"first_reply": seed1 + _DRY, "second_reply": seed2 + _DRY}), check=parser(TwoReplies))
         system = self.system(prof, p.narration, mrc)
 
         def finish(text: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]]]:

@@ -33,18 +33,20 @@ from rich.table import Table
 from rolemrc.synth import dialogues as dlg
 from rolemrc.synth import profiles as prof
 from rolemrc.synth.assets import Assets
+from rolemrc.errors import UserError
 from rolemrc.synth.client import (
-    Budget,
+    BudgetExceeded,
     Cache,
     ChatRequest,
+    ChatResult,
     Generator,
     RemoteEmbedder,
     Usage,
-    gather_all,
+    make_budget,
 )
 from rolemrc.synth.config import STAGES, SynthConfig
 from rolemrc.synth.records import check_pair, check_sft, check_test
-from rolemrc.synth.sources import load_mix, load_mrc, load_personas
+from rolemrc.synth.sources import load_mix, load_mrc, load_personas, standin_mrc, standin_personas
 from rolemrc.synth.store import StageDir, fingerprint, read_jsonl, write_jsonl
 from rolemrc.tasks import TEST_TASKS
 
@@ -60,12 +62,30 @@ class Context:
         self.assets = Assets(cfg.assets_dir)
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(cfg.out_dir) / "cache"
         self.cache = Cache(cache_dir, read_only=cfg.dry_run)
-        self.budget = Budget(cfg.budget)
+        self.budget = make_budget(cfg.budget)
         self.usage: dict[str, Usage] = {}
         self.fps: dict[str, str] = {}
+        self.missing: dict[str, list[dict[str, Any]]] = {}  # stage -> records without an answer
+        self.standins: list[str] = []  # dry run: inputs that could not be read, planned with stand-ins
 
     def stage(self, name: str) -> StageDir:
         return StageDir(self.out, name)
+
+    def write_missing(self, stage: str) -> int:
+        """``<stage>/missing.jsonl``: the records without a usable answer (stage, id, reason);
+        printed, and their count returned (the stage's ``missing`` stat)."""
+        recs = self.missing.get(stage, [])
+        write_jsonl(self.stage(stage).file("missing.jsonl"), recs)
+        if recs:
+            why: dict[str, int] = {}
+            for r in recs:
+                why[str(r["reason"])] = why.get(str(r["reason"]), 0) + 1
+            self.console.print(escape(
+                f"{stage}: {len(recs)} record(s) without a usable answer after retries "
+                f"({', '.join(f'{k} {v}' for k, v in why.items())}): "
+                f"{', '.join(r['id'] for r in recs[:8])}{' ...' if len(recs) > 8 else ''}; "
+                f"see {self.stage(stage).file('missing.jsonl')}"), style="yellow")
+        return len(recs)
 
     def bar(self, label: str, total: int) -> Callable[[int], None]:
         if self.progress is None:
@@ -74,31 +94,60 @@ class Context:
         return lambda n: self.progress.advance(task, n)  # type: ignore[union-attr]
 
     def upstream(self, name: str) -> str:
-        """Fingerprint of a finished earlier stage (from this run or its marker)."""
+        """Fingerprint of a finished earlier stage (from this run or its marker); a stage that
+        finished with records missing adds their count, so once a rerun fills them in, the
+        stages after it are redone."""
         if name not in self.fps:
-            self.fps[name] = self.stage(name).require()["fingerprint"]
+            m = self.stage(name).require()
+            self.fps[name] = output_fingerprint(m["fingerprint"], m["stats"].get("missing", 0))
         return self.fps[name]
 
-    def generate(self, stage: str, requests: list[ChatRequest]) -> list[str]:
-        """Run chat requests concurrently (cache first); answers in request order."""
+    def generate(self, stage: str, requests: list[ChatRequest]) -> list[Optional[str]]:
+        """Run chat requests concurrently (cache first); answers in request order, None for a
+        request without a usable answer after every retry (recorded in ``missing``).
+
+        Raises :class:`BudgetExceeded` when the budget ran out, and RuntimeError when the server
+        refused the key or the URL (HTTP 401/403/404: later requests are not sent), both after
+        every request in flight has finished and been cached."""
         advance = self.bar(f"{stage}: requests", len(requests))
         usage = self.usage.setdefault(stage, Usage())
 
-        async def go() -> list[str]:
+        async def go() -> tuple[list[ChatResult], Optional[str]]:
             gen = Generator(self.cfg.generator, self.cfg.budget, self.budget, self.cache, dry_run=self.cfg.dry_run)
 
-            async def one(r: ChatRequest) -> str:
+            async def one(r: ChatRequest) -> ChatResult:
                 out = await gen.chat(r)
                 advance(1)
                 return out
 
             try:
-                return await gather_all([one(r) for r in requests])
+                return list(await asyncio.gather(*(one(r) for r in requests))), gen.halted
             finally:
-                usage.add(gen.usage)
                 await gen.close()
+                usage.add(gen.usage)
 
-        return asyncio.run(go())
+        results, halted = asyncio.run(go())
+        if halted:
+            raise RuntimeError(f"{stage}: {halted} at {self.cfg.generator.base_url}; later requests were not sent "
+                               "(check generator.base_url, generator.model and the API key); finished answers are cached")
+        spent = [r for r in results if r.kind == "budget_exhausted"]
+        if spent:
+            raise BudgetExceeded(spent[0].error or "budget exhausted")
+        for r in results:
+            if r.text is None:
+                self.missing.setdefault(stage, []).append(
+                    {"stage": stage, "id": r.tag, "reason": r.kind, "error": r.error, "attempts": r.attempts})
+        return [r.text for r in results]
+
+
+class SynthIncomplete(UserError, RuntimeError):
+    """Records without a usable answer after every retry: the rest was written; a rerun of the
+    same command asks only for the missing ones."""
+
+
+def output_fingerprint(fp: str, missing: int) -> str:
+    """What later stages see of a stage: its fingerprint, plus how many records it lacks."""
+    return f"{fp}+missing{missing}" if missing else fp
 
 
 def _generator_fp(cfg: SynthConfig) -> dict[str, Any]:
@@ -110,8 +159,20 @@ def _generator_fp(cfg: SynthConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------ stages
 
 
+def _standin_note(ctx: Context, what: str, key: str, err: Exception) -> None:
+    ctx.standins.append(what)
+    ctx.console.print(escape(f"dry run: {key} cannot be read here ({type(err).__name__}: {err}); planning with "
+                             f"stand-in {what} (request counts are the real ones, token estimates rough)"), style="yellow")
+
+
 def run_personas(ctx: Context) -> dict[str, Any]:
-    personas, stats = load_personas(ctx.cfg.personas, ctx.cfg.seed)
+    try:
+        personas, stats = load_personas(ctx.cfg.personas, ctx.cfg.seed)
+    except (ConnectionError, OSError) as e:  # the hub unreachable (offline): datasets raises these
+        if not (ctx.cfg.dry_run and ctx.cfg.personas.source == "hub"):
+            raise
+        _standin_note(ctx, "personas", f"personas.path={ctx.cfg.personas.path} (hub)", e)
+        personas, stats = standin_personas(ctx.cfg.personas)
     if not personas:
         raise RuntimeError(f"personas: no persona read from {ctx.cfg.personas.path}")
     write_jsonl(ctx.stage("personas").file("personas.jsonl"), personas)
@@ -121,10 +182,13 @@ def run_personas(ctx: Context) -> dict[str, Any]:
 def run_profiles(ctx: Context) -> dict[str, Any]:
     personas = list(read_jsonl(ctx.stage("personas").file("personas.jsonl")))
     prof.example_profile(ctx.assets)
-    answers = ctx.generate("profiles", [prof.request(ctx.assets, p) for p in personas])
+    min_chars = ctx.cfg.profiles.min_section_chars
+    answers = ctx.generate("profiles", [prof.request(ctx.assets, p, min_chars) for p in personas])
     good, bad = [], []
     for p, text in zip(personas, answers):
-        ok, invalid = prof.finish(p, text, ctx.cfg.profiles.min_section_chars)
+        if text is None:
+            continue  # no usable answer after every retry: reported as missing, asked again on a rerun
+        ok, invalid = prof.finish(p, text, min_chars)
         if ok is not None:
             good.append(ok)
         else:
@@ -135,13 +199,19 @@ def run_profiles(ctx: Context) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     for b in bad:
         reasons[b["reason"]] = reasons.get(b["reason"], 0) + 1
+    missing = ctx.write_missing("profiles")
     if not good:
-        raise RuntimeError(f"profiles: all {len(personas)} generated profiles were invalid ({reasons}); see {d.file('invalid.jsonl')}")
-    return {"personas": len(personas), "profiles": len(good), "invalid": len(bad), "invalid_by_reason": reasons}
+        raise RuntimeError(f"profiles: none of the {len(personas)} personas got a valid profile ({reasons or ''}"
+                           f"{missing} missing); see {d.file('invalid.jsonl')} and {d.file('missing.jsonl')}")
+    return {"personas": len(personas), "profiles": len(good), "invalid": len(bad), "invalid_by_reason": reasons,
+            "missing": missing}
 
 
 def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.ndarray:
     e = ctx.cfg.embedder
+    if ctx.standins:
+        # Dry run on stand-in inputs: matches are meaningless, so nothing is embedded.
+        return np.random.default_rng(len(texts)).standard_normal((len(texts), 8)).astype(np.float32)
     advance = ctx.bar(f"match: embed {label}", len(texts))
     if e.backend == "openai":
         usage = ctx.usage.setdefault("match", Usage())
@@ -151,8 +221,8 @@ def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.nda
             try:
                 return await emb.embed(texts, is_query, label, advance)
             finally:
+                await emb.close()  # folds the client's counts into emb.usage
                 usage.add(emb.usage)
-                await emb.close()
 
         return asyncio.run(go())
     # In-process embedding costs no requests; a dry run computes it too so that matches (and
@@ -167,7 +237,13 @@ def run_match(ctx: Context) -> dict[str, Any]:
 
     cfg = ctx.cfg
     profiles = list(read_jsonl(ctx.stage("profiles").file("profiles.jsonl")))
-    pool, mstats = load_mrc(cfg.mrc, cfg.seed)
+    try:
+        pool, mstats = load_mrc(cfg.mrc, cfg.seed)
+    except (ConnectionError, OSError) as e:  # the hub unreachable (offline)
+        if not (cfg.dry_run and cfg.mrc.source == "hub"):
+            raise
+        _standin_note(ctx, "MRC items", f"mrc.path={cfg.mrc.path} (hub)", e)
+        pool, mstats = standin_mrc(cfg.mrc)
     if not any(m["answerable"] for m in pool):
         raise RuntimeError(f"match: no answerable MRC item in {cfg.mrc.path} (is mrc.no_answer_marker right?)")
     d = ctx.stage("match")
@@ -189,6 +265,8 @@ def run_match(ctx: Context) -> dict[str, Any]:
     scores: dict[str, list[float]] = {"related": [], "unrelated": []}
     for part, flag in (("answerable", True), ("unanswerable", False)):
         idx = np.array([i for i, m in enumerate(pool) if m["answerable"] is flag], dtype=np.int64)
+        if ctx.standins:
+            idx = idx[: max(64, cfg.match.top_k)]  # stand-in inputs: any match will do, found quickly
         for p in profiles:
             result[p["id"]]["related"][part] = []
             result[p["id"]]["unrelated"][part] = []
@@ -219,6 +297,8 @@ def run_dialogues(ctx: Context) -> dict[str, Any]:
     answers = ctx.generate("dialogues", [b.request for b in built])
     items, bad = [], []
     for b, text in zip(built, answers):
+        if text is None:
+            continue  # reported as missing, asked again on a rerun
         ok, invalid = b.finish(text)
         if ok is not None:
             items.append(ok)
@@ -230,7 +310,8 @@ def run_dialogues(ctx: Context) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     for x in bad:
         reasons[f"{x['kind']}:{x['reason']}"] = reasons.get(f"{x['kind']}:{x['reason']}", 0) + 1
-    stats = {"planned": len(plans), "items": len(items), "invalid": len(bad), "invalid_by_reason": reasons, **builder.counters}
+    stats = {"planned": len(plans), "items": len(items), "invalid": len(bad), "invalid_by_reason": reasons,
+             "missing": ctx.write_missing("dialogues"), **builder.counters}
     if short:
         # e.g. no unanswerable MRC item in the pool: say so rather than silently build fewer.
         stats["unbuildable_no_match"] = short
@@ -434,8 +515,8 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             d = ctx.stage(name)
             fp = stage_fingerprint(ctx, name)
             if not cfg.force and not cfg.dry_run and d.done(fp):
-                ctx.fps[name] = fp
                 stats = d.marker()["stats"]  # type: ignore[index]
+                ctx.fps[name] = output_fingerprint(fp, stats.get("missing", 0))
                 console.print(escape(f"[{name}] up to date: {_fmt(stats)}"), style="dim")
                 results[name] = stats
                 continue
@@ -444,10 +525,12 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             stats = RUNNERS[name](ctx)
             u = ctx.usage.get(name)
             if u is not None:
-                stats["usage"] = {"requests": u.requests, "cached": u.cached, "sent": u.sent, "retries": u.retries, "rate_limited": u.rate_limited, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
+                stats["usage"] = {"requests": u.requests, "cached": u.cached, "sent": u.sent, "retries": u.retries,
+                                  "rate_limited": u.rate_limited, "failed": u.failed, "faults": dict(u.faults),
+                                  "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
             stats["seconds"] = round(time.perf_counter() - t0, 2)
-            d.finish(fp, stats)
-            ctx.fps[name] = fp
+            d.finish(fp, stats)  # with records missing, the marker does not count as done: a rerun redoes it
+            ctx.fps[name] = output_fingerprint(fp, stats.get("missing", 0))
             results[name] = stats
             line = f"[{name}] {_fmt({k: v for k, v in stats.items() if k not in ('usage', 'seconds')})}"
             if u is not None:
@@ -460,4 +543,11 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             console.print(summary_table(results["assemble"]["counts"], ctx.assets.paper))
             data_dir = (out / "assemble").resolve()
             console.print(escape(f"train on it as it is: python train.py data=local data.dir={data_dir}"))
+        missing = {n: st["missing"] for n, st in results.items() if isinstance(st, dict) and st.get("missing")}
+        if missing:
+            # Promised records are missing: never exit 0 (what was built is written and kept).
+            raise SynthIncomplete(
+                "synthesis incomplete: " + ", ".join(f"{n} {k} record(s) missing" for n, k in missing.items())
+                + f" after every retry (ids and reasons in {out}/<stage>/missing.jsonl); the other records are written;"
+                " rerun the same command to ask only for the missing ones")
     return results

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
+from rolemrc.api import Rejected
 from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import ChatRequest
 from rolemrc.synth.records import (
@@ -33,6 +36,31 @@ def parse(model: type[BaseModel], text: str) -> tuple[Optional[Any], str, str]:
         return None, "schema", f"{loc}: {first['msg']} ({e.error_count()} error(s))"
 
 
+def parser(model: type[BaseModel]) -> Callable[[str], Any]:
+    """A request's ``check``: the parsed object, or :class:`Rejected` (the client asks again)."""
+
+    def check(text: str) -> Any:
+        obj, reason, detail = parse(model, text)
+        if obj is None:
+            raise Rejected(reason, detail)
+        return obj
+
+    return check
+
+
+def _short_sections(prof: Profile, min_chars: int) -> list[str]:
+    return [k for k in SECTION_TITLES if k != "speech_examples" and len(getattr(prof, k)) < min_chars]
+
+
+def check_profile(text: str, min_chars: int) -> Profile:
+    """The profile request's ``check``: parses, and every section has ``min_chars`` characters."""
+    prof = parser(Profile)(text)
+    short = _short_sections(prof, min_chars)
+    if short:
+        raise Rejected("schema", f"sections shorter than {min_chars} characters: {', '.join(short)}")
+    return prof
+
+
 def example_profile(assets: Assets) -> Profile:
     """The one-shot example, validated so a broken edit fails before any request."""
     ex = assets.example
@@ -42,7 +70,7 @@ def example_profile(assets: Assets) -> Profile:
         raise ValueError(f"{assets.path('profile_example.yaml')}: 'profile' does not match the profile schema: {e}") from None
 
 
-def request(assets: Assets, persona: dict[str, Any]) -> ChatRequest:
+def request(assets: Assets, persona: dict[str, Any], min_chars: int = 0) -> ChatRequest:
     ex = assets.example
     shot = example_profile(assets).model_dump()
     p = assets.prompts
@@ -55,6 +83,7 @@ def request(assets: Assets, persona: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         kind="profile", tag=persona["id"], messages=messages, schema_name="role_profile",
         schema=wire_schema(Profile), placeholder=json.dumps(shot, ensure_ascii=False),
+        check=partial(check_profile, min_chars=min_chars),
     )
 
 
@@ -62,7 +91,7 @@ def finish(persona: dict[str, Any], text: str, min_chars: int) -> tuple[Optional
     """(profile record, None) or (None, invalid record with reason)."""
     prof, reason, detail = parse(Profile, text)
     if prof is not None:
-        short = [k for k in SECTION_TITLES if k != "speech_examples" and len(getattr(prof, k)) < min_chars]
+        short = _short_sections(prof, min_chars)
         if short:
             prof, reason, detail = None, "schema", f"sections shorter than {min_chars} characters: {', '.join(short)}"
     if prof is None:

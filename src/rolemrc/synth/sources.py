@@ -257,3 +257,31 @@ def load_mix(src: MixSource, seed: int) -> tuple[list[dict[str, Any]], int]:
             system = src.default_system.replace("$role", role)
             out.append({"task": src.task, "conversations": [{"role": "System", "content": system}, {"role": "User", "content": q}, {"role": "Assistant", "content": ans}]})
     return out, skipped
+
+
+# ------------------------------------------------------------------ dry-run stand-ins
+
+
+def standin_personas(cfg: PersonasConfig) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``personas.n`` placeholder personas, for a dry run that cannot read ``personas.path``
+    (the hub offline): the request count is the real one, token estimates are rough."""
+    out = [{"id": f"p{i:06d}", "persona": f"A stand-in persona number {i} for planning a dry run.", "source": "stand-in"}
+           for i in range(cfg.n)]
+    return out, {"read": 0, "stand_in": cfg.n}
+
+
+def standin_mrc(cfg: MRCConfig) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``mrc.n_answerable`` + ``mrc.n_unanswerable`` placeholder MRC items (see standin_personas)."""
+    items = []
+    for answerable, n in ((True, cfg.n_answerable), (False, cfg.n_unanswerable)):
+        for _ in range(n):
+            items.append({
+                "question": f"Stand-in question {len(items)}?",
+                "passages": ["A stand-in passage of typical length for planning a dry run. " * 6],
+                "selected": [int(answerable)],
+                "answer": "A stand-in answer." if answerable else None,
+                "answerable": answerable,
+                "source_id": None,
+                "id": f"m{len(items):06d}",
+            })
+    return items, {"read": 0, "stand_in": len(items), "answerable": cfg.n_answerable, "unanswerable": cfg.n_unanswerable}

@@ -64,8 +64,10 @@ class StageDir:
         self.path = Path(root) / name
 
     def done(self, fp: str) -> bool:
+        """Finished with this fingerprint and no record missing (a stage that lacks records is
+        redone by the next run, which asks only for what is not cached)."""
         m = self.marker()
-        return m is not None and m.get("fingerprint") == fp
+        return m is not None and m.get("fingerprint") == fp and not m.get("stats", {}).get("missing")
 
     def marker(self) -> dict[str, Any] | None:
         p = self.path / MARKER

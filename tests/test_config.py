@@ -85,3 +85,202 @@ def test_cfg_job_prints_resolved_config() -> None:
     ).stdout
     cfg = OmegaConf.create(out)
     assert cfg.model.path == "Qwen/Qwen2.5-7B" and cfg.objective.name == "dpo"
+
+
+# ---------------------------------------------------------------- config keys mirror code (issue 14.3)
+
+import dataclasses  # noqa: E402
+import inspect  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+
+import lightning as L  # noqa: E402
+
+from rolemrc.config import (  # noqa: E402
+    MOVED_TO_RUNTIME,
+    OBJECTIVE_SCHEMAS,
+    DPOObjectiveConfig,
+    ExportConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    RuntimeConfig,
+    SFTObjectiveConfig,
+    StrategyConfig,
+    TrainConfig,
+    TrainerConfig,
+    check_train_config,
+    lightning_trainer_args,
+    upgrade_train_config,
+)
+from rolemrc.errors import ConfigError  # noqa: E402
+
+DPO_ONLY = sorted({f.name for f in dataclasses.fields(DPOObjectiveConfig)} - {f.name for f in dataclasses.fields(ObjectiveConfig)})
+TRAINERS = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml"))
+STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+
+
+def _sample_value(schema: type, key: str) -> str:
+    value = {f.name: f.default for f in dataclasses.fields(schema)}[key]
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_each_objective_has_its_own_schema() -> None:
+    assert {"beta", "loss_type", "reference", "share_prompt", "label_smoothing", "sft_weight",
+            "reference_cache_dir"} <= set(DPO_ONLY)
+    for name, schema in OBJECTIVE_SCHEMAS.items():
+        cfg = compose_train([f"objective={name}"])
+        assert OmegaConf.get_type(cfg.objective) is schema
+        assert set(cfg.objective) == {f.name for f in dataclasses.fields(schema)}
+
+
+@pytest.mark.parametrize("key", DPO_ONLY)
+def test_sft_refuses_dpo_keys_at_compose(key: str) -> None:
+    value = _sample_value(DPOObjectiveConfig, key)
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(["objective=sft", f"objective.{key}={value}"])
+    assert f"Key '{key}' not in 'SFTObjectiveConfig'" in str(err.value.__cause__ or err.value)
+    cfg = compose_train(["objective=dpo", f"objective.{key}={value}"])  # dpo keeps every key
+    assert str(cfg.objective[key]).lower() == value.lower() or (value == "null" and cfg.objective[key] is None)
+
+
+def test_sft_with_dpo_key_exits_naming_the_key() -> None:
+    proc = subprocess.run([sys.executable, "train.py", "objective=sft", "objective.beta=0.1", "--cfg", "job"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "Key 'beta' not in 'SFTObjectiveConfig'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dpo_sweep_composes_and_runs(tmp_path) -> None:
+    """The README's sweep (`-m objective.beta=... objective=dpo`), one real step per job."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "objective.beta=0.05,0.2", "objective=dpo", "trainer.max_steps=1",
+         "data.max_length=128", "data.max_prompt_length=96", "data.val_fraction=0", "callbacks=none",
+         "trainer.enable_progress_bar=false", "export.enabled=false", f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i, beta in enumerate((0.05, 0.2)):
+        saved = OmegaConf.load(tmp_path / str(i) / ".hydra" / "config.yaml")
+        assert saved.objective.name == "dpo" and saved.objective.beta == beta
+        assert (tmp_path / str(i) / "csv" / "metrics.csv").read_text().count("\n") >= 2
+
+
+def _trainer_signature() -> set[str]:
+    return set(inspect.signature(L.Trainer).parameters) - {"self"}
+
+
+def test_trainer_schema_holds_lightning_arguments_only() -> None:
+    fields = {f.name for f in dataclasses.fields(TrainerConfig)} - set(MOVED_TO_RUNTIME)
+    assert fields <= _trainer_signature(), fields - _trainer_signature()
+    assert not set(MOVED_TO_RUNTIME) & _trainer_signature()  # really not Trainer arguments
+    assert set(MOVED_TO_RUNTIME) == {f.name for f in dataclasses.fields(RuntimeConfig)}
+
+
+@pytest.mark.parametrize("overrides", [[f"trainer={t}"] for t in TRAINERS]
+                         + [[f"experiment={e}", "model.path=/x"] for e in EXPERIMENTS])
+def test_lightning_accepts_the_trainer_args_of_every_shipped_config(overrides: list[str]) -> None:
+    cfg = compose_train(overrides)
+    check_train_config(cfg)
+    args = lightning_trainer_args(cfg)
+    assert set(args) <= _trainer_signature() and not set(args) & set(MOVED_TO_RUNTIME)
+    assert None not in args.values()
+    inspect.signature(L.Trainer).bind(**args)  # every key accepted, each once
+    if args.get("accelerator") != "gpu":  # a GPU trainer is only buildable on a GPU node
+        trainer = L.Trainer(**{**args, "logger": False, "enable_checkpointing": False}, default_root_dir=cfg.run_dir)
+        assert trainer.max_epochs == args["max_epochs"]
+
+
+@pytest.mark.parametrize("overrides", [[]] + [[f"trainer={t}"] for t in TRAINERS] + [[f"strategy={s}"] for s in STRATEGIES]
+                         + [[f"experiment={e}", "model.path=/x"] for e in EXPERIMENTS])
+def test_shipped_configs_use_no_deprecated_key(overrides: list[str], caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
+        check_train_config(compose_train(overrides))
+    assert "deprecated" not in caplog.text and "removed" not in caplog.text
+
+
+def test_old_trainer_keys_move_to_runtime_with_a_warning(caplog) -> None:
+    old = ["trainer.checkpoint_every_n_steps=3", "trainer.device_memory_gb=40", "trainer.matmul_precision=medium"]
+    cfg = compose_train(old)
+    with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
+        check_train_config(cfg)
+    assert (cfg.runtime.checkpoint_every_n_steps, cfg.runtime.device_memory_gb, cfg.runtime.matmul_precision) == (3, 40, "medium")
+    assert all(cfg.trainer[k] is None for k in MOVED_TO_RUNTIME)
+    for key in MOVED_TO_RUNTIME:
+        assert f"trainer.{key} is deprecated" in caplog.text and f"use runtime.{key}" in caplog.text
+    assert not set(lightning_trainer_args(cfg)) & set(MOVED_TO_RUNTIME)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
+        check_train_config(cfg)  # idempotent: warned once
+    assert caplog.text == "" and cfg.runtime.checkpoint_every_n_steps == 3
+    new = compose_train(["runtime.checkpoint_every_n_steps=3", "runtime.device_memory_gb=40"])
+    assert (new.runtime.checkpoint_every_n_steps, new.runtime.device_memory_gb) == (3, 40)
+
+
+def test_one_activation_checkpointing_switch(caplog) -> None:
+    assert compose_train(["strategy=fsdp"]).strategy.activation_checkpointing is None  # fsdp.yaml: not the alias
+    for value in (True, False):
+        cfg = compose_train(["strategy=fsdp", f"model.gradient_checkpointing={not value}",
+                             f"strategy.activation_checkpointing={value}"])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
+            check_train_config(cfg)
+        assert cfg.model.gradient_checkpointing is value and cfg.strategy.activation_checkpointing is None
+        assert "strategy.activation_checkpointing is deprecated" in caplog.text
+        assert "model.gradient_checkpointing" in caplog.text
+    # The recipes switch it on through the one key.
+    for experiment in EXPERIMENTS:
+        assert compose_train([f"experiment={experiment}", "model.path=/x"]).model.gradient_checkpointing is True
+
+
+def test_removed_key_is_named_not_ignored(caplog) -> None:
+    cfg = compose_train(["export.safe_serialization=true"])
+    with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
+        check_train_config(cfg)
+    assert "export.safe_serialization was removed" in caplog.text
+    with pytest.raises(ConfigError, match="export.safe_serialization=false is no longer supported"):
+        check_train_config(compose_train(["export.safe_serialization=false"]))
+
+
+def test_removed_key_exits_with_one_line(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "train.py", "export.safe_serialization=false", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "error: export.safe_serialization=false is no longer supported" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "checkpoints").exists()
+
+
+# Keys kept only as deprecated aliases (read by upgrade_train_config, nothing else).
+ALIASES = {(TrainerConfig, k) for k in MOVED_TO_RUNTIME} | {(StrategyConfig, "activation_checkpointing"),
+                                                            (ExportConfig, "safe_serialization")}
+
+
+def _schema_fields() -> list[tuple[type, str]]:
+    seen, todo, out = set(), [TrainConfig, SFTObjectiveConfig, DPOObjectiveConfig], []
+    while todo:
+        schema = todo.pop()
+        if schema in seen:
+            continue
+        seen.add(schema)
+        for f in dataclasses.fields(schema):
+            out.append((schema, f.name))
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(default):
+                todo.append(type(default))
+        if schema is TrainConfig:
+            todo += [ModelConfig, __import__("rolemrc.config", fromlist=["DataConfig"]).DataConfig,
+                     __import__("rolemrc.config", fromlist=["SourceConfig"]).SourceConfig]
+    return out
+
+
+def test_no_dead_keys() -> None:
+    """Every key of the train schema is read somewhere outside config.py (attribute, item or get),
+    except the deprecated aliases; Trainer arguments are read by Lightning (checked above)."""
+    src = "\n".join(p.read_text() for p in (ROOT / "src" / "rolemrc").rglob("*.py") if p.name != "config.py")
+    src += "\n".join(p.read_text() for p in (CONF / "hydra").rglob("*.yaml"))  # task_name: the run folder
+    dead = []
+    for schema, key in _schema_fields():
+        if (schema, key) in ALIASES or schema is TrainerConfig:
+            continue
+        if not re.search(rf"\.{key}\b|[\"']{key}[\"']|\${{{key}}}|\b{key}=", src):
+            dead.append(f"{schema.__name__}.{key}")
+    assert not dead, dead

@@ -1,9 +1,14 @@
-"""The memory estimate knows the target models and warns when a run cannot fit."""
+"""The memory estimate knows the target models and warns when a run cannot fit; a run calls it
+explicitly (``check_memory``), and ``python -m rolemrc.memory <overrides>`` prints it."""
 
 import logging
+import subprocess
+import sys
 
-from rolemrc.memory import KNOWN, Arch, arch_of, check
-from tests.conftest import compose_train
+from omegaconf import OmegaConf
+
+from rolemrc.memory import KNOWN, Arch, arch_of, check, check_memory
+from tests.conftest import ROOT, compose_train
 
 
 def test_parameter_counts_match_the_published_sizes() -> None:
@@ -18,8 +23,42 @@ def test_paper_recipe_fits_and_no_checkpointing_warns(caplog) -> None:
     ok = check(compose_train(["experiment=rolemrc_llama_sft"]))
     assert not ok.startswith("WARNING") and "4 device(s)" in ok
     with caplog.at_level(logging.WARNING, logger="rolemrc.memory"):
-        bad = check(compose_train(["experiment=rolemrc_llama_sft", "model.gradient_checkpointing=false",
-                                   "strategy.activation_checkpointing=false"]))
+        bad = check(compose_train(["experiment=rolemrc_llama_sft", "model.gradient_checkpointing=false"]))
     assert bad.startswith("WARNING") and "exceeds 80 GB" in caplog.text
     more_gpus = check(compose_train(["experiment=rolemrc_llama_sft", "trainer.devices=8"]))
     assert float(more_gpus.split("~")[1].split()[0]) < float(ok.split("~")[1].split()[0])
+
+
+def test_check_memory_logs_the_estimate_and_reads_runtime(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
+        line = check_memory(compose_train(["experiment=rolemrc_llama_sft"]))
+    assert f"memory estimate: {line}" in caplog.text and not line.startswith("WARNING")
+    gb = float(line.split("~")[1].split()[0])
+    small = compose_train(["experiment=rolemrc_llama_sft", f"runtime.device_memory_gb={gb}"])
+    assert check_memory(small).startswith(f"WARNING: {line}")  # above 90% of a device of exactly that size
+    # The deprecated spellings map onto the current keys before estimating.
+    old = compose_train(["experiment=rolemrc_llama_sft", f"trainer.device_memory_gb={gb}",
+                         "strategy.activation_checkpointing=false"])
+    assert check_memory(old).startswith("WARNING:") and old.runtime.device_memory_gb == gb
+    assert old.model.gradient_checkpointing is False
+
+
+def test_cfg_job_resolve_prints_without_an_estimate_key() -> None:
+    out = subprocess.run([sys.executable, "train.py", "experiment=rolemrc_llama_sft", "--cfg", "job", "--resolve"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    cfg = OmegaConf.create(out)
+    assert "memory_check" not in cfg and cfg.runtime.device_memory_gb == 80.0 and cfg.task_name == "rolemrc_llama_sft"
+
+
+def test_cli_prints_the_estimate_of_a_config_and_the_table() -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rolemrc.memory", *args], cwd=ROOT, capture_output=True, text=True)
+
+    one = cli("experiment=rolemrc_llama_sft", "trainer.devices=8")
+    assert one.returncode == 0 and one.stdout.strip() == check(
+        compose_train(["experiment=rolemrc_llama_sft", "trainer.devices=8"]))
+    assert "8 device(s)" in one.stdout
+    table = cli()
+    assert table.returncode == 0 and table.stdout.startswith("| run | GPUs |") and "| SFT 8B full | 4 | yes | no | 46 |" in table.stdout
+    bad = cli("objective=sft", "objective.beta=0.1")
+    assert bad.returncode == 1 and bad.stderr.startswith("error:") and "beta" in bad.stderr and "Traceback" not in bad.stderr

@@ -12,8 +12,6 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
-
 
 @dataclass
 class PeftConfig:
@@ -57,16 +55,36 @@ class ModelConfig:
 
 @dataclass
 class ObjectiveConfig:
+    """Keys every objective has. Each option of the ``objective`` group has its own schema
+    (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
+    fails at compose time naming ``beta``."""
+
     name: str = MISSING  # sft | dpo
-    # DPO
+    logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
+
+
+@dataclass
+class SFTObjectiveConfig(ObjectiveConfig):
+    """``objective=sft``: next-token loss on the assistant turns."""
+
+    name: str = "sft"
+
+
+@dataclass
+class DPOObjectiveConfig(ObjectiveConfig):
+    """``objective=dpo``: preference pairs against a frozen reference."""
+
+    name: str = "dpo"
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     beta: float = 0.1
     label_smoothing: float = 0.0
     sft_weight: float = 0.0  # optional NLL term on the chosen response
     reference: str = "copy"  # copy | adapter | precomputed
-    reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/../ref_cache
+    reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/ref_cache
     share_prompt: bool = False  # prompt, chosen, rejected in one sequence (perf issue)
-    logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
+
+
+OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {"sft": SFTObjectiveConfig, "dpo": DPOObjectiveConfig}
 
 
 @dataclass
@@ -77,7 +95,6 @@ class SourceConfig:
     name: Optional[str] = None
     data_files: Optional[Any] = None
     format: str = "auto"  # auto | rolebench (adapter to the SFT shape)
-    roles: Optional[RolesConfig] = None  # format: rolebench: RoCIT profiles/template (rolemrc.data.roles)
 
 
 @dataclass
@@ -97,9 +114,6 @@ class DataConfig:
     num_workers: int = 0
     packing: bool = False
     shuffle: bool = True
-    roles: RolesConfig = field(default_factory=RolesConfig)  # RoCIT (sources use it as `roles: ${data.roles}`)
-    rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
-    characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
 
 
 @dataclass
@@ -115,13 +129,15 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
+    """``lightning.Trainer`` arguments, passed as they are (:func:`lightning_trainer_args`); rolemrc's
+    own run settings live in ``runtime``."""
+
     accelerator: str = "auto"
     devices: Any = 1
     num_nodes: int = 1
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed (fp32 masters) | bf16-true | 16-true (half masters: warns)
     max_epochs: int = 1
     max_steps: int = -1
-    matmul_precision: Optional[str] = "high"  # TF32 matmuls on Ampere+ GPUs (paper: tf32)
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = 1.0
     log_every_n_steps: int = 1
@@ -132,8 +148,24 @@ class TrainerConfig:
     num_sanity_val_steps: int = 0
     deterministic: bool = False
     enable_progress_bar: bool = True
+    # Deprecated aliases of runtime.<key> (not Trainer arguments): accepted so old commands and run
+    # folders compose; upgrade_train_config moves a value given here to runtime.<key> and warns.
+    matmul_precision: Optional[str] = None
+    checkpoint_every_n_steps: Optional[int] = None
+    device_memory_gb: Optional[float] = None
+
+
+# trainer.<key> -> runtime.<key> (moved: they are rolemrc's settings, not lightning.Trainer arguments)
+MOVED_TO_RUNTIME = ("matmul_precision", "checkpoint_every_n_steps", "device_memory_gb")
+
+
+@dataclass
+class RuntimeConfig:
+    """rolemrc's own run settings (everything that is not a ``lightning.Trainer`` argument)."""
+
+    matmul_precision: Optional[str] = "high"  # torch.set_float32_matmul_precision: TF32 on Ampere+ GPUs (paper: tf32)
     checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch only
-    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory)
+    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory.check_memory)
 
 
 @dataclass
@@ -143,23 +175,29 @@ class StrategyConfig:
     param_dtype: Optional[str] = None  # e.g. bfloat16 for a bf16 mixed-precision policy
     reduce_dtype: Optional[str] = None  # float32 keeps gradient reduction in fp32
     cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    # Deprecated alias of model.gradient_checkpointing (the one activation-checkpointing switch, for
+    # every strategy); upgrade_train_config maps a value given here onto it and warns.
+    activation_checkpointing: Optional[bool] = None
 
 
 @dataclass
 class ExportConfig:
     enabled: bool = True
     dir: str = "export"  # relative to the run directory
-    safe_serialization: bool = True
+    # Removed (exports are always safetensors); accepted only to say so (upgrade_train_config).
+    safe_serialization: Optional[bool] = None
 
 
 @dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
-    objective: ObjectiveConfig = MISSING
+    # One of OBJECTIVE_SCHEMAS, typed by the chosen conf/objective/<name>.yaml (its defaults list
+    # its schema), so each objective accepts only its own keys.
+    objective: Any = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logger: Any = None  # {_target_: ...} (third-party classes are swappable)
@@ -168,12 +206,65 @@ class TrainConfig:
     run_dir: Optional[str] = "${hydra:runtime.output_dir}"  # None only in `--cfg job --resolve`
     ckpt_path: Optional[str] = None  # a .ckpt, a checkpoint folder, or "last"
     task_name: str = "train"
-    memory_check: str = "${memory_check:}"  # estimate per device; resolved by --cfg job --resolve
+
+
+def _deprecated(message: str) -> None:
+    """One warning line per deprecated key given (console and the run's log)."""
+    import logging
+
+    logging.getLogger(__name__).warning(message)
+
+
+def upgrade_train_config(cfg: Any) -> Any:
+    """Map deprecated keys onto their current ones, in place, with a warning each (idempotent):
+    ``trainer.{matmul_precision,checkpoint_every_n_steps,device_memory_gb}`` -> ``runtime.*``,
+    ``strategy.activation_checkpointing`` -> ``model.gradient_checkpointing``; a removed key
+    (``export.safe_serialization``) is refused with a one-line error when it asks for what no
+    longer exists, and warned about otherwise. Returns ``cfg``."""
+    from omegaconf import open_dict
+
+    from rolemrc.errors import ConfigError
+
+    with open_dict(cfg):
+        if cfg.get("runtime") is None:
+            cfg.runtime = OmegaConf.structured(RuntimeConfig)
+    for key in MOVED_TO_RUNTIME:
+        value = cfg.trainer.get(key)
+        if value is not None:
+            _deprecated(f"trainer.{key} is deprecated (not a lightning.Trainer argument): use runtime.{key}; "
+                        f"runtime.{key}={value} taken from it")
+            cfg.runtime[key] = value
+            cfg.trainer[key] = None
+    alias = cfg.strategy.get("activation_checkpointing")
+    if alias is not None:
+        _deprecated("strategy.activation_checkpointing is deprecated: model.gradient_checkpointing is the one "
+                    f"activation-checkpointing switch (every strategy); model.gradient_checkpointing={alias} taken from it")
+        cfg.model.gradient_checkpointing = bool(alias)
+        cfg.strategy.activation_checkpointing = None
+    if "export" in cfg and cfg.export.get("safe_serialization") is not None:
+        if not cfg.export.safe_serialization:
+            raise ConfigError("export.safe_serialization=false is no longer supported: exports are always "
+                              "safetensors; remove the key")
+        _deprecated("export.safe_serialization was removed (exports are always safetensors): remove the key")
+        cfg.export.safe_serialization = None
+    return cfg
+
+
+def lightning_trainer_args(cfg: Any) -> dict[str, Any]:
+    """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments: None values (Lightning's
+    defaults) and the deprecated runtime aliases dropped."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True) if OmegaConf.is_config(cfg.trainer) else dict(cfg.trainer)
+    return {k: v for k, v in trainer.items() if v is not None and k not in MOVED_TO_RUNTIME}
 
 
 def check_train_config(cfg: Any) -> None:
-    """Combinations of keys no run can satisfy, refused before anything loads (``train.py`` calls
-    it first; ``--cfg job --resolve`` shows the reason under ``memory_check``)."""
+    """Deprecated keys mapped onto current ones (:func:`upgrade_train_config`), then combinations
+    of keys no run can satisfy refused before anything loads (``train.py``'s setup calls it first)."""
+    from rolemrc.errors import ConfigError
+
+    upgrade_train_config(cfg)
+    if cfg.objective.name not in OBJECTIVE_SCHEMAS:
+        raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
     if cfg.objective.name == "dpo":
         from rolemrc.data.templates import check_pair_lengths
 
@@ -198,12 +289,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("asset_unless_path"):
         OmegaConf.register_new_resolver("asset_unless_path", _asset_unless_path)
-    if not OmegaConf.has_resolver("memory_check"):
-        from rolemrc.memory import resolver
-
-        OmegaConf.register_new_resolver("memory_check", resolver)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    for name, schema in OBJECTIVE_SCHEMAS.items():  # conf/objective/<name>.yaml: defaults: [<name>_schema]
+        cs.store(group="objective", name=f"{name}_schema", node=schema)
     register_evaluate(cs)
     register_probe(cs)
 
@@ -284,8 +373,6 @@ class EvaluateConfig:
     limit: Optional[int] = None  # evaluate only the first N test items
     seed: int = 42
     task_name: str = "evaluate"
-    benchmarks: Optional[BenchmarksConfig] = None  # conf/benchmarks: lm-evaluation-harness (rolemrc.eval.general)
-    compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
 
 
 def register_evaluate(cs: ConfigStore) -> None:

@@ -1,7 +1,10 @@
 """Back-of-the-envelope GPU memory per device for a run, checked before anything loads.
 
     python -m rolemrc.memory                    # the README table (8B models, 80 GB GPUs)
-    python train.py experiment=rolemrc_llama_sft --cfg job --resolve   # shows `memory_check`
+    python -m rolemrc.memory experiment=rolemrc_llama_sft trainer.devices=8   # one config's estimate
+
+A training run calls :func:`check_memory` in its setup, after the config checks and before any
+weight loads: it logs the estimate, and warns when it exceeds ``runtime.device_memory_gb``.
 
 The estimate counts: weights, gradients and AdamW states (sharded over the data-parallel
 ranks under FSDP, fp32 master weights with a bf16 compute copy), the unsharded bf16 copy of
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +98,9 @@ def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, ch
 
 
 def check(cfg: Any, device_gb: float | None = None) -> str:
-    """One line saying whether the configured run fits a ``device_gb`` GPU; warns if not."""
-    device_gb = device_gb or cfg.trainer.device_memory_gb
+    """One line saying whether the configured run fits a ``device_gb`` GPU (default
+    ``runtime.device_memory_gb``); warns if not."""
+    device_gb = device_gb or cfg.runtime.device_memory_gb
     arch = arch_of(cfg.model)
     if arch is None:
         return "unknown (model dimensions not available offline)"
@@ -105,7 +110,7 @@ def check(cfg: Any, device_gb: float | None = None) -> str:
     fsdp = cfg.strategy.name == "fsdp"
     gb = estimate_gb(
         arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens,
-        checkpointing=cfg.model.gradient_checkpointing or (fsdp and cfg.strategy.activation_checkpointing),
+        checkpointing=cfg.model.gradient_checkpointing,
         cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=dpo and cfg.objective.reference == "copy",
         lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
         qlora=cfg.model.quantization.load_in_4bit,
@@ -151,16 +156,50 @@ class _Model:
     init: Any = None
 
 
-def resolver(*, _root_: Any) -> str:
-    """``${memory_check:}``: evaluated when the config is resolved (``--cfg job --resolve``)."""
-    try:
-        from rolemrc.config import check_train_config
+def check_memory(cfg: Any) -> str:
+    """The estimate for a composed training config (deprecated keys mapped first), logged at
+    INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
+    from rolemrc.config import upgrade_train_config
 
-        check_train_config(_root_)
-        return check(_root_)
-    except Exception as err:  # shown in the printed config instead of breaking --cfg
-        return f"not estimated ({type(err).__name__}: {err})"
+    line = check(upgrade_train_config(cfg))
+    if not line.startswith("WARNING"):
+        log.info("memory estimate: %s", line)
+    return line
+
+
+def compose_train_config(overrides: list[str]) -> Any:
+    """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would (no run)."""
+    from hydra import compose, initialize_config_dir
+
+    from rolemrc.config import register
+
+    register()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    if not (conf / "train.yaml").is_file():
+        raise FileNotFoundError(f"no conf/train.yaml at {conf}: run from a rolemrc checkout")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def main(argv: list[str]) -> int:
+    """No arguments: the README table. Hydra overrides: that training config's estimate."""
+    if not argv:
+        print(table())
+        return 0
+    from hydra.errors import HydraException
+
+    from rolemrc.entry import entry_point
+
+    with entry_point():
+        try:
+            cfg = compose_train_config(argv)
+        except HydraException as err:  # a bad override: Hydra's message, one line, no traceback
+            cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+            print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
+            return 1
+        print(check_memory(cfg))
+    return 0
 
 
 if __name__ == "__main__":
-    print(table())
+    sys.exit(main(sys.argv[1:]))

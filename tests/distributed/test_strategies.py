@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 BASE = ["trainer.accelerator=cpu", "trainer.devices=2", "data.max_length=96", "data.val_fraction=0",
-        "trainer.enable_progress_bar=false", "trainer.checkpoint_every_n_steps=2",
+        "trainer.enable_progress_bar=false", "runtime.checkpoint_every_n_steps=2",
         "+callbacks.record._target_=tests.recorder.Recorder"]
 
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ARGS = ["model=tiny_qwen", "model.init.tie_word_embeddings=true", "data.max_length=96", "data.val_fraction=0",
         "trainer.max_steps=3", "data.batch_size=2", "optim.lr=1e-2", "optim.warmup_ratio=0",
-        "trainer.checkpoint_every_n_steps=3", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
+        "runtime.checkpoint_every_n_steps=3", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
 
 
 def train(run_dir: Path, devices: int, *overrides: str, ok: bool = True) -> None:
@@ -64,7 +64,7 @@ def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_r
     """FSDP2 restores checkpoints after on_fit_start: the tables still come from the initial
     weights (or the checkpoint), and the resumed run logs the same rewards step by step."""
     dpo = ["objective=dpo", "objective.reference=precomputed", "data.max_prompt_length=64", "trainer.max_steps=4",
-           "trainer.checkpoint_every_n_steps=2", "export.enabled=false", "strategy=fsdp", "strategy.param_dtype=null"]
+           "runtime.checkpoint_every_n_steps=2", "export.enabled=false", "strategy=fsdp", "strategy.param_dtype=null"]
     train(tmp_path / "whole", 2, *dpo)
     train(tmp_path / "first", 2, *dpo, "+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt",
           "+callbacks.stop.step=2", ok=False)  # dies after step 2's checkpoint

@@ -52,7 +52,7 @@ def test_precomputed_reference_same_from_shared_and_separate(train_cfg, tmp_path
 
 def test_packed_sft_resumes_exactly_and_logs_throughput(tmp_path: Path) -> None:
     common = [*FAST, "data.packing=true", "data.batch_size=2", "data.val_fraction=0", "export.enabled=false",
-              "callbacks=default", "trainer.checkpoint_every_n_steps=1", "trainer.deterministic=true",
+              "callbacks=default", "runtime.checkpoint_every_n_steps=1", "trainer.deterministic=true",
               "+callbacks.record._target_=tests.recorder.Recorder"]
 
     def train(name: str, *extra: str) -> dict[int, dict]:

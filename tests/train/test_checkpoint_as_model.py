@@ -22,7 +22,7 @@ from rolemrc.models.loading import load_model, load_tokenizer
 from tests.conftest import ROOT, compose_train
 
 RUN = ["trainer.accelerator=cpu", "data.max_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false",
-       "logger=csv", "trainer.max_steps=3", "trainer.checkpoint_every_n_steps=3",
+       "logger=csv", "trainer.max_steps=3", "runtime.checkpoint_every_n_steps=3",
        "model.peft.enabled=true", "model.peft.r=4"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 

@@ -147,7 +147,7 @@ def test_limit_train_batches_then_resume_continues_where_it_stopped(train_cfg, t
     from tests import recorder
 
     args = ["data.max_length=96", "data.val_fraction=0", "trainer.limit_train_batches=5", "trainer.max_epochs=3",
-            "trainer.max_steps=9", "callbacks=default", "trainer.checkpoint_every_n_steps=1", "export.enabled=false",
+            "trainer.max_steps=9", "callbacks=default", "runtime.checkpoint_every_n_steps=1", "export.enabled=false",
             "+callbacks.record._target_=tests.recorder.Recorder"]
     whole = train_cfg(*args, f"+callbacks.record.path={tmp_path}/whole")
     whole.run_dir = str(tmp_path / "whole")

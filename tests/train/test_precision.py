@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 RECIPE = ["model.dtype=bfloat16", "trainer.precision=bf16-mixed"]
 DPO = ["objective=dpo", "data.max_length=128", "data.max_prompt_length=96", "data.val_fraction=0",
        "optim.lr=4e-7", "optim.warmup_ratio=0", "optim.scheduler=constant", "trainer.max_steps=3",
-       "data.batch_size=2", "callbacks=default", "trainer.checkpoint_every_n_steps=3"]
+       "data.batch_size=2", "callbacks=default", "runtime.checkpoint_every_n_steps=3"]
 
 
 @pytest.fixture(scope="module")

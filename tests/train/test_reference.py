@@ -22,7 +22,7 @@ from tests.train.helpers import series
 
 ARGS = ["objective=dpo", "objective.reference=precomputed", "data.max_length=128", "data.max_prompt_length=96",
         "data.val_fraction=0", "data.batch_size=4", "optim.lr=5e-3", "optim.warmup_ratio=0", "trainer.max_steps=6",
-        "trainer.max_epochs=5", "callbacks=default", "trainer.checkpoint_every_n_steps=1", "export.enabled=false"]
+        "trainer.max_epochs=5", "callbacks=default", "runtime.checkpoint_every_n_steps=1", "export.enabled=false"]
 STOP = ["+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt", "+callbacks.stop.step=3"]
 
 

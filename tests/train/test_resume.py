@@ -38,7 +38,7 @@ def train(run_dir: Path, *extra: str) -> subprocess.Popen:
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "interrupted"
     reference = train(ref_dir)
-    victim = train(run_dir, "trainer.checkpoint_every_n_steps=1")
+    victim = train(run_dir, "runtime.checkpoint_every_n_steps=1")
     # Kill the second run once it has trained a few steps (mid-epoch 1).
     deadline = time.time() + 300
     while len([r for r in recorder.read(run_dir / "record") if r["event"] == "step"]) < 6:
@@ -54,7 +54,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path: Path) -> 
     assert 5 <= resumed_from < 16, "the kill should land mid-epoch"
     before = [r for r in recorder.read(run_dir / "record") if r["event"] == "step" and r["step"] <= resumed_from]
 
-    resume = train(run_dir, "trainer.checkpoint_every_n_steps=1", "ckpt_path=last")
+    resume = train(run_dir, "runtime.checkpoint_every_n_steps=1", "ckpt_path=last")
     assert resume.wait(timeout=600) == 0, resume.stderr.read()[-3000:]
     records = recorder.read(run_dir / "record")
     starts = [i for i, r in enumerate(records) if r["event"] == "start"]

@@ -46,9 +46,7 @@ def shard_model(model: nn.Module, device_mesh: Any, s: Any, master_dtype: torch.
             cast_trainable(m, master_dtype)
         fully_shard(unit, **kwargs)
 
-    base = unwrap(model)
-    if s.activation_checkpointing and not getattr(base, "is_gradient_checkpointing", False):
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = unwrap(model)  # activation checkpointing: model.gradient_checkpointing, enabled when it loaded
     decoder = base.get_decoder()
     embed, head = base.get_input_embeddings(), base.get_output_embeddings()
     for layer in decoder.layers:

@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
+
 
 @dataclass
 class PeftConfig:
@@ -95,6 +97,7 @@ class SourceConfig:
     name: Optional[str] = None
     data_files: Optional[Any] = None
     format: str = "auto"  # auto | rolebench (adapter to the SFT shape)
+    roles: Optional[RolesConfig] = None  # format: rolebench: RoCIT profiles/template (rolemrc.data.roles)
 
 
 @dataclass
@@ -114,6 +117,9 @@ class DataConfig:
     num_workers: int = 0
     packing: bool = False
     shuffle: bool = True
+    roles: RolesConfig = field(default_factory=RolesConfig)  # RoCIT (sources use it as `roles: ${data.roles}`)
+    rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
+    characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
 
 
 @dataclass
@@ -373,6 +379,8 @@ class EvaluateConfig:
     limit: Optional[int] = None  # evaluate only the first N test items
     seed: int = 42
     task_name: str = "evaluate"
+    benchmarks: Optional[BenchmarksConfig] = None  # conf/benchmarks: lm-evaluation-harness (rolemrc.eval.general)
+    compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
 
 
 def register_evaluate(cs: ConfigStore) -> None:

@@ -140,6 +140,10 @@ def read_examples(
         if fmt != "auto" and (kind, fmt) not in FORMAT_PARSERS:
             raise ValueError(f"data source {label}: format {fmt!r} is not readable as {kind} data")
         parse: Callable[[Any], Any] = PARSERS[kind] if fmt == "auto" else FORMAT_PARSERS[(kind, fmt)]
+        if fmt == "rolebench":  # RoCIT system instructions from the source's `roles` (profiles, template)
+            from rolemrc.data.roles import rolebench_parser
+
+            parse = rolebench_parser(kind, source.get("roles"))
         kept: list[Any] = []
         n_bad = 0
         for file, line, record in iter_source(source):

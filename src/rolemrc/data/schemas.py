@@ -164,47 +164,20 @@ def parse_test_item(record: Any) -> TestItem:
     return TestItem(task=task, question=question, reference=reference, rule=rule, extra=extra)
 
 
-ROLEBENCH_SYSTEM = "You are {role}. Answer the way {role} would, in their voice and with their knowledge."
-
-
-def rolebench_messages(record: Any) -> tuple[list[Message], list[str]]:
-    """A RoleBench row ``{"role", "question", "generated": [answers]}`` (field names as in
-    the public release; a row already in the conversation shape passes through) as
-    ``(system + user messages, reference answers)``."""
-    if not isinstance(record, dict):
-        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
-    if "conversations" in record or "messages" in record:
-        messages = normalise_messages(record.get("conversations") or record.get("messages"), "conversations")
-        if messages[-1]["role"] != "assistant" or len(messages) < 2:
-            raise RecordError("conversations: the last message must be the assistant's reference answer")
-        return messages[:-1], [messages[-1]["content"]]
-    missing = [k for k in ("role", "question", "generated") if k not in record]
-    if missing:
-        raise RecordError(f"RoleBench row lacks {missing} (has: {', '.join(map(str, record))})")
-    refs = record["generated"] if isinstance(record["generated"], list) else [record["generated"]]
-    refs = [r for r in refs if isinstance(r, str) and r.strip()]
-    role, question = record["role"], record["question"]
-    if not refs or not all(isinstance(x, str) and x.strip() for x in (role, question)):
-        raise RecordError("RoleBench row has an empty role, question or answer")
-    return [{"role": "system", "content": ROLEBENCH_SYSTEM.format(role=role)},
-            {"role": "user", "content": question}], refs
-
-
 def parse_rolebench_conversation(record: Any) -> Conversation:
-    """A RoleBench row as an SFT conversation (its first reference answer as the reply)."""
-    prompt, refs = rolebench_messages(record)
-    messages = prompt + [{"role": "assistant", "content": refs[0]}]
-    check_turn_order(messages, "conversations", last="assistant")
-    return Conversation(messages=messages, task="rolebench")
+    """A RoleBench row ``{"role", "question", "generated": [answers]}`` as an SFT conversation
+    (its first reference answer as the reply; the system turn is the RoCIT instruction,
+    :mod:`rolemrc.data.roles`, here with the role's name only: a source's ``roles`` adds profiles)."""
+    from rolemrc.data.roles import rolebench_parser
+
+    return rolebench_parser("sft")(record)
 
 
 def parse_rolebench_test_item(record: Any) -> TestItem:
     """A RoleBench row as a test item; ``extra["references"]`` holds every reference answer."""
-    messages, refs = rolebench_messages(record)
-    extra: dict[str, Any] = {"references": refs}
-    if isinstance(record, dict) and "role" in record:
-        extra["rolebench_role"] = record["role"]
-    return TestItem("rolebench", messages, refs[0], extra=extra)
+    from rolemrc.data.roles import rolebench_parser
+
+    return rolebench_parser("test")(record)
 
 
 PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item}

@@ -44,8 +44,10 @@ def render_summary(
     judge: Mapping[str, DimensionSummary] | None = None,
     agreement: Agreement | None = None,
     meta: Mapping[str, Any] | None = None,
+    sections: Sequence[str] = (),
 ) -> str:
-    """The markdown of ``summary.md``."""
+    """The markdown of ``summary.md``; ``sections``: more markdown appended (RoleBench,
+    CharacterLLM, General Δ tables: :mod:`rolemrc.eval.suites`)."""
     meta = dict(meta or {})
     lines = [f"# Evaluation: {meta.get('name', 'rolemrc')}", ""]
     for k, v in meta.items():
@@ -101,6 +103,7 @@ def render_summary(
             f"| judge: 0 | {c['judge0_verifier1']} | {c['judge0_verifier0']} |",
             "",
         ]
+    lines += list(sections)
     return "\n".join(lines)
 
 
@@ -112,6 +115,7 @@ def write_report(
     agreement: Agreement | None = None,
     meta: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
+    sections: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Write the report files that have content; returns {name: path}.
 
@@ -144,6 +148,7 @@ def write_report(
 
     paths["summary.md"] = out / "summary.md"
     paths["summary.md"].write_text(
-        render_summary(metrics=metrics, judge=judge, agreement=agreement, meta=meta), encoding="utf-8"
+        render_summary(metrics=metrics, judge=judge, agreement=agreement, meta=meta, sections=sections),
+        encoding="utf-8",
     )
     return paths

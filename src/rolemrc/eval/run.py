@@ -230,6 +230,10 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
+    from rolemrc.eval.suites import run_suites, wants_suites
+
+    if wants_suites(cfg):  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
+        return run_suites(cfg)
     from rolemrc.models.source import resolve_model_sources
     from rolemrc.data.templates import ChatFormat
     from rolemrc.api import fault_summary

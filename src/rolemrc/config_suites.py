@@ -1,0 +1,85 @@
+"""Config schemas of the RoleLLM pieces and the paper's out-of-distribution evaluations:
+RoCIT role profiles (``data.roles``, a source's ``roles``), RoleBench (``data.rolebench``),
+CharacterLLM (``data.characterllm``), lm-evaluation-harness benchmarks (``benchmarks``) and
+the model they are compared with (``compare``). Used by :mod:`rolemrc.config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class RolesConfig:
+    """RoCIT: a role's profile -> its system instruction (:mod:`rolemrc.data.roles`)."""
+
+    # Profile files: RoleBench's desc.json ({name: description}) or JSON/JSONL records
+    # {name, description, catchphrases, dialogue}; [] = the role's name only.
+    profiles: list[str] = field(default_factory=list)
+    template: Optional[str] = None  # str.format with {name} {description} {catchphrases} {dialogue}; None: ours
+    few_shot: int = 2  # dialogue lines of a profile put into the instruction
+    strict: bool = True  # with profiles given, a role that has none is an error (file:line)
+
+
+@dataclass
+class RoleBenchConfig:
+    """RoleBench's public layout under ``root`` (``rolebench-eng/...``, ``rolebench-zh/...``,
+    ``profiles-*/desc.json``); see :mod:`rolemrc.eval.rolebench`."""
+
+    root: str = MISSING
+    # Any of instruction_generalization_eng, role_generalization_eng, instruction_generalization_zh.
+    splits: list[str] = field(
+        default_factory=lambda: ["instruction_generalization_eng", "role_generalization_eng",
+                                 "instruction_generalization_zh"]
+    )
+    # RAW: the original answers of the general instructions, per language, relative to root
+    # (rows {question, answer}); null: RAW is not reported.
+    raw_answers: dict[str, Optional[str]] = field(
+        default_factory=lambda: {"eng": "instructions-eng/instructions-general.jsonl",
+                                 "zh": "instructions-zh/instructions-general.jsonl"}
+    )
+    raw_question_field: str = "question"
+    raw_answer_field: str = "answer"
+    chinese_tokenizer: str = "char"  # char (one token per character) | whitespace
+
+
+@dataclass
+class CharacterLLMConfig:
+    """CharacterLLM's public test layout under ``root``; see :mod:`rolemrc.eval.characterllm`."""
+
+    root: str = MISSING
+    characters: list[str] = field(
+        default_factory=lambda: ["Beethoven", "Caesar", "Cleopatra", "Hermione", "Martin", "Newton", "Socrates",
+                                 "Spartacus", "Voldemort"]
+    )
+    settings: list[str] = field(default_factory=lambda: ["single", "turns"])
+    turns: int = 5  # questions per multi-turn session (consecutive questions of one topic)
+    questions: Optional[int] = None  # per character and setting; None: all
+    profile_chars: int = 600  # profile characters put into the role's system instruction (RoCIT description)
+    dimensions: list[str] = field(
+        default_factory=lambda: ["memorization", "values", "personality", "hallucination", "stability"]
+    )
+
+
+@dataclass
+class BenchmarksConfig:
+    """General-ability benchmarks through lm-evaluation-harness (:mod:`rolemrc.eval.general`)."""
+
+    name: str = MISSING
+    # lm-eval task names (its registry; data from the datasets cache) or YAML task files
+    # (relative data_files resolved against the YAML's folder), or {task, metric} mappings.
+    tasks: list[Any] = field(default_factory=list)
+    include_path: Optional[str] = None  # a folder of more lm-eval task YAMLs
+    batch_size: Any = "auto"
+    max_batch_size: Optional[int] = 64
+    max_length: Optional[int] = None  # None: the model's
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None  # items per task (or a fraction); None: all (evaluate's `limit` if set)
+    device: Optional[str] = None  # None: cuda when available, else cpu
+
+
+@dataclass
+class CompareConfig:
+    path: Optional[str] = None  # the starting model for General Δ (model.path = the trained one)

@@ -1,0 +1,270 @@
+"""RoleBench scored the way RoleLLM reports it (RoleMRC paper, Table 4).
+
+``data.rolebench.root`` is a folder in RoleBench's public layout (``ZenMoore/RoleBench``)::
+
+    profiles-eng/desc.json, profiles-zh/desc.json          {role name: description}
+    rolebench-eng/instruction-generalization/{general,role_specific}/test.jsonl
+    rolebench-eng/role-generalization/{general,role_specific}/test.jsonl
+    rolebench-zh/{general,role_specific}/test.jsonl
+    instructions-eng/instructions-general.jsonl             RAW answers (see below)
+
+Rows are ``{"role", "question", "generated": [answers]}`` (the field names OpenCompass's
+RoleBench loader reads too). Each row becomes a RoCIT prompt (:mod:`rolemrc.data.roles`:
+the role's profile from ``desc.json``, plus ``data.roles.profiles``, through
+``data.roles.template``) and the model's greedy reply is scored with ROUGE F-measure against
+the row's answers (several answers: the best per ROUGE type, rouge_score's ``score_multi``):
+
+- **CUS**: general instructions against the role-customised answers (``general/test.jsonl``),
+  speaking style;
+- **RAW**: the same replies against the general instructions' original answers, found by the
+  question text in ``raw_answers[<lang>]`` (assumed rows ``{question, answer}``; the field names
+  are ``raw_question_field``/``raw_answer_field``). A question without a raw answer is counted
+  (``raw_missing``), never scored 0; ``raw_answers.<lang>: null`` leaves RAW out;
+- **SPE**: role-specific questions (``role_specific/test.jsonl``), role knowledge.
+
+English uses rouge_score's tokenizer with Porter stemming (:func:`rolemrc.eval.metrics.rouge_scores`).
+Chinese uses one token per non-space character (``chinese_tokenizer: char``, rouge_score's
+default tokenizer would drop every CJK character), no stemming; the choice is written into
+``metrics.json``. ``limit=N`` keeps the first N rows of each test file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rolemrc.data.readers import iter_source, read_examples
+from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.errors import ConfigError, InputNotFound
+
+log = logging.getLogger(__name__)
+
+ROUGE = ("rouge1", "rouge2", "rougeL")
+SETS = ("RAW", "CUS", "SPE")
+# config name -> (table label, language, folder under root)
+SPLITS = {
+    "instruction_generalization_eng": ("InstEng", "eng", "rolebench-eng/instruction-generalization"),
+    "role_generalization_eng": ("RoleEng", "eng", "rolebench-eng/role-generalization"),
+    "instruction_generalization_zh": ("InstZh", "zh", "rolebench-zh"),
+}
+ENGLISH_TOKENIZATION = "rouge_score default tokenizer (lowercase, non-alphanumerics dropped) + Porter stemmer"
+CHINESE_TOKENIZATION = {
+    "char": "character-level: every non-whitespace character is one token (no stemming, no lowercasing)",
+    "whitespace": "whitespace-separated tokens (no stemming, no lowercasing)",
+}
+
+
+class CharTokenizer:
+    """rouge_score tokenizer: one token per non-whitespace character (Chinese)."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return [c for c in text if not c.isspace()]
+
+
+class WhitespaceTokenizer:
+    def tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+
+def chinese_rouge(predictions: Sequence[str], references: Sequence[Sequence[str]], mode: str = "char",
+                  types: Sequence[str] = ROUGE) -> dict[str, list[float]]:
+    """F-measure per sample with rouge_score and a character (or whitespace) tokenizer."""
+    from rouge_score import rouge_scorer
+
+    if mode not in CHINESE_TOKENIZATION:
+        raise ConfigError(f"data.rolebench.chinese_tokenizer must be one of {sorted(CHINESE_TOKENIZATION)}, got {mode!r}")
+    tok = CharTokenizer() if mode == "char" else WhitespaceTokenizer()
+    scorer = rouge_scorer.RougeScorer(list(types), tokenizer=tok)
+    out: dict[str, list[float]] = {t: [] for t in types}
+    for p, refs in zip(predictions, references, strict=True):
+        s = scorer.score_multi(list(refs), p)
+        for t in types:
+            out[t].append(float(s[t].fmeasure))
+    return out
+
+
+def rouge(lang: str, predictions: Sequence[str], references: Sequence[Sequence[str]], zh_mode: str) -> dict[str, list[float]]:
+    if lang == "zh":
+        return chinese_rouge(predictions, references, zh_mode)
+    from rolemrc.eval.metrics import rouge_scores
+
+    return rouge_scores(predictions, [list(r) for r in references], ROUGE)
+
+
+@dataclass
+class RBItem:
+    split: str  # InstEng | RoleEng | InstZh
+    lang: str
+    subset: str  # general | role_specific
+    item: TestItem
+    raw: str | None = None  # the original answer (general subset)
+
+
+def _plain(x: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
+
+
+def _raw_answers(path: Path, qfield: str, afield: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    errors = []
+    for file, line, rec in iter_source({"path": str(path)}):
+        if not isinstance(rec, dict) or not isinstance(rec.get(qfield), str) or not isinstance(rec.get(afield), str):
+            have = ", ".join(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
+            errors.append(f"{file}:{line}: RAW row needs string fields {qfield!r} and {afield!r} (has: {have})")
+            continue
+        out[rec[qfield].strip()] = rec[afield]
+    if errors:
+        raise DataError(f"{len(errors)} invalid RAW answer row(s) (data.rolebench.raw_question_field / "
+                        "raw_answer_field name the fields):\n  " + "\n  ".join(errors[:20]))
+    return out
+
+
+def load_items(data: Any, limit: int | None) -> list[RBItem]:
+    """Every test row of the configured splits, validated (file:line errors), RoCIT prompts."""
+    rb = data.rolebench
+    root = Path(str(rb.root)).expanduser()
+    if not root.is_dir():
+        raise InputNotFound(f"data.rolebench.root: not a folder: {root} (put RoleBench's files there, see README)")
+    roles = _plain(data.roles) or {}
+    raw_cfg = _plain(rb.raw_answers) or {}
+    unknown = [s for s in rb.splits if s not in SPLITS]
+    if unknown:
+        raise ConfigError(f"data.rolebench.splits: unknown {unknown}; known: {', '.join(SPLITS)}")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit must be >= 1 (or null for all items), got {limit}")
+    out: list[RBItem] = []
+    for name in rb.splits:
+        label, lang, folder = SPLITS[name]
+        desc = root / f"profiles-{lang}" / "desc.json"
+        if not desc.is_file():
+            raise InputNotFound(f"RoleBench profiles not found: {desc} (data.rolebench.root={root})")
+        src_roles = dict(roles, profiles=[str(desc)] + list(roles.get("profiles") or []))
+        raw: dict[str, str] | None = None
+        if raw_cfg.get(lang):
+            raw_path = root / raw_cfg[lang]
+            if not raw_path.is_file():
+                raise InputNotFound(f"RAW answers not found: {raw_path} (data.rolebench.raw_answers.{lang}; "
+                                    f"set it to null to leave RAW out)")
+            raw = _raw_answers(raw_path, rb.raw_question_field, rb.raw_answer_field)
+        for subset in ("general", "role_specific"):
+            path = root / folder / subset / "test.jsonl"
+            items, _ = read_examples([{"path": str(path), "format": "rolebench", "roles": src_roles}], "test",
+                                     on_error=data.on_error)
+            if limit is not None:
+                items = items[:limit]
+            for it in items:
+                answer = raw.get(it.question[-1]["content"].strip()) if raw is not None and subset == "general" else None
+                out.append(RBItem(label, lang, subset, it, answer))
+    if not out:
+        raise DataError("the RoleBench test files hold no items")
+    return out
+
+
+def _summ(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char",
+          raw_enabled: dict[str, bool] | None = None) -> dict[str, Any]:
+    """``{"splits": {label: {RAW|CUS|SPE: {rouge1, rouge2, rougeL, n}}}, "per_item": [...], ...}``."""
+    per_item: list[dict[str, Any]] = []
+    buckets: dict[tuple[str, str], dict[str, list[float]]] = {}
+    langs = {}
+    groups: dict[tuple[str, str, str], list[tuple[int, list[str]]]] = {}
+    raw_missing: dict[str, int] = {}
+    for k, it in enumerate(items):
+        langs[it.split] = it.lang
+        refs = it.item.extra.get("references") or [it.item.reference]
+        per_item.append({"split": it.split, "subset": it.subset, "origin": it.item.origin,
+                         "role": it.item.extra.get("rolebench_role"), "reply": replies[k]})
+        if it.subset == "role_specific":
+            groups.setdefault((it.split, "SPE", it.lang), []).append((k, refs))
+            continue
+        groups.setdefault((it.split, "CUS", it.lang), []).append((k, refs))
+        if it.raw is not None:
+            groups.setdefault((it.split, "RAW", it.lang), []).append((k, [it.raw]))
+        elif (raw_enabled or {}).get(it.lang, True):
+            raw_missing[it.split] = raw_missing.get(it.split, 0) + 1
+    for (split, kind, lang), members in groups.items():
+        s = rouge(lang, [replies[k] for k, _ in members], [r for _, r in members], zh_mode)
+        buckets[(split, kind)] = s
+        for j, (k, _) in enumerate(members):
+            per_item[k][kind] = {t: s[t][j] for t in ROUGE}
+    splits: dict[str, dict[str, Any]] = {}
+    for split in dict.fromkeys(it.split for it in items):
+        row: dict[str, Any] = {}
+        for kind in SETS:
+            s = buckets.get((split, kind))
+            row[kind] = ({**{t: _summ(s[t]) for t in ROUGE}, "n": len(s["rougeL"])} if s else None)
+        vals = [row[k]["rougeL"] for k in SETS if row[k] is not None]
+        row["avg_rougeL"] = _summ(vals)
+        if raw_missing.get(split):
+            row["raw_missing"] = raw_missing[split]
+        splits[split] = row
+    return {
+        "splits": splits,
+        "tokenization": {lang: (CHINESE_TOKENIZATION[zh_mode] if lang == "zh" else ENGLISH_TOKENIZATION)
+                         for lang in dict.fromkeys(langs.values())},
+        "rouge": "rouge_score F-measure; several reference answers: the best per ROUGE type (score_multi)",
+        "per_item": per_item,
+    }
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}"
+
+
+def render(res: dict[str, Any]) -> str:
+    """Markdown: RoleLLM's RAW/CUS/SPE ROUGE-L table, then ROUGE-1/2/L per split and set."""
+    lines = ["## RoleBench (RoleLLM metrics; RoleMRC paper Table 4)", "",
+             "ROUGE-L F x 100 per split: RAW = general instructions vs their original answers, CUS = vs the "
+             "role-customised answers (speaking style), SPE = role-specific questions (role knowledge).", "",
+             "| split | RAW | CUS | SPE | avg |", "|---|---|---|---|---|"]
+    for split, row in res["splits"].items():
+        cells = [_f(row[k]["rougeL"]) if row[k] else "n/a" for k in SETS]
+        lines.append(f"| {split} | {' | '.join(cells)} | {_f(row['avg_rougeL'])} |")
+    lines += ["", "| split | set | n | ROUGE-1 | ROUGE-2 | ROUGE-L |", "|---|---|---|---|---|---|"]
+    for split, row in res["splits"].items():
+        for k in SETS:
+            if row[k]:
+                lines.append(f"| {split} | {k} | {row[k]['n']} | {_f(row[k]['rouge1'])} | {_f(row[k]['rouge2'])} | "
+                             f"{_f(row[k]['rougeL'])} |")
+    lines.append("")
+    for split, row in res["splits"].items():
+        if row.get("raw_missing"):
+            lines.append(f"{split}: {row['raw_missing']} general item(s) have no raw answer (not scored for RAW).")
+    for lang, how in res["tokenization"].items():
+        lines.append(f"Tokenisation ({lang}): {how}.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def scalars(res: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for split, row in res["splits"].items():
+        for k in SETS:
+            if row[k]:
+                for t in ROUGE:
+                    if row[k][t] is not None:
+                        out[f"rolebench/{split}/{k}/{t}"] = row[k][t]
+    return out
+
+
+def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
+    """Load, generate (resumable, ``<out_dir>/rolebench/generations.jsonl``), score."""
+    items = load_items(cfg.data, cfg.limit)
+    log.info("RoleBench: %d test items over %s", len(items), ", ".join(dict.fromkeys(i.split for i in items)))
+    replies = ctx.generate("rolebench", [it.item for it in items])
+    raw_cfg = _plain(cfg.data.rolebench.raw_answers) or {}
+    res = score(items, replies, cfg.data.rolebench.chinese_tokenizer,
+                raw_enabled={lang: bool(raw_cfg.get(lang)) for lang in ("eng", "zh")})
+    from rolemrc.data.roles import RoleSystem
+
+    res["rocit"] = RoleSystem(_plain(cfg.data.roles)).describe()
+    res["items"] = len(items)
+    return res
+

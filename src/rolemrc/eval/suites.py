@@ -1,0 +1,154 @@
+"""``evaluate.py`` for the benchmarks beyond RoleMRC's own test set, in one report.
+
+Runs whichever of these the config names, in this order, and writes one ``summary.md`` (a
+table per benchmark in its paper's layout), the same numbers in ``metrics.json`` and, with
+``logger=...``, as scalars to every logger (W&B included):
+
+- ``data.rolebench``: RoleBench per split, RAW/CUS/SPE (:mod:`rolemrc.eval.rolebench`);
+- ``data.characterllm``: CharacterLLM Single/Turns judged 1-7 (:mod:`rolemrc.eval.characterllm`);
+- ``benchmarks``: general benchmarks through lm-evaluation-harness for ``model.path`` and
+  ``compare.path``, and their difference, General Δ (:mod:`rolemrc.eval.general`).
+
+Generations go to ``<out_dir>/<benchmark>/.../generations.jsonl`` and resume like the RoleMRC
+evaluation's; judge answers are cached under ``<out_dir>/judge_cache`` (or ``judge.cache_dir``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, open_dict
+
+from rolemrc.data.schemas import TestItem
+from rolemrc.eval.generation import item_id
+
+log = logging.getLogger(__name__)
+
+
+def wants_suites(cfg: Any) -> bool:
+    """True when the config asks for RoleBench, CharacterLLM or lm-eval benchmarks."""
+    data = cfg.data
+    return bool(data.get("rolebench") is not None or data.get("characterllm") is not None
+                or cfg.get("benchmarks") is not None)
+
+
+class ModelContext:
+    """The evaluated model, loaded once on first use, and resumable generation into sub-folders."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self._chat: Any = None
+        self._model: Any = None
+        self.generated = 0
+        self.resumed = 0
+        self.cut = 0
+
+    @property
+    def chat(self) -> Any:
+        if self._chat is None:
+            from rolemrc.build import build_chat
+
+            self._chat = build_chat(self.cfg.model)
+        return self._chat
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.chat.tokenizer
+
+    @property
+    def model(self) -> Any:
+        if self._model is None and self.cfg.generation.backend == "hf":
+            from rolemrc.eval.run import load_eval_model
+
+            self._model = load_eval_model(self.cfg, self.tokenizer)
+        return self._model
+
+    def generate(self, sub_dir: str, items: Sequence[TestItem]) -> list[str]:
+        """Greedy replies to ``items`` (their ``question`` messages), resuming from
+        ``<out_dir>/<sub_dir>/generations.jsonl``."""
+        from rolemrc.eval.run import generate, prepare_generation
+
+        sub = copy.deepcopy(self.cfg)
+        with open_dict(sub):
+            sub.out_dir = str(Path(self.cfg.out_dir) / sub_dir)
+        Path(sub.out_dir).mkdir(parents=True, exist_ok=True)
+        ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
+        gen_items, stops = prepare_generation(sub, items, ids, self.tokenizer, self.chat)
+        run = generate(sub, gen_items, stops, self.tokenizer, self.model)
+        self.generated += run.n_new
+        self.resumed += run.n_resumed
+        self.cut += sum(not g.stopped for g in run.generations)
+        return run.replies
+
+
+def run_suites(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
+    from rolemrc.eval.report import write_report
+    from rolemrc.eval.run import log_to_loggers, model_label
+    from rolemrc.models.source import resolve_model_sources
+
+    cfg, resolved = resolve_model_sources(cfg, "compare.path")
+    if cfg.generation.backend not in ("hf", "vllm"):
+        raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")
+    if cfg.data.get("characterllm") is not None:
+        from rolemrc.eval.characterllm import check_scorer
+
+        check_scorer(cfg)  # the judge's backend, model and key, before anything slow
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = ModelContext(cfg)
+    doc: dict[str, Any] = {}
+    sections: list[str] = []
+    scalars: dict[str, float] = {}
+    incomplete: list[str] = []
+
+    if cfg.data.get("rolebench") is not None:
+        from rolemrc.eval import rolebench
+
+        res = rolebench.evaluate(cfg, ctx)
+        doc["rolebench"] = res
+        sections.append(rolebench.render(res))
+        scalars.update(rolebench.scalars(res))
+    if cfg.data.get("characterllm") is not None:
+        from rolemrc.eval import characterllm
+
+        res = characterllm.evaluate(cfg, ctx)
+        doc["characterllm"] = res
+        sections.append(characterllm.render(res))
+        scalars.update(characterllm.scalars(res))
+        if res.get("missing"):
+            incomplete.append(res["missing"])
+    if cfg.get("benchmarks") is not None:
+        from rolemrc.eval import general
+
+        res = general.evaluate(cfg, ctx)
+        doc["general"] = res
+        sections.append(general.render(res))
+        scalars.update(general.scalars(res))
+
+    meta: dict[str, Any] = {
+        "name": f"{cfg.model.name} on {', '.join(k for k in ('rolebench', 'characterllm', 'general') if k in doc)}",
+        "model": model_label(cfg),
+        **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
+        "data": cfg.data.name,
+        "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",
+    }
+    if cfg.get("benchmarks") is not None:
+        meta["benchmarks"] = cfg.benchmarks.name
+        meta["compare"] = cfg.compare.path
+        if "compare.path" in resolved:
+            meta["compare_checkpoint"] = resolved["compare.path"]
+    doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut}
+    paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
+    log_to_loggers(cfg, scalars, [[k, v] for k, v in scalars.items()], ["metric", "value"])
+    print(f"evaluation summary: {paths['summary.md']}")
+    if incomplete:
+        from rolemrc.eval.run import JudgeIncomplete
+
+        raise JudgeIncomplete("; ".join(incomplete) + f"; the report in {out_dir} holds what was obtained; rerun the "
+                              "same command to ask only for the rest")
+    return {"out_dir": str(out_dir), "paths": {k: str(p) for k, p in paths.items()}, "results": doc,
+            "scalars": scalars}

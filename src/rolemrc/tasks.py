@@ -6,7 +6,9 @@ One table, used by evaluation (judge routing), probing (grouping by dimension) a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 
 class Dimension(str, Enum):
@@ -75,3 +77,20 @@ def expectation_of(task: str) -> str | None:
 
 def tasks_of(dim: Dimension) -> list[str]:
     return [t for t, (dims, _) in TASKS.items() if dim in dims]
+
+
+def balanced_subset(items: Sequence[Any], n: int) -> list[Any]:
+    """``n`` items taken round-robin over tasks (in order of first appearance, each task's items in
+    file order): a small, deterministic subset that still covers every task and dimension."""
+    if n < 1:
+        raise ValueError(f"subset size must be >= 1, got {n}")
+    by_task: dict[str, list[Any]] = {}
+    for item in items:
+        by_task.setdefault(item.task, []).append(item)
+    queues = list(by_task.values())
+    out: list[Any] = []
+    depth = 0
+    while len(out) < n and any(depth < len(q) for q in queues):
+        out += [q[depth] for q in queues if depth < len(q)][: n - len(out)]
+        depth += 1
+    return out

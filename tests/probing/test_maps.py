@@ -12,7 +12,6 @@ import torch
 from rolemrc.probing.capture import capture_activations, decoder_layers, encode_prompts
 from rolemrc.probing.maps import (
     ALL,
-    balanced_subset,
     compute_frequency_maps,
     discrepancy,
     frequency_maps,
@@ -23,7 +22,7 @@ from rolemrc.probing.maps import (
     top_count,
     top_mask,
 )
-from rolemrc.tasks import NI, TEST_TASKS, tasks_of
+from rolemrc.tasks import NI, TEST_TASKS, balanced_subset, tasks_of
 from tests.probing.helpers import items, tiny
 
 KB_RS = "role_related_mrc_answer_with_narration"  # KB and RS

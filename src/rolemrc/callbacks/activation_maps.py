@@ -44,13 +44,12 @@ from rolemrc.probing.capture import check_site
 from rolemrc.probing.maps import (
     RANK_BY,
     FrequencyMaps,
-    balanced_subset,
     compute_frequency_maps,
     discrepancy,
     save_maps,
 )
 from rolemrc.probing.plots import plot_maps
-from rolemrc.tasks import TASKS
+from rolemrc.tasks import TASKS, balanced_subset
 
 log = logging.getLogger(__name__)
 

@@ -66,9 +66,8 @@ from rolemrc.eval.judge import (
     make_judge,
 )
 from rolemrc.eval.metrics import METRICS, compute_metrics, ensure_wordnet
-from rolemrc.eval.run import load_test_items
-from rolemrc.probing.maps import balanced_subset
-from rolemrc.tasks import TASKS
+from rolemrc.data.test_items import load_test_items
+from rolemrc.tasks import TASKS, balanced_subset
 
 log = logging.getLogger(__name__)
 

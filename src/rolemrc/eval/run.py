@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.errors import UserError
 from rolemrc.eval.generation import (
     GenerationRun,
@@ -37,32 +38,6 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- test items
-
-
-def load_test_items(data: DictConfig, limit: int | None = None) -> tuple[list[TestItem], bool]:
-    """``(items, is_rolebench)`` from ``data.test``, cut to the first ``limit`` items."""
-    sources = OmegaConf.to_container(data.test, resolve=True)
-    assert isinstance(sources, list)
-    formats = {str(s.get("format") or "auto") for s in sources}
-    unknown = formats - {"auto", "rolebench"}
-    if unknown:
-        raise ValueError(f"data.test: unknown source format(s) {sorted(unknown)}; use auto or rolebench")
-    if formats == {"auto", "rolebench"}:
-        # The two are scored differently (all metrics + judge vs ROUGE-L only): one report each.
-        raise ValueError("data.test mixes RoleMRC and RoleBench (format: rolebench) sources; evaluate them in separate runs")
-    if not sources:
-        raise DataError("no test sources configured (data.test is empty)")
-    rolebench = formats == {"rolebench"}
-    items, report = read_examples(sources, "test", on_error=data.on_error)
-    for line in report.lines():
-        log.info("test data: %s", line)
-    if limit is not None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1 (or null for all items), got {limit}")
-        items = items[:limit]
-    if not items:
-        raise DataError("the test sources hold no items")
-    return items, rolebench
 
 
 # ---------------------------------------------------------------- model + generation
@@ -235,7 +210,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if wants_suites(cfg):  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
         return run_suites(cfg)
     from rolemrc.models.source import resolve_model_sources
-    from rolemrc.data.templates import ChatFormat
+    from rolemrc.build import build_chat
     from rolemrc.api import fault_summary
     from rolemrc.eval.judge import aggregate, check_judge, judge_config, judge_items
     from rolemrc.eval.report import write_report
@@ -262,8 +237,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
     log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
 
-    tokenizer = load_tokenizer(cfg.model)
-    chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
+    chat = build_chat(cfg.model)
+    tokenizer = chat.tokenizer
     gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
     model = load_eval_model(cfg, tokenizer) if cfg.generation.backend == "hf" else None
     gen = generate(cfg, gen_items, stops, tokenizer, model)

@@ -9,12 +9,12 @@ For a training callback (in-memory model, a few test items)::
 """
 
 from rolemrc.probing.capture import SITES, capture_activations, decoder_layers, iter_activations, site_module
+from rolemrc.tasks import balanced_subset
 from rolemrc.probing.maps import (
     ALL,
     GROUPS,
     FrequencyCounter,
     FrequencyMaps,
-    balanced_subset,
     compute_frequency_maps,
     discrepancy,
     frequency_maps,

@@ -145,23 +145,6 @@ def compute_frequency_maps(
     return counter.result()
 
 
-def balanced_subset(items: Sequence[Any], n: int) -> list[Any]:
-    """``n`` items taken round-robin over tasks (in order of first appearance, each task's items in
-    file order): a small, deterministic subset that still covers every task and dimension."""
-    if n < 1:
-        raise ValueError(f"subset size must be >= 1, got {n}")
-    by_task: dict[str, list[Any]] = {}
-    for item in items:
-        by_task.setdefault(item.task, []).append(item)
-    queues = list(by_task.values())
-    out: list[Any] = []
-    depth = 0
-    while len(out) < n and any(depth < len(q) for q in queues):
-        out += [q[depth] for q in queues if depth < len(q)][: n - len(out)]
-        depth += 1
-    return out
-
-
 # ---- comparing two models --------------------------------------------------------------------
 
 def discrepancy(a: FrequencyMaps, b: FrequencyMaps) -> dict[str, np.ndarray]:

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rolemrc.build import build_chat
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import check_source, load_model, load_tokenizer
 from rolemrc.models.source import resolve_model_sources
 from rolemrc.probing.capture import check_site
+from rolemrc.tasks import balanced_subset
 from rolemrc.probing.maps import (
     ALL,
     DIRECTIONS,
@@ -30,7 +32,6 @@ from rolemrc.probing.maps import (
     SCOPES,
     SELECT,
     FrequencyMaps,
-    balanced_subset,
     compute_frequency_maps,
     discrepancy,
     layer_change,
@@ -105,8 +106,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)  # path-less (random-init) models are reproducible
 
-    tokenizer = load_tokenizer(cfg.model)
-    chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
+    chat = build_chat(cfg.model)
+    tokenizer = chat.tokenizer
     items, _ = read_examples(list(cfg.data.test), "test", cfg.data.on_error, cfg.seed)
     if cfg.limit is not None:
         items = balanced_subset(items, cfg.limit)

@@ -284,3 +284,22 @@ def test_no_dead_keys() -> None:
         if not re.search(rf"\.{key}\b|[\"']{key}[\"']|\${{{key}}}|\b{key}=", src):
             dead.append(f"{schema.__name__}.{key}")
     assert not dead, dead
+
+
+@pytest.mark.parametrize("overrides", [[f"objective={o}"] for o in OBJECTIVES]
+                         + [[f"experiment={e}", "model.path=/x"] for e in EXPERIMENTS])
+def test_typed_config_is_the_dataclasses(overrides: list[str]) -> None:
+    from rolemrc.config import OptimConfig, typed, typed_train_config
+    from rolemrc.memory import check
+
+    cfg = compose_train([*overrides, "trainer.checkpoint_every_n_steps=5"])  # an alias: mapped in the copy only
+    t = typed_train_config(cfg)
+    assert isinstance(t, TrainConfig) and type(t.objective) is OBJECTIVE_SCHEMAS[cfg.objective.name]
+    assert isinstance(t.trainer, TrainerConfig) and isinstance(t.runtime, RuntimeConfig) and isinstance(t.model, ModelConfig)
+    assert t.runtime.checkpoint_every_n_steps == 5  # cfg itself untouched:
+    assert cfg.trainer.checkpoint_every_n_steps == 5 and cfg.runtime.checkpoint_every_n_steps == 0
+    assert t.run_dir == cfg.run_dir and t.model.tokenizer == cfg.model.tokenizer  # interpolations resolved
+    assert lightning_trainer_args(t) == lightning_trainer_args(typed_train_config(cfg))
+    assert lightning_trainer_args(t) == lightning_trainer_args(upgrade_train_config(cfg))
+    assert check(t) == check(cfg)  # code reading attributes gets the same answers
+    assert isinstance(typed(cfg.optim), OptimConfig) and typed(cfg.objective) == dataclasses.replace(t.objective)

@@ -258,9 +258,39 @@ def upgrade_train_config(cfg: Any) -> Any:
 
 def lightning_trainer_args(cfg: Any) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments: None values (Lightning's
-    defaults) and the deprecated runtime aliases dropped."""
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True) if OmegaConf.is_config(cfg.trainer) else dict(cfg.trainer)
+    defaults) and the deprecated runtime aliases dropped. ``cfg``: the composed config or
+    :func:`typed_train_config`'s."""
+    import dataclasses
+
+    node = cfg.trainer
+    trainer = (OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
+               else dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node))
     return {k: v for k, v in trainer.items() if v is not None and k not in MOVED_TO_RUNTIME}
+
+
+def typed_train_config(cfg: Any) -> TrainConfig:
+    """The composed training config as dataclasses (``OmegaConf.to_object``): a
+    :class:`TrainConfig` whose ``objective`` is the chosen objective's schema
+    (:class:`SFTObjectiveConfig` / :class:`DPOObjectiveConfig`), interpolations resolved and
+    deprecated keys mapped (on a copy: ``cfg`` is left as it is). ``logger`` and ``callbacks``
+    stay plain dicts (``_target_`` specs)."""
+    import copy as _copy
+
+    from omegaconf import open_dict
+
+    copy = _copy.deepcopy(cfg)
+    with open_dict(copy):
+        copy.pop("hydra", None)  # compose(return_hydra_config=True) keeps Hydra's own node
+    typed = OmegaConf.to_object(upgrade_train_config(copy))
+    if not isinstance(typed, TrainConfig):
+        raise TypeError(f"not a composed training config (train_schema): {type(typed).__name__}")
+    return typed
+
+
+def typed(node: Any) -> Any:
+    """A structured config node (``cfg.objective``, ``cfg.optim``, ...) as its dataclass; other
+    values as they are. For code that wants typed settings without the whole config."""
+    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
 
 def check_train_config(cfg: Any) -> None:

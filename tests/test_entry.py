@@ -44,3 +44,30 @@ def test_lightning_lines_print_once(tmp_path: Path) -> None:
     for line in ("`Trainer.fit` stopped: `max_steps=1` reached.", "GPU available: False"):
         assert printed.count(line) == 1, printed[-3000:]
         assert (run / "train.log").read_text().count(line) == 1  # and Hydra's log file has it
+
+
+def _no_key_env() -> dict[str, str]:
+    env = dict(ENV)
+    env.pop("ROLEMRC_TEST_UNSET_KEY", None)
+    return env
+
+
+def test_a_missing_api_key_is_one_line(tmp_path: Path) -> None:
+    """evaluate.py's judge and synthesize.py's generator name the unset variable, exit 1."""
+    judged = subprocess.run(
+        [sys.executable, "evaluate.py", "judge=openai", "judge.model=any", "judge.api_key_env=ROLEMRC_TEST_UNSET_KEY",
+         "limit=1", "generation.max_new_tokens=2", "metrics.names=[bleu]", f"out_dir={tmp_path / 'eval'}"],
+        cwd=ROOT, env=_no_key_env(), capture_output=True, text=True, timeout=600)
+    personas = tmp_path / "personas.jsonl"
+    personas.write_text('{"persona": "A retired lighthouse keeper who collects sea glass and tells long stories"}\n'
+                        '{"persona": "A pastry chef in Lyon obsessed with butter and precise timing"}\n')
+    synthesized = subprocess.run(
+        [sys.executable, "synthesize.py", f"out_dir={tmp_path / 'synth'}", "personas.source=file",
+         f"personas.path={personas}", "personas.n=2", "progress=false", "stages=[personas,profiles]",
+         "generator.api_key_env=ROLEMRC_TEST_UNSET_KEY"],
+        cwd=ROOT, env=_no_key_env(), capture_output=True, text=True, timeout=600)
+    for done in (judged, synthesized):
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "ROLEMRC_TEST_UNSET_KEY" in last, last

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.synth.helpers import REPO, SynthServer, run_pipeline, small_overrides
+from tests.synth.helpers import API_KEY, REPO, SynthServer, run_pipeline, small_overrides
 
 
 def _synthesize(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -41,6 +41,10 @@ def test_records_that_keep_failing_are_reported_and_a_rerun_fills_them_in(tmp_pa
         # The rest was finished: every later stage ran on the ten profiles there are.
         assert (out / "assemble" / "sft.jsonl").stat().st_size > 0
         assert json.loads((out / "profiles" / "_stage.json").read_text())["stats"]["missing"] == 2
+        # The API key went into the Authorization header only: not into a file, the cache or the log.
+        assert server.unauthorized == 0
+        assert not [p for p in out.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]
+        assert API_KEY not in proc.stdout + proc.stderr
 
         # The server behaves again: the same command asks only for the two profiles and what
         # depends on them, and the result is the undisturbed run's.

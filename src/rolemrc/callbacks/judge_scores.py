@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -66,6 +65,7 @@ from rolemrc.eval.judge import (
     make_judge,
 )
 from rolemrc.eval.metrics import METRICS, compute_metrics, ensure_wordnet
+from rolemrc.fileio import atomic_write_text
 from rolemrc.data.test_items import load_test_items
 from rolemrc.tasks import TASKS, balanced_subset
 
@@ -147,14 +147,6 @@ def generation_mode(trainer: L.Trainer, model: nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write then rename: a kill mid-write never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def judge_scalars(table: Mapping[str, DimensionSummary]) -> dict[str, float]:
@@ -354,7 +346,7 @@ class JudgeScores(L.Callback):
 
     def write(self, step: int, rows: list[dict[str, Any]], scores: Any, table: Mapping[str, DimensionSummary],
               scalars: Mapping[str, float]) -> None:
-        write_atomic(self._out / f"step_{step}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        atomic_write_text(self._out / f"step_{step}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         summary = {
             "step": step,
             "round": self.rounds,
@@ -366,7 +358,7 @@ class JudgeScores(L.Callback):
                       "dimensions": {d: s.to_dict() for d, s in table.items()}},
             "scalars": dict(scalars),
         }
-        write_atomic(self._out / f"step_{step}.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_text(self._out / f"step_{step}.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
 
     def log_all(self, trainer: L.Trainer, step: int, scalars: Mapping[str, float], rows: list[dict[str, Any]]) -> None:
         """Scalars to every logger; the samples table to W&B."""

@@ -133,7 +133,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
         "name": f"{cfg.model.name} on {', '.join(k for k in ('rolebench', 'characterllm', 'general') if k in doc)}",
         "model": model_label(cfg),
         **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
-        "data": cfg.data.name,
+        **({"data": cfg.data.name} if "rolebench" in doc or "characterllm" in doc else {}),
         "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",
     }
     if cfg.get("benchmarks") is not None:

@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from rolemrc.fileio import atomic_open
+
 
 def _swap_in(tmp: Path, final: Path) -> None:
     """Replace ``final`` by ``tmp``; a crash leaves either the old or the new one (or
@@ -28,17 +30,11 @@ def _swap_in(tmp: Path, final: Path) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints written to ``<path>.partial``, fsynced, then renamed."""
+    """Single-file checkpoints written beside their name, fsynced, then renamed over it."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(final.name + ".partial")
-        with tmp.open("wb") as fh:
+        with atomic_open(path, "wb") as fh:
             torch.save(checkpoint, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _swap_in(tmp, final)
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from rolemrc.data.sampler import ResumableSampler
+from rolemrc.fileio import atomic_save
 
 if TYPE_CHECKING:
     from rolemrc.modules.dpo import DPOModule
@@ -211,10 +212,7 @@ class PrecomputedReference(Reference):
                 "the run again from its initial model.")
         self.tables[stage] = table = compute_table(module, rows, stage, self.batch_size)  # the initial weights
         if trainer.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            save_file({"logps": table}, str(tmp))
-            tmp.rename(path)
+            atomic_save(path, lambda tmp: save_file({"logps": table}, tmp))
             log.info("reference log-probs (%s, %d pairs) written to %s", stage, len(rows), path)
 
     def cache_path(self, rows: list[dict]) -> Path:

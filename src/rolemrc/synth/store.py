@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from rolemrc.fileio import atomic_open, atomic_write_json
 
 MARKER = "_stage.json"
 
@@ -24,14 +25,11 @@ def fingerprint(*parts: Any) -> str:
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     """Write atomically (temp file + rename); returns the number of lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, path)
     return n
 
 
@@ -82,10 +80,7 @@ class StageDir:
         (self.path / MARKER).unlink(missing_ok=True)
 
     def finish(self, fp: str, stats: dict[str, Any]) -> None:
-        tmp = self.path / f".{MARKER}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"fingerprint": fp, "stats": stats}, f, indent=1, ensure_ascii=False)
-        os.replace(tmp, self.path / MARKER)
+        atomic_write_json(self.path / MARKER, {"fingerprint": fp, "stats": stats}, indent=1)
 
     def require(self) -> dict[str, Any]:
         m = self.marker()

@@ -303,3 +303,17 @@ def test_typed_config_is_the_dataclasses(overrides: list[str]) -> None:
     assert lightning_trainer_args(t) == lightning_trainer_args(upgrade_train_config(cfg))
     assert check(t) == check(cfg)  # code reading attributes gets the same answers
     assert isinstance(typed(cfg.optim), OptimConfig) and typed(cfg.objective) == dataclasses.replace(t.objective)
+
+
+def test_objective_node_without_its_schema_is_checked_before_the_run() -> None:
+    from omegaconf import open_dict
+
+    cfg = compose_train(["objective=sft"])
+    with open_dict(cfg):
+        cfg.objective = OmegaConf.create({"name": "sft", "beta": 0.1})  # e.g. a user's file with no schema default
+    with pytest.raises(ConfigError, match=r"objective.beta is not a key of objective=sft \(SFTObjectiveConfig\)"):
+        check_train_config(cfg)
+    with open_dict(cfg):
+        cfg.objective = OmegaConf.create({"name": "ppo"})
+    with pytest.raises(ConfigError, match="objective.name must be one of"):
+        check_train_config(cfg)

@@ -6,7 +6,7 @@ first in its defaults so every group file is merged into (and checked against) t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -301,6 +301,13 @@ def check_train_config(cfg: Any) -> None:
     upgrade_train_config(cfg)
     if cfg.objective.name not in OBJECTIVE_SCHEMAS:
         raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
+    schema = OBJECTIVE_SCHEMAS[cfg.objective.name]
+    if OmegaConf.is_config(cfg.objective) and OmegaConf.get_type(cfg.objective) is not schema:
+        # An objective file without its schema in its defaults (e.g. a user's own): check it here.
+        unknown = sorted(set(cfg.objective) - {f.name for f in fields(schema)})
+        if unknown:
+            raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
+                              f"({schema.__name__}); add '- {cfg.objective.name}_schema' to the objective file's defaults")
     if cfg.objective.name == "dpo":
         from rolemrc.data.templates import check_pair_lengths
 

@@ -28,9 +28,10 @@ from rolemrc.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Keys a resumed run may change: where it runs and how it resumes, and how long it trains
-# (raising trainer.max_steps continues a finished run), and the progress bar.
-IGNORED = ("run_dir", "ckpt_path", "trainer.max_steps", "trainer.enable_progress_bar")
+# Keys a resumed run may change: where it runs and how it resumes, how long it trains (raising
+# trainer.max_steps continues a finished run), how often it checkpoints, the progress bar.
+IGNORED = ("run_dir", "ckpt_path", "trainer.max_steps", "trainer.enable_progress_bar",
+           "runtime.checkpoint_every_n_steps", "trainer.checkpoint_every_n_steps", "runtime.device_memory_gb")
 NEAR = 3  # a folder whose config differs in at most this many keys is named in a warning
 
 

@@ -20,7 +20,7 @@ from tests.conftest import CONF, ROOT
 from tests.train.helpers import metric_rows
 
 ARGS = ["data.max_length=96", "trainer.max_steps=10", "trainer.deterministic=true", "trainer.enable_progress_bar=false",
-        "export.enabled=false", "data.val_fraction=0", "trainer.checkpoint_every_n_steps=4", "task_name=resumetest"]
+        "export.enabled=false", "data.val_fraction=0", "runtime.checkpoint_every_n_steps=4", "task_name=resumetest"]
 # Killed at the start of step 8: rows of steps 1-7 logged, last checkpoint at step 4.
 KILL = ["+callbacks.kill._target_=tests.train.killer.KillAt", "+callbacks.kill.step=7"]
 

@@ -73,3 +73,16 @@ def test_readme_dry_run_works_offline_on_a_fresh_clone(tmp_path: Path) -> None:
     assert "[profiles] personas=10200 profiles=10200" in log and "requests 24000 (cached 0, would send 24000)" in log
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # Hydra's run folder only
     assert not list(tmp_path.glob("outputs/**/cache"))
+
+
+def test_a_missing_key_stops_the_run_before_any_stage(tmp_path: Path, synth_inputs: dict[str, Path], monkeypatch: Any) -> None:
+    import pytest
+
+    from rolemrc.errors import MissingAPIKey
+
+    monkeypatch.delenv("ROLEMRC_NO_SUCH_KEY", raising=False)
+    ov = small_overrides("http://127.0.0.1:9/v1", tmp_path / "out", synth_inputs)
+    with pytest.raises(MissingAPIKey, match="generator: the API key is read from the environment variable ROLEMRC_NO_SUCH_KEY"):
+        run_pipeline([*ov, "generator.api_key_env=ROLEMRC_NO_SUCH_KEY"])
+    assert not (tmp_path / "out" / "personas").exists()
+

@@ -33,6 +33,7 @@ from rich.table import Table
 from rolemrc.synth import dialogues as dlg
 from rolemrc.synth import profiles as prof
 from rolemrc.synth.assets import Assets
+from rolemrc.api import api_key
 from rolemrc.errors import UserError
 from rolemrc.synth.client import (
     BudgetExceeded,
@@ -508,6 +509,12 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True))
         ctx = Context(cfg, out, console, progress)
         names = [s for s in STAGES if s in cfg.stages]
+        if not cfg.dry_run:
+            # A key the run will need is checked before any stage starts, naming its variable.
+            if {"profiles", "dialogues"} & set(names):
+                api_key(cfg.generator.api_key_env, "generator")
+            if "match" in names and cfg.embedder.backend == "openai":
+                api_key(cfg.embedder.api_key_env, "embedder")
         if cfg.dry_run and names:
             # The scratch folder starts empty: run every stage up to the last one asked for.
             names = list(STAGES[: STAGES.index(names[-1]) + 1])

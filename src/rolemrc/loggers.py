@@ -16,6 +16,7 @@ before the crash and a killed one the last 99; its W&B logger starts a new W&B r
 from __future__ import annotations
 
 import csv
+import io
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -54,8 +55,10 @@ class AppendingExperimentWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         if not path.is_file():
             return []
-        with path.open(newline="") as fh:
-            return list(csv.DictReader(fh))
+        text = path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):  # a row torn by a kill mid-write: not a row
+            text = text[: text.rfind("\n") + 1]
+        return list(csv.DictReader(io.StringIO(text, newline="")))
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         with atomic_open(self.metrics_file_path, "w") as fh:  # a kill mid-rewrite keeps the old file

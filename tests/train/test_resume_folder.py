@@ -151,3 +151,20 @@ def test_slurm_requeue_keeps_its_job_folder(outputs: Path, monkeypatch: pytest.M
     monkeypatch.setenv("SLURM_JOB_ID", "4243")
     with pytest.raises(ValueError, match="2 run folders"):  # both earlier folders match
         choose(*ARGS, "ckpt_path=last")
+
+
+def test_csv_logger_keeps_rows_before_the_resumed_step_and_drops_a_torn_row(tmp_path: Path) -> None:
+    from rolemrc.loggers import CSVLogger
+
+    first = CSVLogger(save_dir=tmp_path, name="csv", version="")
+    for step in range(5):
+        first.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+    assert [r["step"] for r in metric_rows(tmp_path)] == [0, 1, 2, 3, 4]  # on disk as logged, no save() needed
+    with (tmp_path / "csv" / "metrics.csv").open("a") as fh:
+        fh.write("1,0.1")  # killed mid-write: a torn row ("12,0.1..." cut short)
+    resumed = CSVLogger(save_dir=tmp_path, name="csv", version="")  # resumed from the checkpoint of step 3
+    resumed.log_metrics({"train/loss": 9.0, "val/loss": 0.5}, step=3)  # a new column rewrites the header
+    assert metric_rows(tmp_path) == [{"train/loss": 1.0, "step": 0}, {"train/loss": 0.5, "step": 1},
+                                     {"train/loss": 1 / 3, "step": 2}, {"train/loss": 9.0, "val/loss": 0.5, "step": 3}]
+    CSVLogger(save_dir=tmp_path, name="csv", version="").log_metrics({"train/loss": 7.0}, step=0)  # a fresh start
+    assert metric_rows(tmp_path) == [{"train/loss": 7.0, "step": 0}]

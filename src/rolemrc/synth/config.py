@@ -11,7 +11,13 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-STAGES: tuple[str, ...] = ("personas", "profiles", "match", "dialogues", "assemble")
+from rolemrc.synth.roleplay_config import ContextInstructConfig, RoleGPTConfig
+
+# The RoleMRC chain, in order; each stage reads the ones before it.
+ROLEMRC_STAGES: tuple[str, ...] = ("personas", "profiles", "match", "dialogues", "assemble")
+# RoleLLM's stages (rolemrc.synth.roleplay): independent of the chain and of each other.
+ROLELLM_STAGES: tuple[str, ...] = ("context_instruct", "rolegpt")
+STAGES: tuple[str, ...] = ROLEMRC_STAGES + ROLELLM_STAGES
 
 # Item kinds the dialogues stage can build; quotas are keyed by these names.
 KINDS: tuple[str, ...] = (
@@ -199,7 +205,7 @@ class SynthConfig:
     out_dir: str = "outputs/synth"
     cache_dir: Optional[str] = None  # null = <out_dir>/cache
     assets_dir: Optional[str] = None  # null = packaged rolemrc/assets/synth; files present here win
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    stages: list[str] = field(default_factory=lambda: list(ROLEMRC_STAGES))
     force: bool = False
     dry_run: bool = False
     seed: int = 42
@@ -213,6 +219,8 @@ class SynthConfig:
     match: MatchConfig = field(default_factory=MatchConfig)
     dialogues: DialoguesConfig = field(default_factory=DialoguesConfig)
     assemble: AssembleConfig = field(default_factory=AssembleConfig)
+    context_instruct: ContextInstructConfig = field(default_factory=ContextInstructConfig)
+    rolegpt: RoleGPTConfig = field(default_factory=RoleGPTConfig)
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -250,6 +258,16 @@ def validate(cfg: SynthConfig) -> SynthConfig:
         _check(len(v) == 2 and 1 <= v[0] <= v[1], f"dialogues.{key}", f"must be [min, max] with 1 <= min <= max, got {v}")
     _check(d.on_narration_violation in ("strip", "drop"), "dialogues.on_narration_violation", "must be strip or drop")
     _check(d.on_rule_violation in ("fix", "drop"), "dialogues.on_rule_violation", "must be fix or drop")
+    ci, rg = cfg.context_instruct, cfg.rolegpt
+    if "context_instruct" in cfg.stages:
+        _check(bool(ci.roles), "context_instruct.roles", "must name the role profiles + scripts file")
+        _check(ci.segment_chars >= 200, "context_instruct.segment_chars", "must be >= 200")
+        _check(ci.per_segment >= 1, "context_instruct.per_segment", "must be >= 1")
+        _check(1 <= ci.min_confidence <= 10, "context_instruct.min_confidence", "must lie in [1, 10]")
+    if "rolegpt" in cfg.stages:
+        _check(bool(rg.roles), "rolegpt.roles", "must name the role profiles file")
+        _check(bool(rg.questions), "rolegpt.questions", "must name the general instructions file")
+        _check(rg.few_shot >= 0, "rolegpt.few_shot", "must be >= 0")
     a = cfg.assemble
     _check(0.0 <= a.test_fraction < 1.0, "assemble.test_fraction", "must lie in [0, 1)")
     _check(a.pairs in ("both", "disjoint"), "assemble.pairs", "must be both or disjoint")

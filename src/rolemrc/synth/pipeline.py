@@ -45,7 +45,8 @@ from rolemrc.synth.client import (
     Usage,
     make_budget,
 )
-from rolemrc.synth.config import STAGES, SynthConfig
+from rolemrc.synth import roleplay
+from rolemrc.synth.config import ROLEMRC_STAGES, STAGES, SynthConfig
 from rolemrc.synth.records import check_pair, check_sft, check_test
 from rolemrc.synth.sources import load_mix, load_mrc, load_personas, standin_mrc, standin_personas
 from rolemrc.synth.store import StageDir, fingerprint, read_jsonl, write_jsonl
@@ -410,6 +411,7 @@ RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "match": run_match,
     "dialogues": run_dialogues,
     "assemble": run_assemble,
+    **roleplay.RUNNERS,  # context_instruct, rolegpt (RoleLLM)
 }
 
 
@@ -427,6 +429,8 @@ def stage_fingerprint(ctx: Context, name: str) -> str:
         return fingerprint(name, ctx.upstream("match"), _generator_fp(cfg), asdict(cfg.dialogues), ctx.assets.fingerprint(), cfg.seed)
     if name == "assemble":
         return fingerprint(name, ctx.upstream("dialogues"), asdict(cfg.assemble), cfg.seed)
+    if name in roleplay.RUNNERS:
+        return roleplay.stage_fingerprint(ctx, name, _generator_fp(cfg))
     raise ValueError(name)
 
 
@@ -511,13 +515,16 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
         names = [s for s in STAGES if s in cfg.stages]
         if not cfg.dry_run:
             # A key the run will need is checked before any stage starts, naming its variable.
-            if {"profiles", "dialogues"} & set(names):
+            if {"profiles", "dialogues", *roleplay.RUNNERS} & set(names):
                 api_key(cfg.generator.api_key_env, "generator")
             if "match" in names and cfg.embedder.backend == "openai":
                 api_key(cfg.embedder.api_key_env, "embedder")
         if cfg.dry_run and names:
-            # The scratch folder starts empty: run every stage up to the last one asked for.
-            names = list(STAGES[: STAGES.index(names[-1]) + 1])
+            # The scratch folder starts empty: run every stage of the RoleMRC chain up to the last
+            # one asked for (the RoleLLM stages read no other stage).
+            chain = [s for s in names if s in ROLEMRC_STAGES]
+            names = (list(ROLEMRC_STAGES[: ROLEMRC_STAGES.index(chain[-1]) + 1]) if chain else []) + \
+                [s for s in names if s not in ROLEMRC_STAGES]
         for name in names:
             d = ctx.stage(name)
             fp = stage_fingerprint(ctx, name)

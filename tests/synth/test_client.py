@@ -150,6 +150,7 @@ def test_invalid_answers_in_an_older_cache_are_not_served(fake_server: Any, tmp_
         path = tmp_path / "c" / key[:2] / f"{key}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"content": content, "tag": "t1"}))
+    cache = Cache(tmp_path / "c")  # a run started on the older run's cache folder
     out, usage, _ = _chat(cfg, b, cache, [_req("empty"), _req("cut"), _req("fine")])
     assert usage.cached == 1 and fake_server.total_served() == 2
     assert out[2].text == '{"reply": "From the old cache"}' and all(Reply.model_validate_json(r.text) for r in out)

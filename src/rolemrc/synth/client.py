@@ -43,6 +43,8 @@ class Cache:
         self.root = Path(root)
         self.read_only = read_only
         self._db: Optional[AnswerCache] = None
+        # Looked for once: most runs have no JSON-file cache, and a miss per request adds up.
+        self._has_legacy = self.root.is_dir() and any(p.is_dir() and len(p.name) == 2 for p in self.root.iterdir())
 
     @property
     def db(self) -> Optional[AnswerCache]:
@@ -58,6 +60,8 @@ class Cache:
         return hit
 
     def _legacy(self, key: str, valid: Optional[Callable[[str], Any]]) -> Optional[str]:
+        if not self._has_legacy:
+            return None
         path = self.root / key[:2] / f"{key}.json"
         try:
             with open(path, encoding="utf-8") as f:

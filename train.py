@@ -3,7 +3,7 @@
     python train.py                                   # tiny model, sample data, CPU
     python train.py model=qwen objective=dpo model.path=<SFT export>
     python train.py experiment=rolemrc_llama_sft
-    python train.py -m objective.beta=0.05,0.1,0.2    # sweep (hydra/launcher=slurm on a cluster)
+    python train.py -m objective=dpo objective.beta=0.05,0.1,0.2 model.path=<SFT export>   # sweep
     python train.py --cfg job                         # print the resolved config
 """
 

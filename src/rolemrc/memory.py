@@ -197,6 +197,9 @@ def main(argv: list[str]) -> int:
             cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
             print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
             return 1
+        from rolemrc.config import check_train_config
+
+        check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
         print(check_memory(cfg))
     return 0
 

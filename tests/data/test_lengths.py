@@ -45,8 +45,10 @@ def test_prompt_as_long_as_the_row_is_refused(chat: ChatFormat, train_cfg) -> No
                       "model.path=/nonexistent/so/nothing/may/load"))
 
 
-def test_cfg_resolve_reports_it() -> None:
-    out = subprocess.run([sys.executable, "train.py", "objective=dpo", "data.max_prompt_length=2000",
-                          "data.max_length=1000", "--cfg", "job", "--resolve"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert "data.max_prompt_length=2000 must be below data.max_length=1000" in " ".join(out.stdout.split())
+def test_config_check_reports_it_without_training() -> None:
+    """``python -m rolemrc.memory <overrides>`` (the pre-flight check that replaced the
+    ``--cfg job --resolve`` resolver) names both keys and exits non-zero."""
+    out = subprocess.run([sys.executable, "-m", "rolemrc.memory", "objective=dpo", "data.max_prompt_length=2000",
+                          "data.max_length=1000"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "data.max_prompt_length=2000 must be below data.max_length=1000" in " ".join(out.stderr.split())

@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.data.schemas import FORMAT_PARSERS, PARSERS, DataError, RecordError
+from rolemrc.data.roles import rolebench_parser
+from rolemrc.data.schemas import PARSERS, DataError, RecordError
+
 from rolemrc.errors import InputNotFound
 
 log = logging.getLogger(__name__)
+
+# Source ``format`` values other than "auto", by data kind: RoleBench rows become SFT conversations
+# (with RoCIT system instructions) or test items (every reference answer kept).
+FORMATS = {("sft", "rolebench"), ("test", "rolebench")}
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -137,12 +143,10 @@ def read_examples(
     for index, source in enumerate(sources):
         label = str(source["path"])
         fmt = str(source.get("format") or "auto")
-        if fmt != "auto" and (kind, fmt) not in FORMAT_PARSERS:
+        if fmt != "auto" and (kind, fmt) not in FORMATS:
             raise ValueError(f"data source {label}: format {fmt!r} is not readable as {kind} data")
-        parse: Callable[[Any], Any] = PARSERS[kind] if fmt == "auto" else FORMAT_PARSERS[(kind, fmt)]
+        parse: Callable[[Any], Any] = PARSERS[kind]
         if fmt == "rolebench":  # RoCIT system instructions from the source's `roles` (profiles, template)
-            from rolemrc.data.roles import rolebench_parser
-
             parse = rolebench_parser(kind, source.get("roles"))
         kept: list[Any] = []
         n_bad = 0

@@ -164,25 +164,4 @@ def parse_test_item(record: Any) -> TestItem:
     return TestItem(task=task, question=question, reference=reference, rule=rule, extra=extra)
 
 
-def parse_rolebench_conversation(record: Any) -> Conversation:
-    """A RoleBench row ``{"role", "question", "generated": [answers]}`` as an SFT conversation
-    (its first reference answer as the reply; the system turn is the RoCIT instruction,
-    :mod:`rolemrc.data.roles`, here with the role's name only: a source's ``roles`` adds profiles)."""
-    from rolemrc.data.roles import rolebench_parser
-
-    return rolebench_parser("sft")(record)
-
-
-def parse_rolebench_test_item(record: Any) -> TestItem:
-    """A RoleBench row as a test item; ``extra["references"]`` holds every reference answer."""
-    from rolemrc.data.roles import rolebench_parser
-
-    return rolebench_parser("test")(record)
-
-
 PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item}
-# Source ``format`` values other than "auto": (kind, format) -> parser.
-FORMAT_PARSERS = {
-    ("sft", "rolebench"): parse_rolebench_conversation,
-    ("test", "rolebench"): parse_rolebench_test_item,
-}

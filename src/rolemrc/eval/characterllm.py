@@ -252,7 +252,7 @@ def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tu
     """One ``{"status", "score", "raw", "cached", "error"}`` per prompt, and run stats."""
     from rolemrc.api import AnswerCache
     from rolemrc.eval.judge import OpenAIBackend, cache_key, make_judge
-    from rolemrc.eval.run import model_label
+    from rolemrc.eval.generation import model_label
 
     judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
                        tokenizer=ctx.tokenizer, model_id=model_label(cfg), device=cfg.generation.device)

@@ -138,7 +138,7 @@ def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model:
 
 def _compare_model(cfg: Any) -> tuple[Any, Any]:
     from rolemrc.build import build_chat
-    from rolemrc.eval.run import load_eval_model
+    from rolemrc.eval.generation import load_eval_model
 
     c = copy.deepcopy(cfg)
     with open_dict(c):
@@ -148,7 +148,7 @@ def _compare_model(cfg: Any) -> tuple[Any, Any]:
 
 
 def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    from rolemrc.eval.run import load_eval_model, model_label
+    from rolemrc.eval.generation import load_eval_model, model_label
 
     b = cfg.benchmarks
     specs = task_specs(_plain(b.tasks))

@@ -360,3 +360,90 @@ def generate_vllm(
         for g in gens:
             done[g.id] = g
     return GenerationRun([done[it.id] for it in items], n_new=len(todo), n_resumed=len(items) - len(todo))
+
+
+# ---------------------------------------------------------------- the model being evaluated
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_label(cfg: Any) -> str:
+    """What was evaluated, for the report and the judge cache key."""
+    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+
+
+def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
+    """The model to evaluate, on its device, in eval mode, with the KV cache on."""
+    import torch
+
+    from rolemrc.models.loading import load_model
+
+    if cfg.generation.cpu_threads:
+        torch.set_num_threads(cfg.generation.cpu_threads)
+    torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
+    model = load_model(cfg.model, tokenizer)
+    model.config.use_cache = True  # load_model turns it off for training; generation needs it
+    return model.to(_device(cfg.generation.device)).eval()
+
+
+def restraint_hook(spec: str) -> Restraint:
+    """``restraint=<spec>`` -> a function giving the context manager active while generating."""
+    try:
+        from rolemrc.probing.restraint import load_restraint
+    except ImportError as err:
+        raise ImportError(
+            f"restraint={spec!r} needs rolemrc.probing.restraint (neuron restraint), which could not be "
+            f"imported: {err}"
+        ) from err
+    return lambda model: load_restraint(spec, model)
+
+
+def prepare_generation(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
+                       chat: Any) -> tuple[list[GenItem], list[int]]:
+    """Prompt ids and stop tokens; refuses to resume into a folder made with other settings."""
+    gen_items = [GenItem(i, it.task, chat.encode_prompt(it.question)) for i, it in zip(ids, items, strict=True)]
+    stops = stop_token_ids(tokenizer, chat.eot)
+    check_settings(cfg.out_dir, {
+        "model": model_label(cfg),
+        "tokenizer": cfg.model.tokenizer,
+        "chat_template": cfg.model.chat_template,
+        "dtype": cfg.model.dtype,
+        "backend": cfg.generation.backend,
+        "max_new_tokens": cfg.generation.max_new_tokens,
+        "restraint": cfg.restraint,
+        "stop_ids": stops,
+    })
+    return gen_items, stops
+
+
+def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+             model: Any | None) -> GenerationRun:
+    """Replies for every item, resuming from ``<out_dir>/generations.jsonl``."""
+    g = cfg.generation
+    if g.backend == "hf":
+        return generate_hf(
+            model, tokenizer, gen_items, cfg.out_dir,
+            stop_ids=stops,
+            batch_size=g.batch_size,
+            max_new_tokens=g.max_new_tokens,
+            progress=g.progress,
+            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
+        )
+    return generate_vllm(
+        cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
+        stop_ids=stops,
+        max_new_tokens=g.max_new_tokens,
+        max_model_len=g.max_model_len,
+        seed=cfg.seed,
+        llm_kwargs=_plain(g.vllm_kwargs),
+    )
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value or {})

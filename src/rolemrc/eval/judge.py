@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary
 from rolemrc.config import JudgeConfig
+from rolemrc.errors import UserError
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
 
 log = logging.getLogger(__name__)
@@ -541,6 +542,11 @@ class HFBackend:
 # ---------------------------------------------------------------- config + factory
 
 JUDGE_BACKENDS = ("none", "hf", "openai")
+
+
+class JudgeIncomplete(UserError, RuntimeError):
+    """The judge could not obtain every verdict (server down, budget spent): the report is
+    written with what was obtained, and a rerun asks only for the rest."""
 
 
 def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:

@@ -152,3 +152,18 @@ def write_report(
         encoding="utf-8",
     )
     return paths
+
+
+def log_to_loggers(cfg: Any, scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
+    """Scalars to every configured logger; the samples table to those that take tables (W&B)."""
+    if not cfg.logger:
+        return
+    from rolemrc.build import build_loggers
+
+    for lg in build_loggers(cfg):
+        lg.log_metrics(dict(scalars), step=0)
+        if hasattr(lg, "log_table"):
+            lg.log_table(key="samples", columns=columns, data=rows)
+        lg.finalize("success")
+        if type(lg).__name__ == "WandbLogger":
+            lg.experiment.finish()  # flush now: tests and sweeps run several evaluations per process

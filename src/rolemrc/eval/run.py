@@ -20,7 +20,14 @@ from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.errors import UserError
+from rolemrc.eval.judge import JudgeIncomplete
+from rolemrc.eval.report import log_to_loggers  # noqa: F401 - re-exported
 from rolemrc.eval.generation import (
+    generate,
+    prepare_generation,
+    restraint_hook,
+    load_eval_model,
+    model_label,
     GenerationRun,
     GenItem,
     Restraint,
@@ -37,88 +44,7 @@ log = logging.getLogger(__name__)
 
 
 
-# ---------------------------------------------------------------- test items
-
-
 # ---------------------------------------------------------------- model + generation
-
-
-def _device(name: str | None) -> str:
-    import torch
-
-    return name or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def model_label(cfg: DictConfig) -> str:
-    """What was evaluated, for the report and the judge cache key."""
-    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
-
-
-def load_eval_model(cfg: DictConfig, tokenizer: Any) -> Any:
-    """The model to evaluate, on its device, in eval mode, with the KV cache on."""
-    import torch
-
-    from rolemrc.models.loading import load_model
-
-    if cfg.generation.cpu_threads:
-        torch.set_num_threads(cfg.generation.cpu_threads)
-    torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
-    model = load_model(cfg.model, tokenizer)
-    model.config.use_cache = True  # load_model turns it off for training; generation needs it
-    return model.to(_device(cfg.generation.device)).eval()
-
-
-def restraint_hook(spec: str) -> Restraint:
-    """``restraint=<spec>`` -> a function giving the context manager active while generating."""
-    try:
-        from rolemrc.probing.restraint import load_restraint
-    except ImportError as err:
-        raise ImportError(
-            f"restraint={spec!r} needs rolemrc.probing.restraint (neuron restraint), which could not be "
-            f"imported: {err}"
-        ) from err
-    return lambda model: load_restraint(spec, model)
-
-
-def prepare_generation(cfg: DictConfig, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
-                       chat: Any) -> tuple[list[GenItem], list[int]]:
-    """Prompt ids and stop tokens; refuses to resume into a folder made with other settings."""
-    gen_items = [GenItem(i, it.task, chat.encode_prompt(it.question)) for i, it in zip(ids, items, strict=True)]
-    stops = stop_token_ids(tokenizer, chat.eot)
-    check_settings(cfg.out_dir, {
-        "model": model_label(cfg),
-        "tokenizer": cfg.model.tokenizer,
-        "chat_template": cfg.model.chat_template,
-        "dtype": cfg.model.dtype,
-        "backend": cfg.generation.backend,
-        "max_new_tokens": cfg.generation.max_new_tokens,
-        "restraint": cfg.restraint,
-        "stop_ids": stops,
-    })
-    return gen_items, stops
-
-
-def generate(cfg: DictConfig, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
-             model: Any | None) -> GenerationRun:
-    """Replies for every item, resuming from ``<out_dir>/generations.jsonl``."""
-    g = cfg.generation
-    if g.backend == "hf":
-        return generate_hf(
-            model, tokenizer, gen_items, cfg.out_dir,
-            stop_ids=stops,
-            batch_size=g.batch_size,
-            max_new_tokens=g.max_new_tokens,
-            progress=g.progress,
-            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
-        )
-    return generate_vllm(
-        cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
-        stop_ids=stops,
-        max_new_tokens=g.max_new_tokens,
-        max_model_len=g.max_model_len,
-        seed=cfg.seed,
-        llm_kwargs=OmegaConf.to_container(g.vllm_kwargs, resolve=True),
-    )
 
 
 # ---------------------------------------------------------------- metrics + judge
@@ -151,11 +77,6 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
     )
 
 
-class JudgeIncomplete(UserError, RuntimeError):
-    """The judge could not obtain every verdict (server down, budget spent): the report is
-    written with what was obtained, and a rerun asks only for the rest."""
-
-
 def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
     """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
     from dataclasses import replace
@@ -170,21 +91,6 @@ def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
 
 
 # ---------------------------------------------------------------- loggers
-
-
-def log_to_loggers(cfg: DictConfig, scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
-    """Scalars to every configured logger; the samples table to those that take tables (W&B)."""
-    if not cfg.logger:
-        return
-    from rolemrc.build import build_loggers
-
-    for lg in build_loggers(cfg):
-        lg.log_metrics(dict(scalars), step=0)
-        if hasattr(lg, "log_table"):
-            lg.log_table(key="samples", columns=columns, data=rows)
-        lg.finalize("success")
-        if type(lg).__name__ == "WandbLogger":
-            lg.experiment.finish()  # flush now: tests and sweeps run several evaluations per process
 
 
 def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, float]:

@@ -61,7 +61,7 @@ class ModelContext:
     @property
     def model(self) -> Any:
         if self._model is None and self.cfg.generation.backend == "hf":
-            from rolemrc.eval.run import load_eval_model
+            from rolemrc.eval.generation import load_eval_model
 
             self._model = load_eval_model(self.cfg, self.tokenizer)
         return self._model
@@ -69,7 +69,7 @@ class ModelContext:
     def generate(self, sub_dir: str, items: Sequence[TestItem]) -> list[str]:
         """Greedy replies to ``items`` (their ``question`` messages), resuming from
         ``<out_dir>/<sub_dir>/generations.jsonl``."""
-        from rolemrc.eval.run import generate, prepare_generation
+        from rolemrc.eval.generation import generate, prepare_generation
 
         sub = copy.deepcopy(self.cfg)
         with open_dict(sub):
@@ -87,7 +87,8 @@ class ModelContext:
 def run_suites(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
     from rolemrc.eval.report import write_report
-    from rolemrc.eval.run import log_to_loggers, model_label
+    from rolemrc.eval.generation import model_label
+    from rolemrc.eval.report import log_to_loggers
     from rolemrc.models.source import resolve_model_sources
 
     cfg, resolved = resolve_model_sources(cfg, "compare.path")
@@ -146,7 +147,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     log_to_loggers(cfg, scalars, [[k, v] for k, v in scalars.items()], ["metric", "value"])
     print(f"evaluation summary: {paths['summary.md']}")
     if incomplete:
-        from rolemrc.eval.run import JudgeIncomplete
+        from rolemrc.eval.judge import JudgeIncomplete
 
         raise JudgeIncomplete("; ".join(incomplete) + f"; the report in {out_dir} holds what was obtained; rerun the "
                               "same command to ask only for the rest")

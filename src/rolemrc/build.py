@@ -97,13 +97,8 @@ def build_callbacks(cfg: Any) -> list[Any]:
 
 def trainer_args(cfg: Any) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments."""
-    try:
-        from rolemrc.config import lightning_trainer_args
-    except ImportError:  # older config module: runtime keys still live under trainer
-        t = OmegaConf.to_container(cfg.trainer, resolve=True)
-        for key in ("matmul_precision", "checkpoint_every_n_steps", "device_memory_gb"):
-            t.pop(key, None)
-        return {k: v for k, v in t.items() if v is not None}
+    from rolemrc.config import lightning_trainer_args
+
     return lightning_trainer_args(cfg)
 
 

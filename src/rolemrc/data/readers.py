@@ -19,7 +19,6 @@ from typing import Any
 
 from rolemrc.data.roles import rolebench_parser
 from rolemrc.data.schemas import PARSERS, DataError, RecordError
-
 from rolemrc.errors import InputNotFound
 
 log = logging.getLogger(__name__)

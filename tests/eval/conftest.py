@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tests.fake_openai import FakeOpenAI, Request
 
@@ -69,3 +70,12 @@ def judge_server(judge_key_env: tuple[str, str]) -> Iterator[JudgeServer]:
 def openai_server(judge_server: JudgeServer) -> tuple[str, JudgeServer]:
     """(base_url, server) of a fresh judge server on 127.0.0.1 (random free port)."""
     return judge_server.base_url, judge_server
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Generation-heavy tests on one torch thread (the 2-core machines run other processes)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,12 +20,7 @@ FAST = ["data=characterllm_sample", "generation.max_new_tokens=4", "generation.p
 SCORES = {"Memorization": "SCORE: 6", "Values": "SCORE: 3", "Hallucination": "**SCORE: 7**", "Stability": "SCORE: 5"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_parse_score_is_strict() -> None:

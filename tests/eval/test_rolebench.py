@@ -29,12 +29,7 @@ FAST = ["generation.max_new_tokens=8", "generation.progress=false", "generation.
 RB = Path(asset("sample/rolebench"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- RoCIT

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from rolemrc.eval.characterllm import CRITERIA, parse_score
 from rolemrc.eval.run import JudgeIncomplete, run

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from rouge_score import rouge_scorer
 
 from rolemrc import asset

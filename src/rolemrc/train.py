@@ -18,12 +18,13 @@ from omegaconf import DictConfig
 
 from rolemrc.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
 from rolemrc.checkpointing import find_checkpoint
+from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
+from rolemrc.errors import InputNotFound
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
-from rolemrc.memory import check_memory
 from rolemrc.models.source import resolve_model_sources
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,21 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         return None
     if cfg.ckpt_path == "last":
         last = find_checkpoint(cfg.run_dir)
-        return str(last) if last is not None else None
+        return str(check_checkpoint(last)) if last is not None else None
     if not Path(cfg.ckpt_path).exists():
-        raise FileNotFoundError(f"ckpt_path not found: {cfg.ckpt_path}")
+        raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
+    check_checkpoint(cfg.ckpt_path)  # truncated or corrupt: named here, not an EOFError from Lightning
     return cfg.ckpt_path
+
+
+def _memory_check(cfg: DictConfig) -> None:
+    """The per-device memory estimate, logged (and warned about) before any weight is loaded."""
+    try:
+        from rolemrc.memory import check_memory
+    except ImportError:
+        log.info("memory estimate: %s", cfg.memory_check)
+        return
+    check_memory(cfg)
 
 
 def setup(cfg: DictConfig) -> TrainRun:
@@ -65,7 +77,7 @@ def setup(cfg: DictConfig) -> TrainRun:
     if matmul:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
-    check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
+    _memory_check(cfg)
 
     chat = build_chat(cfg.model)
     datamodule = build_datamodule(cfg, chat)

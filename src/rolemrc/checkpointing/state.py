@@ -17,8 +17,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The policy weights stored in a Lightning checkpoint: a single ``.ckpt`` file or a
-    distributed (DCP) folder, read on one process without a process group."""
-    path = Path(path)
+    distributed (DCP) folder, read on one process without a process group. A truncated or
+    corrupt one is a :class:`~rolemrc.errors.CheckpointError` naming it (checked first, cheaply)."""
+    from rolemrc.checkpointing.verify import check_checkpoint
+
+    path = check_checkpoint(path)
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
 

@@ -1,8 +1,9 @@
 """What ``model.path`` names, turned into something transformers loads.
 
 ``model.path`` (and ``compare.path``) may be a hub id, an HF folder, or anything this framework
-wrote: a run folder, a ``.ckpt`` file, a sharded (DCP) checkpoint folder. Checkpoints are
-exported once (LoRA merged) next to their run and reused while unchanged.
+wrote: a run folder, a ``.ckpt`` file, a sharded (DCP) checkpoint folder, an adapter-only LoRA
+export. Checkpoints are exported once (LoRA merged) next to their run and reused while
+unchanged; an adapter is merged once into the base its ``adapter_config.json`` names.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
+from rolemrc.checkpointing.verify import check_checkpoint
+from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
+from rolemrc.errors import InputNotFound
 from rolemrc.fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -34,21 +38,26 @@ def hf_model_path(path: str | None) -> str | None:
     ``<run>/exports/<checkpoint name>`` (or, where the run folder is not writable, under
     ``$ROLEMRC_CACHE_DIR`` = ``~/.cache/rolemrc``) and that folder is returned; later calls reuse it while
     the checkpoint is unchanged (``last.ckpt`` rewritten: exported again). A run folder stands
-    for its final ``export/``, or for its newest checkpoint when it has none. Anything else (an
-    HF folder, a hub id, None) is returned as it is. Safe to call from every rank at once.
+    for its final ``export/``, or for its newest checkpoint when it has none. An adapter-only LoRA
+    export (``adapter_config.json``, no ``config.json``) stands for its merge with its base model
+    (:func:`rolemrc.models.adapters.merged_adapter_path`). Anything else (an HF folder, a hub id,
+    None) is returned as it is. Safe to call from every rank at once.
     """
     if path is None or not Path(path).expanduser().exists():
         return path
     source = Path(path).expanduser().resolve()
+    if is_adapter_folder(source):
+        return merged_adapter_path(source)
     if (source / ".hydra" / "config.yaml").is_file() and not is_training_checkpoint(source):
         if (source / "export" / "config.json").is_file():
             return str(source / "export")
         newest = find_checkpoint(source)
         if newest is None:
-            raise FileNotFoundError(f"run folder {source} has neither export/ nor a checkpoint")
+            raise InputNotFound(f"run folder {source} has neither export/ nor a checkpoint")
         source = newest.resolve()
     if not is_training_checkpoint(source):
         return path
+    check_checkpoint(source)  # truncated or corrupt: named before anything else is looked at
     from filelock import FileLock
     from omegaconf import OmegaConf
 

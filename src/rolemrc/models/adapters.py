@@ -1,0 +1,116 @@
+"""Adapter-only LoRA exports (``adapter_config.json`` + ``adapter_model.safetensors``, no
+``config.json``) as ``model.path``: the adapter is loaded through peft onto the base model its
+``adapter_config.json`` names (``base_model_name_or_path``, which rolemrc's exports always
+write), merged, and saved once as a plain HF folder that everything else loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rolemrc.errors import ModelSourceError
+from rolemrc.fileio import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    """A PEFT adapter export: ``adapter_config.json`` and no ``config.json`` of a full model."""
+    path = Path(path)
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+
+
+def adapter_base(adapter: str | Path) -> str:
+    """The base model an adapter export was trained on (a hub id or a folder), checked."""
+    adapter = Path(adapter)
+    config_file = adapter / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ModelSourceError(f"{config_file}: unreadable ({type(err).__name__}: {err})") from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base:
+        raise ModelSourceError(
+            f"{adapter} is an adapter-only LoRA export whose {ADAPTER_CONFIG} names no base model "
+            "(base_model_name_or_path is null): export the run merged (python export.py <checkpoint> --merge), "
+            "or write the base model's hub id or folder into base_model_name_or_path")
+    local = Path(base).expanduser()
+    if not local.exists() and (base.startswith((".", "/", "~")) or base.count("/") > 1):
+        raise ModelSourceError(f"{config_file}: base_model_name_or_path={base}: no such folder")
+    if not (adapter / "adapter_model.safetensors").is_file() and not (adapter / "adapter_model.bin").is_file():
+        raise ModelSourceError(f"{adapter}: {ADAPTER_CONFIG} without adapter_model.safetensors")
+    return str(local.resolve()) if local.exists() else base
+
+
+def _signature(adapter: Path, base: str) -> dict[str, object]:
+    weights = adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        weights = adapter / "adapter_model.bin"
+    stat = weights.stat()
+    return {"adapter": str(adapter), "base": base, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _merged_dir(adapter: Path) -> Path:
+    """``<adapter>/merged``, or a per-user cache folder where the adapter's folder is read-only."""
+    try:
+        tempfile.TemporaryFile(dir=adapter).close()
+        return adapter / "merged"
+    except OSError as err:
+        cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc")
+        digest = hashlib.sha1(str(adapter).encode()).hexdigest()[:12]
+        out = cache / "exports" / f"{digest}-{adapter.name}-merged"
+        log.warning("cannot write in %s (%s): merging its adapter into %s", adapter, err, out)
+        return out
+
+
+def merged_adapter_path(adapter: str | Path) -> str:
+    """A plain HF folder holding ``adapter`` merged into its base model: written once (under a
+    file lock, into ``<out>.partial`` then renamed) and reused while the adapter is unchanged."""
+    from filelock import FileLock
+
+    adapter = Path(adapter).expanduser().resolve()
+    base = adapter_base(adapter)
+    out = _merged_dir(adapter)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    marker = out / "rolemrc_source.json"
+    with FileLock(str(out) + ".lock"):
+        signature = _signature(adapter, base)
+        if marker.is_file() and json.loads(marker.read_text()) == signature:
+            log.info("model.path %s: using its merge with %s in %s", adapter, base, out)
+            return str(out)
+        log.info("model.path %s: merging the adapter into its base %s, once, into %s", adapter, base, out)
+        _merge(adapter, base, out)
+        atomic_write_json(marker, signature, indent=None)
+    return str(out)
+
+
+def _merge(adapter: Path, base: str, out: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto", trust_remote_code=False)
+    except OSError as err:
+        raise ModelSourceError(f"{adapter / ADAPTER_CONFIG}: its base model {base} cannot be loaded "
+                               f"({str(err).splitlines()[0]})") from None
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    has_tokenizer = any((adapter / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter) if has_tokenizer else base, trust_remote_code=False)
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    merged.config.use_cache = True
+    merged.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)

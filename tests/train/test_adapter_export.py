@@ -1,0 +1,117 @@
+"""LoRA adapter exports name their base model (``peft.AutoPeftModelForCausalLM`` loads them),
+export.py can force a merged export of a LoRA run, and an adapter-only export given as
+``model.path`` is loaded through peft on its base (or refused in one line when it names none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rolemrc.errors import ModelSourceError
+from rolemrc.models.export import export_state
+from rolemrc.models.loading import load_model, load_tokenizer
+from rolemrc.models.source import hf_model_path
+from tests.conftest import ROOT, compose_train
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+       "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+IDS = torch.tensor([[1, 5, 9, 20, 33, 7, 2, 40]])
+
+
+def python(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits.float()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model saved to a folder: the base a LoRA run starts from."""
+    cfg = compose_train([])
+    torch.manual_seed(0)
+    model = load_model(cfg.model, load_tokenizer(cfg.model))
+    return export_state(cfg, model.state_dict(), tmp_path_factory.mktemp("base") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def lora_run(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step LoRA run on ``base`` exporting the adapter alone."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    done = python("train.py", f"model.path={base}", "model.peft.enabled=true", "model.peft.r=4",
+                  "model.peft.merge_on_export=false", "trainer.accelerator=cpu", "data.max_length=96",
+                  "data.val_fraction=0", "trainer.enable_progress_bar=false", "logger=csv", "optim.lr=2e-2",
+                  "optim.warmup_ratio=0", "trainer.max_steps=3", "runtime.checkpoint_every_n_steps=3",
+                  f"hydra.run.dir={run}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "export" / "adapter_config.json").is_file() and not (run / "export" / "config.json").exists()
+    return run
+
+
+def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path, tmp_path: Path) -> None:
+    from peft import AutoPeftModelForCausalLM
+
+    export = lora_run / "export"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    with_adapter = logits(AutoPeftModelForCausalLM.from_pretrained(str(export)))
+
+    merged = tmp_path / "merged"  # export.py --merge: merged although the run said merge_on_export=false
+    done = python("export.py", str(lora_run / "checkpoints" / "last.ckpt"), "--out", str(merged), "--merge")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
+    from_merged = logits(AutoModelForCausalLM.from_pretrained(merged))
+    torch.testing.assert_close(with_adapter, from_merged, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(from_merged, logits(AutoModelForCausalLM.from_pretrained(base)), atol=1e-4)
+
+
+def test_a_random_init_adapter_carries_its_base(tmp_path: Path) -> None:
+    from peft import AutoPeftModelForCausalLM
+
+    cfg = compose_train(["model.peft.enabled=true", "model.peft.r=4"])
+    torch.manual_seed(0)
+    model = load_model(cfg.model, load_tokenizer(cfg.model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)  # a trained-looking adapter (B starts at zero)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    adapter = export_state(cfg, state, tmp_path / "adapter", merge_lora=False)
+    merged = export_state(cfg, state, tmp_path / "merged", merge_lora=True)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((adapter / "base_model").resolve())
+    assert (adapter / "base_model" / "config.json").is_file()
+    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(str(adapter))),
+                               logits(AutoModelForCausalLM.from_pretrained(merged)), atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_export_as_model_path(lora_run: Path, tmp_path: Path) -> None:
+    export = lora_run / "export"
+    out = tmp_path / "eval"
+    done = python("evaluate.py", f"model.path={export}", "limit=1", "generation.max_new_tokens=2",
+                  "generation.progress=false", "metrics.names=[bleu]", f"out_dir={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 1
+    merged = export / "merged"  # merged once through peft on its base, reused after
+    assert (merged / "model.safetensors").is_file() and (merged / "rolemrc_source.json").is_file()
+
+    nameless = tmp_path / "nameless"  # an adapter export that does not say its base (peft <= 0.21 from elsewhere)
+    shutil.copytree(export, nameless, ignore=shutil.ignore_patterns("merged"))
+    config = json.loads((nameless / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = None
+    (nameless / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelSourceError) as err:  # a UserError: entry scripts print it as one "error:" line
+        hf_model_path(str(nameless))
+    assert str(err.value).startswith(f"{nameless} is an adapter-only LoRA export whose adapter_config.json "
+                                     "names no base model"), str(err.value)

@@ -25,6 +25,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import InputNotFound
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
+from rolemrc.memory import check_memory
 from rolemrc.models.source import resolve_model_sources
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,6 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return cfg.ckpt_path
 
 
-def _memory_check(cfg: DictConfig) -> None:
-    """The per-device memory estimate, logged (and warned about) before any weight is loaded."""
-    try:
-        from rolemrc.memory import check_memory
-    except ImportError:
-        log.info("memory estimate: %s", cfg.memory_check)
-        return
-    check_memory(cfg)
-
-
 def setup(cfg: DictConfig) -> TrainRun:
     """Check the config, then build the parts in pipeline order. Impossible combinations
     (strategy vs quantization, precision vs dtype, lengths) fail here, before weights load."""
@@ -77,7 +68,7 @@ def setup(cfg: DictConfig) -> TrainRun:
     if matmul:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
-    _memory_check(cfg)
+    check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
 
     chat = build_chat(cfg.model)
     datamodule = build_datamodule(cfg, chat)

@@ -47,6 +47,7 @@ class ModelConfig:
     # trainer.precision is bf16-true/16-true (rolemrc.models.precision).
     dtype: str = "float32"
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    kernels: str = "none"  # none | liger (GPU + liger-kernel: fused RMSNorm/RoPE/SwiGLU + linear cross-entropy)
     gradient_checkpointing: bool = False
     chat_template: Optional[str] = None  # override: llama3 | chatml | path to .jinja
     eot_token: Optional[str] = None  # override the detected end-of-turn marker

@@ -58,6 +58,10 @@ def check_model_cfg(cfg: Any) -> None:
         raise ValueError("4-bit quantization needs pretrained weights (model.path)")
     check_source(cfg.path, "model.path")
     check_source(cfg.tokenizer, "model.tokenizer")
+    if getattr(cfg, "kernels", "none") != "none":
+        from rolemrc.models.kernels import check_kernels
+
+        check_kernels(cfg.kernels)
 
 
 def load_tokenizer(cfg: Any) -> Any:
@@ -159,6 +163,10 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
             ),
         )
     install_logprob_head(model)
+    if getattr(cfg, "kernels", "none") != "none":  # optional GPU kernels (rolemrc.models.kernels), imported lazily
+        from rolemrc.models.kernels import apply_kernels
+
+        apply_kernels(model, cfg.kernels)
     return model
 
 

@@ -19,6 +19,7 @@ class LogprobHead(nn.Module):
         self.weight = weight  # the model's own parameter (shared with embed_tokens when tied)
         self.bias = bias
         self.chunk_size = chunk_size
+        self.kernel = "chunked"  # "liger": Liger's fused linear cross-entropy (model.kernels=liger, rolemrc.models.kernels)
 
     @property
     def in_features(self) -> int:
@@ -49,6 +50,11 @@ class LogprobHead(nn.Module):
         which sequence each position belongs to)."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
+        if self.kernel == "liger":
+            from rolemrc.models.kernels import liger_sequence_logprobs
+
+            return liger_sequence_logprobs(hidden, self.weight, labels, sequence_ids, bias=self.bias,
+                                           num_sequences=num_sequences)
         return sequence_logprobs(hidden, self.weight, labels, sequence_ids, self.chunk_size, bias=self.bias,
                                  num_sequences=num_sequences)
 

@@ -71,3 +71,19 @@ def test_a_missing_api_key_is_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and "ROLEMRC_TEST_UNSET_KEY" in last, last
+
+
+def test_synthesize_names_bad_input_in_one_line(tmp_path: Path) -> None:
+    """A personas file that yields no persona, and a config value out of range."""
+    personas = tmp_path / "personas.jsonl"
+    personas.write_text('{"persona": "x"}\n')  # too short to be a persona
+    runs = {
+        f"error: personas: no persona read from {personas} (": [
+            f"personas.path={personas}", "personas.source=file", "stages=[personas]"],
+        "error: synthesize config: assemble.test_fraction: must lie in [0, 1)": ["assemble.test_fraction=1.5"],
+    }
+    for want, args in runs.items():
+        done = subprocess.run([sys.executable, "synthesize.py", f"out_dir={tmp_path / 'out'}", "progress=false", *args],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(want), done.stderr[-3000:]

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from rolemrc.errors import ConfigError
+
 from rolemrc.synth.roleplay_config import ContextInstructConfig, RoleGPTConfig
 
 # The RoleMRC chain, in order; each stage reads the ones before it.
@@ -225,7 +227,7 @@ class SynthConfig:
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
-        raise ValueError(f"synthesize config: {key}: {msg}")
+        raise ConfigError(f"synthesize config: {key}: {msg}")
 
 
 def validate(cfg: SynthConfig) -> SynthConfig:

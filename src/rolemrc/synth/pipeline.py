@@ -34,6 +34,7 @@ from rolemrc.synth import dialogues as dlg
 from rolemrc.synth import profiles as prof
 from rolemrc.synth.assets import Assets
 from rolemrc.api import api_key
+from rolemrc.data.schemas import DataError
 from rolemrc.errors import UserError
 from rolemrc.synth.client import (
     BudgetExceeded,
@@ -176,7 +177,8 @@ def run_personas(ctx: Context) -> dict[str, Any]:
         _standin_note(ctx, "personas", f"personas.path={ctx.cfg.personas.path} (hub)", e)
         personas, stats = standin_personas(ctx.cfg.personas)
     if not personas:
-        raise RuntimeError(f"personas: no persona read from {ctx.cfg.personas.path}")
+        raise DataError(f"personas: no persona read from {ctx.cfg.personas.path} "
+                        f"({', '.join(f'{k}={v}' for k, v in stats.items())})")
     write_jsonl(ctx.stage("personas").file("personas.jsonl"), personas)
     return {"personas": len(personas), **stats}
 
@@ -247,7 +249,7 @@ def run_match(ctx: Context) -> dict[str, Any]:
         _standin_note(ctx, "MRC items", f"mrc.path={cfg.mrc.path} (hub)", e)
         pool, mstats = standin_mrc(cfg.mrc)
     if not any(m["answerable"] for m in pool):
-        raise RuntimeError(f"match: no answerable MRC item in {cfg.mrc.path} (is mrc.no_answer_marker right?)")
+        raise DataError(f"match: no answerable MRC item in {cfg.mrc.path} (is mrc.no_answer_marker right?)")
     d = ctx.stage("match")
     write_jsonl(d.file("mrc_pool.jsonl"), pool)
     ptexts = [dlg.load_profile(p).matching_text(cfg.match.profile_sections) for p in profiles]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.errors import InputNotFound, ModelSourceError
 from rolemrc.models.logprob_head import install_logprob_head
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def _naming(key: str, source: str) -> Iterator[None]:
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
             hint = (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
                     f"where there is network (`hf download {source}`) or point {key} at a local folder.")
-        raise OSError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
+        raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
 
 
 def plain(value: Any) -> Any:
@@ -47,7 +48,7 @@ def check_source(value: str | None, key: str) -> None:
     if value is None or Path(value).expanduser().exists():
         return
     if value.startswith((".", "/", "~")) or value.count("/") > 1:
-        raise FileNotFoundError(f"{key}={value}: no such folder (a hub id is written owner/name)")
+        raise InputNotFound(f"{key}={value}: no such folder (a hub id is written owner/name)")
 
 
 def check_model_cfg(cfg: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,11 @@ def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) 
         base = str(Path(base).expanduser().resolve())  # a folder: valid from any working directory
     for config in model.peft_config.values():
         config.base_model_name_or_path = base or str(out.resolve() / "base_model")
-    model.save_pretrained(partial, safe_serialization=True)
+    with warnings.catch_warnings():
+        # peft looks for the base's config to see whether the vocabulary changed; a random-init
+        # base is written just below (same vocabulary), so its warning would only mislead.
+        warnings.filterwarnings("ignore", message="Could not find a config file in .*base_model", category=UserWarning)
+        model.save_pretrained(partial, safe_serialization=True)
     if base is None:  # random init: the adapter means nothing without these very base weights
         model.unload().save_pretrained(partial / "base_model", safe_serialization=True)
 

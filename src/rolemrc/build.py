@@ -56,11 +56,13 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     from rolemrc.models.precision import precision_policy
 
     policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
-    sharding = cfg.strategy if cfg.strategy.name == "fsdp" else None
+    # Typed settings (the schema dataclasses), not config nodes: modules never see the whole config.
+    objective, optim = _typed(cfg.objective), _typed(cfg.optim)
+    sharding = _typed(cfg.strategy) if cfg.strategy.name == "fsdp" else None
     if cfg.objective.name == "sft":
         from rolemrc.modules.sft import SFTModule
 
-        return SFTModule(model, cfg.objective, cfg.optim, policy, sharding)
+        return SFTModule(model, objective, optim, policy, sharding)
     if cfg.objective.name == "dpo":
         from rolemrc.modules.dpo import DPOModule
         from rolemrc.modules.reference import make_reference
@@ -68,8 +70,16 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
         if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
-        return DPOModule(model, cfg.objective, cfg.optim, policy, make_reference(model, cfg), sharding)
+        return DPOModule(model, objective, optim, policy, make_reference(model, cfg), sharding)
     raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
+
+
+def _typed(node: Any) -> Any:
+    """A structured config node as its dataclass (``OmegaConf.to_object``); a node without a
+    schema (a user's own objective file) stays as it is."""
+    from rolemrc.config import typed
+
+    return typed(node) if OmegaConf.get_type(node) not in (None, dict) else node
 
 
 def build_loggers(cfg: Any) -> list[Any]:

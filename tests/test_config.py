@@ -227,9 +227,9 @@ def test_one_activation_checkpointing_switch(caplog) -> None:
         assert cfg.model.gradient_checkpointing is value and cfg.strategy.activation_checkpointing is None
         assert "strategy.activation_checkpointing is deprecated" in caplog.text
         assert "model.gradient_checkpointing" in caplog.text
-    # The recipes switch it on through the one key.
+    # The recipes leave it to the memory estimate through the one key (rolemrc.memory.choose_checkpointing).
     for experiment in EXPERIMENTS:
-        assert compose_train([f"experiment={experiment}", "model.path=/x"]).model.gradient_checkpointing is True
+        assert compose_train([f"experiment={experiment}", "model.path=/x"]).model.gradient_checkpointing == "auto"
 
 
 def test_removed_key_is_named_not_ignored(caplog) -> None:

@@ -7,7 +7,10 @@ import sys
 
 from omegaconf import OmegaConf
 
-from rolemrc.memory import KNOWN, Arch, arch_of, check, check_memory
+import pytest
+
+from rolemrc.errors import ConfigError
+from rolemrc.memory import KNOWN, Arch, arch_of, check, check_memory, choose_checkpointing
 from tests.conftest import ROOT, compose_train
 
 
@@ -62,3 +65,22 @@ def test_cli_prints_the_estimate_of_a_config_and_the_table() -> None:
     assert table.returncode == 0 and table.stdout.startswith("| run | GPUs |") and "| SFT 8B full | 4 | yes | no | 46 |" in table.stdout
     bad = cli("objective=sft", "objective.beta=0.1")
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "beta" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_auto_checkpointing_follows_the_estimate() -> None:
+    """model.gradient_checkpointing=auto (the recipes' and model=llama/qwen's value): on where the
+    estimate without it exceeds 90% of the device, off where it fits; true/false are taken as set."""
+    recipe = compose_train(["experiment=rolemrc_llama_sft"])
+    assert recipe.model.gradient_checkpointing == "auto"
+    on, why = choose_checkpointing(recipe)
+    assert on is True and why.startswith("auto: on") and "80 GB" in why
+    assert "activation checkpointing on" in check(recipe) and not check(recipe).startswith("WARNING")
+    roomy = compose_train(["experiment=rolemrc_llama_sft", "runtime.device_memory_gb=100000"])
+    assert choose_checkpointing(roomy)[0] is False and "activation checkpointing off" in check(roomy)
+    assert choose_checkpointing(compose_train(["model.gradient_checkpointing=auto"]))[0] is False  # tiny fits
+    forced = compose_train(["model.gradient_checkpointing=true"])
+    assert choose_checkpointing(forced) == (True, "set by model.gradient_checkpointing")
+    unknown = compose_train(["experiment=rolemrc_llama_dpo", "model.path=/nowhere"])  # no dimensions offline
+    assert choose_checkpointing(unknown)[0] is True
+    with pytest.raises(ConfigError, match="must be true, false or auto, got 'maybe'"):
+        choose_checkpointing(compose_train(["model.gradient_checkpointing=maybe"]))

@@ -48,7 +48,9 @@ class ModelConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
     kernels: str = "none"  # none | liger (GPU + liger-kernel: fused RMSNorm/RoPE/SwiGLU + linear cross-entropy)
-    gradient_checkpointing: bool = False
+    # true | false | auto (off when the memory estimate without it fits runtime.device_memory_gb;
+    # rolemrc.memory.choose_checkpointing). The one activation-checkpointing switch.
+    gradient_checkpointing: Any = False
     chat_template: Optional[str] = None  # override: llama3 | chatml | path to .jinja
     eot_token: Optional[str] = None  # override the detected end-of-turn marker
     trust_remote_code: bool = False
@@ -294,12 +296,22 @@ def typed(node: Any) -> Any:
     return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
 
+def checkpointing_setting(value: Any) -> bool | str:
+    """``model.gradient_checkpointing`` checked: True, False or "auto"."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    from rolemrc.errors import ConfigError
+
+    raise ConfigError(f"model.gradient_checkpointing must be true, false or auto, got {value!r}")
+
+
 def check_train_config(cfg: Any) -> None:
     """Deprecated keys mapped onto current ones (:func:`upgrade_train_config`), then combinations
     of keys no run can satisfy refused before anything loads (``train.py``'s setup calls it first)."""
     from rolemrc.errors import ConfigError
 
     upgrade_train_config(cfg)
+    checkpointing_setting(cfg.model.gradient_checkpointing)
     if cfg.objective.name not in OBJECTIVE_SCHEMAS:
         raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
     schema = OBJECTIVE_SCHEMAS[cfg.objective.name]

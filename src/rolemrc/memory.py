@@ -97,6 +97,42 @@ def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, ch
     return (weights + states + transient + reference + acts + lm_head_chunk) / GB
 
 
+def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, int]:
+    """(GB per device, devices, tokens per micro-batch) of the configured run."""
+    dpo = cfg.objective.name == "dpo"
+    tokens = cfg.data.batch_size * cfg.data.max_length * (2 if dpo else 1)
+    gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
+    fsdp = cfg.strategy.name == "fsdp"
+    gb = estimate_gb(
+        arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens, checkpointing=checkpointing,
+        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=dpo and cfg.objective.reference == "copy",
+        lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
+        qlora=cfg.model.quantization.load_in_4bit,
+    )
+    return gb, gpus, tokens
+
+
+def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool, str]:
+    """``model.gradient_checkpointing`` as a bool, and why. ``true``/``false`` are taken as set;
+    ``auto`` turns activation checkpointing off when the estimate without it fits 90% of a
+    ``device_gb`` device (default ``runtime.device_memory_gb``): recomputing every layer's forward
+    costs ~30% more compute, worth paying only where memory needs it. Without the model's
+    dimensions (a hub id offline) ``auto`` keeps it on."""
+    from rolemrc.config import checkpointing_setting
+
+    value = checkpointing_setting(cfg.model.gradient_checkpointing)
+    if value != "auto":
+        return bool(value), "set by model.gradient_checkpointing"
+    device_gb = device_gb or cfg.runtime.device_memory_gb
+    arch = arch_of(cfg.model)
+    if arch is None:
+        return True, "auto: on (model dimensions not available offline, so memory cannot be estimated)"
+    gb, _, _ = _estimate(cfg, arch, checkpointing=False)
+    if gb <= 0.9 * device_gb:
+        return False, f"auto: off (~{gb:.1f} GB per device without it fits {device_gb:.0f} GB devices)"
+    return True, f"auto: on (~{gb:.1f} GB per device without it exceeds 90% of {device_gb:.0f} GB devices)"
+
+
 def check(cfg: Any, device_gb: float | None = None) -> str:
     """One line saying whether the configured run fits a ``device_gb`` GPU (default
     ``runtime.device_memory_gb``); warns if not."""
@@ -104,19 +140,11 @@ def check(cfg: Any, device_gb: float | None = None) -> str:
     arch = arch_of(cfg.model)
     if arch is None:
         return "unknown (model dimensions not available offline)"
-    dpo = cfg.objective.name == "dpo"
-    tokens = cfg.data.batch_size * cfg.data.max_length * (2 if dpo else 1)
-    gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
-    fsdp = cfg.strategy.name == "fsdp"
-    gb = estimate_gb(
-        arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens,
-        checkpointing=cfg.model.gradient_checkpointing,
-        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=dpo and cfg.objective.reference == "copy",
-        lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
-        qlora=cfg.model.quantization.load_in_4bit,
-    )
+    checkpointing, _ = choose_checkpointing(cfg, device_gb)
+    gb, gpus, tokens = _estimate(cfg, arch, checkpointing)
     size = f"{arch.params / 1e9:.2f}B" if arch.params >= 1e9 else f"{arch.params / 1e6:.2f}M"
-    line = f"~{gb:.1f} GB per device ({size} params, {gpus} device(s), {tokens} tokens/micro-batch)"
+    line = (f"~{gb:.1f} GB per device ({size} params, {gpus} device(s), {tokens} tokens/micro-batch, "
+            f"activation checkpointing {'on' if checkpointing else 'off'})")
     if gb > 0.9 * device_gb:
         line = f"WARNING: {line} exceeds {device_gb:.0f} GB devices"
         log.warning("memory estimate: %s", line)
@@ -165,6 +193,18 @@ def check_memory(cfg: Any) -> str:
     if not line.startswith("WARNING"):
         log.info("memory estimate: %s", line)
     return line
+
+
+def resolve_checkpointing(cfg: Any) -> bool:
+    """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by the choice of
+    :func:`choose_checkpointing` (logged), so everything built after sees a bool."""
+    from omegaconf import open_dict
+
+    choice, why = choose_checkpointing(cfg)
+    log.info("activation checkpointing: %s, %s", "on" if choice else "off", why)
+    with open_dict(cfg):
+        cfg.model.gradient_checkpointing = choice
+    return choice
 
 
 def compose_train_config(overrides: list[str]) -> Any:

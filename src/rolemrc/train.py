@@ -25,7 +25,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import InputNotFound
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
-from rolemrc.memory import check_memory
+from rolemrc.memory import check_memory, resolve_checkpointing
 from rolemrc.models.source import resolve_model_sources
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ def setup(cfg: DictConfig) -> TrainRun:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
     check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
+    resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
 
     chat = build_chat(cfg.model)
     datamodule = build_datamodule(cfg, chat)

@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# One CUDA device (README, Performance). Runs with the interpreter given, e.g. on a GPU node
+# without this venv: make bench-gpu GPU_PYTHON=python3
+GPU_PYTHON ?= $(PY)
+bench-gpu:
+	PYTHONPATH=$(CURDIR)/src:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py
 
 clean:
 	rm -rf outputs multirun .pytest_cache

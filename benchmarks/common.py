@@ -1,6 +1,7 @@
-"""What every throughput benchmark shares: one random-init Llama-architecture model with a 128k
-vocabulary, synthetic RoleMRC-shaped data, the allocator settings, and step timers that measure
-rolemrc (Lightning) and TRL (transformers Trainer) the same way.
+"""What every throughput benchmark shares: a random-init Llama-architecture model (``MODELS``:
+the 8B-shaped proxy or the output-layer-heavy 128k-vocabulary model), synthetic RoleMRC-shaped
+data, the precision, the allocator settings, and step timers that measure rolemrc (Lightning) and
+TRL (transformers Trainer) the same way.
 
 Timing: wall clock between the ends of consecutive optimizer steps (data loading, forward,
 backward, optimizer all included), after ``warmup`` steps. Tokens: non-padding input tokens of
@@ -14,10 +15,11 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +28,70 @@ ROOT = Path(__file__).resolve().parents[1]
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736", "MALLOC_TOP_PAD_": "1073741824"}
 
 
+# The benchmark models (random init, Llama architecture, GQA 8/2 heads, hidden 512):
+# - proxy: Llama-3.1-8B's FLOP shares at a CPU-sized width: the output layer is ~8% of the
+#   weight FLOPs (4096 x 512 head vs 8 x 2.8M decoder weights; 8B: 525M of ~7.5B). What users train.
+# - head_heavy: vocabulary 128,256 with 4 layers: the 128k-wide output layer is ~85% of the weight
+#   FLOPs, so whoever computes it at every position pays most. The log-prob-memory case, labelled so.
+MODELS: dict[str, dict[str, Any]] = {
+    "proxy": {"vocab": 4096, "hidden": 512, "layers": 8, "intermediate": 1408, "heads": 8, "kv_heads": 2},
+    "head_heavy": {"vocab": 128256, "hidden": 512, "layers": 4, "intermediate": 1408, "heads": 8, "kv_heads": 2},
+    # benchmarks/gpu.py: Llama-3.2-1B / -3B layer shapes with the 128k vocabulary (untied head).
+    "llama_1b": {"vocab": 128256, "hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8},
+    "llama_3b": {"vocab": 128256, "hidden": 3072, "layers": 28, "intermediate": 8192, "heads": 24, "kv_heads": 8},
+}
+MODEL_LABELS = {"proxy": "8B-shaped proxy (vocab 4096, 8 layers: output layer ~8% of weight FLOPs, as in Llama-3.1-8B)",
+                "head_heavy": "output-layer-heavy (vocab 128,256, 4 layers: output layer ~85% of weight FLOPs)",
+                "llama_1b": "1.5B Llama (Llama-3.2-1B layers, vocab 128,256, untied head)",
+                "llama_3b": "3.6B Llama (Llama-3.2-3B layers, vocab 128,256, untied head)"}
+
+
 @dataclass
 class Spec:
     """Model, data and run sizes shared by all contenders (see run_all.py for the defaults used)."""
 
-    vocab: int = 128256
+    model: str = "proxy"
+    vocab: int = 4096
     hidden: int = 512
-    layers: int = 4
+    layers: int = 8
     intermediate: int = 1408
     heads: int = 8
     kv_heads: int = 2
+    # fp32 by default: this CPU has no native bf16 matmul (stack.md), so bf16-mixed measures the
+    # emulation, not the frameworks. Both sides always run the same precision.
+    precision: str = "fp32"  # fp32 | bf16
     n_sft: int = 96
     n_pairs: int = 48
-    prompt_tokens: tuple[int, int] = (1000, 2000)
-    reply_tokens: tuple[int, int] = (50, 80)
+    prompt_tokens: tuple[int, int] = (800, 1800)
+    reply_tokens: tuple[int, int] = (40, 80)
     sft_max_length: int = 4200  # the paper's SFT length (every row padded to it there)
     dpo_max_length: int = 3000  # the paper's DPO length, prompt cut to 3/4 of it
     dpo_max_prompt_length: int = 2250
-    # Per optimizer step, the same for every contender. TRL's default per-device batch is 8; half
-    # of it (a quarter for DPO, whose TRL steps cost ~60 s here) keeps `make bench` near 15 min.
-    sft_batch: int = 4  # conversations (ours: packed rows holding about as many)
+    # Per optimizer step, the same for every contender. TRL's default per-device batch is 8; smaller
+    # ones keep each contender's process to a few minutes on the shared 2-core machine.
+    sft_batch: int = 3  # conversations (ours, TRL packing: packed 4200-token rows holding about as many, ~2.9 each)
     dpo_batch: int = 2  # preference pairs
+    # Extra Hydra overrides for rolemrc's runs (benchmarks/gpu.py: strategy=fsdp, accelerator, ...).
+    ours_overrides: list[str] = field(default_factory=list)
     warmup: int = 1
     steps: int = 2
     seed: int = 0
+
+    @staticmethod
+    def for_model(model: str, **kwargs: Any) -> "Spec":
+        if model not in MODELS:
+            raise SystemExit(f"--model {model!r}: expected one of {', '.join(MODELS)}")
+        return Spec(model=model, **MODELS[model], **kwargs)
+
+    @property
+    def lightning_precision(self) -> str:
+        return {"fp32": "32-true", "bf16": "bf16-mixed"}[self.precision]
+
+    @property
+    def dpo_pairs_used(self) -> int:
+        """Pairs the timed DPO runs train on: exactly one pass, so a precomputed reference costs
+        what it would per pair in a real epoch (both sides precompute only these)."""
+        return (self.warmup + self.steps) * self.dpo_batch
 
     @staticmethod
     def load(work: Path) -> "Spec":
@@ -116,7 +158,10 @@ def prepare(work: Path, spec: Spec) -> dict[str, Any]:
         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir)
+    del model
     tok.save_pretrained(model_dir)
 
     rng = random.Random(spec.seed)
@@ -134,10 +179,12 @@ def prepare(work: Path, spec: Spec) -> dict[str, Any]:
             conv = prompt() + [{"role": "Assistant", "content": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}]
             fh.write(json.dumps({"conversations": conv}) + "\n")
     with (work / "pairs.jsonl").open("w") as fh:
-        for _ in range(spec.n_pairs):
+        for _ in range(max(spec.n_pairs, spec.dpo_pairs_used)):  # at least one pass of the timed runs
             fh.write(json.dumps({"prompt": prompt(),
                                  "chosen": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens)),
                                  "rejected": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}) + "\n")
+    used = (work / "pairs.jsonl").read_text().splitlines()[: spec.dpo_pairs_used]
+    (work / "pairs_used.jsonl").write_text("\n".join(used) + "\n")
     (work / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
@@ -146,13 +193,12 @@ def prepare(work: Path, spec: Spec) -> dict[str, Any]:
     lengths = [len(chat.encode_conversation(ex.messages).input_ids) for ex in sft]
     replies = [chat.encode_conversation(ex.messages).n_trained for ex in sft]
     pairs, _ = read_examples([_source(work / "pairs.jsonl")], "pairs", "raise", 0)
-    encoded = [chat.encode_pair(p.prompt, p.chosen, p.rejected, 10**6, 10**6) for p in pairs]
+    encoded = [chat.encode_pair(p.prompt, p.chosen, p.rejected, 10**7, 10**6) for p in pairs]
     stats["sft"] = _describe(lengths) | {"reply_tokens": _describe(replies)}
     stats["pairs"] = {"prompt_tokens": _describe([len(e.prompt_ids) for e in encoded]),
                       "response_tokens": _describe([len(e.chosen_ids) for e in encoded] +
                                                    [len(e.rejected_ids) for e in encoded])}
-    n_params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(model_dir).parameters())
-    stats["model"] = {"arch": "llama", "parameters": n_params, "non_embedding_parameters":
+    stats["model"] = {"name": spec.model, "label": MODEL_LABELS[spec.model], "arch": "llama", "parameters": n_params, "non_embedding_parameters":
                       n_params - 2 * spec.vocab * spec.hidden, **{k: getattr(spec, k) for k in
                       ("vocab", "hidden", "layers", "intermediate", "heads", "kv_heads")}}
     return stats
@@ -192,10 +238,10 @@ class _Steps:
     """Step-end timestamps with the tokens and samples of each step; summary after warm-up."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[float, float, float, float]] = []  # time, tokens, samples, slots
+        self.records: list[tuple[float, float, float, float, float]] = []  # time, tokens, samples, slots, attn pairs
 
-    def add(self, tokens: float, samples: float, slots: float) -> None:
-        self.records.append((time.perf_counter(), tokens, samples, slots))
+    def add(self, tokens: float, samples: float, slots: float, pairs: float = 0.0) -> None:
+        self.records.append((time.perf_counter(), tokens, samples, slots, pairs))
 
     def summary(self, warmup: int) -> dict[str, Any]:
         if len(self.records) <= warmup:
@@ -208,6 +254,7 @@ class _Steps:
         tokens = sum(r[1] for r in measured)
         samples = sum(r[2] for r in measured)
         slots = sum(r[3] for r in measured)
+        pairs = sum(r[4] for r in measured)
         times = [b[0] - a[0] for a, b in zip(self.records[warmup - 1 :], measured)]
         return {
             "steps": len(measured),
@@ -215,6 +262,7 @@ class _Steps:
             "step_seconds": [round(t, 3) for t in times],
             "tokens": tokens,
             "samples": samples,
+            "attended_pairs": pairs,  # causal (query, key) pairs inside each sequence: the attention FLOPs
             "padding_fraction": round(1 - tokens / max(slots, 1), 4),
             "tokens_per_s": tokens / seconds,
             "samples_per_s": samples / seconds,
@@ -230,45 +278,88 @@ def lightning_timer() -> Any:
     class StepTimer(L.Callback):
         def __init__(self) -> None:
             self.steps = _Steps()
+            self.fit_start = self.train_start = 0.0
+
+        def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            self.fit_start = time.perf_counter()
+
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            self.train_start = time.perf_counter()  # after the module's on_fit_start (reference precompute)
+
+        def precompute_seconds(self) -> float:
+            return round(self.train_start - self.fit_start, 3)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            real, _, samples, slots, _ = batch_counts(batch).tolist()
-            self.steps.add(real, samples, slots)
+            real, _, samples, slots, pairs = batch_counts(batch).tolist()
+            self.steps.add(real, samples, slots, pairs)
 
     return StepTimer()
+
+
+def add_callback(callback: Any) -> None:
+    """Make the next rolemrc training run (``rolemrc.train.run``) use ``callback`` too."""
+    import rolemrc.build as build
+
+    original = build.build_callbacks
+    build.build_callbacks = lambda cfg: [*original(cfg), callback]
 
 
 def hf_timer(model: Any, pairs: bool) -> Any:
     """A transformers TrainerCallback recording every optimizer step; tokens are counted from the
     policy model's own forward inputs (a pre-hook), so nothing about the batches is assumed."""
+    import torch
     from transformers import TrainerCallback
 
     class HFStepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.steps = _Steps()
-            self.pending = [0.0, 0.0, 0.0]
+            self.pending = [0.0, 0.0, 0.0, 0.0]
 
         def hook(self, module, args, kwargs) -> None:  # noqa: ANN001
             if not module.training:  # reference forwards (eval mode / no grad) are not counted
+                return
+            if not torch.is_grad_enabled():  # e.g. TRL's precompute_ref_log_probs pass
                 return
             ids = kwargs.get("input_ids", args[0] if args else None)
             mask = kwargs.get("attention_mask")
             real = float(mask.sum()) if mask is not None else float(ids.numel())
             rows = ids.shape[0]
+            pos = kwargs.get("position_ids")
+            if mask is None and pos is not None and rows == 1:  # padding-free: sequences restart at 0
+                starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[-1]]
+                lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.float64)
+                rows = len(lengths)
+            elif mask is not None and mask.dim() == 2:
+                lengths = mask.sum(-1).double()
+            else:
+                lengths = torch.full((ids.shape[0],), float(ids.shape[-1]), dtype=torch.float64)
             self.pending[0] += real
             self.pending[1] += rows / 2 if pairs else rows
             self.pending[2] += float(ids.numel())
+            self.pending[3] += float((lengths * (lengths + 1) / 2).sum())
 
         def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
             self.steps.add(*self.pending)
-            self.pending = [0.0, 0.0, 0.0]
+            self.pending = [0.0, 0.0, 0.0, 0.0]
 
     timer = HFStepTimer()
     model.register_forward_pre_hook(timer.hook, with_kwargs=True)
     return timer
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set (Linux: ru_maxrss in KiB). Every contender runs alone in
+    its own process with the same allocator settings, so the figures compare."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
+    result["peak_rss_mib"] = peak_rss_mib()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        result["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        result["device_name"] = torch.cuda.get_device_name()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "step_seconds"}))

@@ -1,25 +1,33 @@
 """DPO training throughput (preference pairs per second) on RoleMRC-shaped pairs (long prompt,
 short replies), one contender per process:
 
-    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours           # share_prompt=true
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours           # share_prompt, copy reference
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours_pre       # share_prompt, reference=precomputed
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours_separate  # share_prompt=false
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl            # TRL DPOTrainer, its defaults
-    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl_no_gc      # ... without gradient checkpointing
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl_no_gc      # ... gradient_checkpointing=False
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl_pre_no_gc  # ... + precompute_ref_log_probs
 
-``<dir>`` is prepared by ``benchmarks/run_all.py``. Every contender: the same model and pairs,
-``dpo_batch`` pairs per optimizer step (equal batch composition), a frozen copy of the starting
-model as the reference (TRL's default, ``objective.reference=copy`` here), sigmoid loss, beta 0.1,
-bf16 mixed precision, max length 3000 (prompt cut to 3/4 of it, the paper's recipe).
+``<dir>`` is prepared by ``benchmarks/run_all.py``. Every contender: the same model and the same
+``dpo_pairs_used`` pairs (exactly one pass), ``dpo_batch`` pairs per optimizer step, sigmoid loss,
+beta 0.1, the spec's precision (fp32 by default), max length 3000 (prompt cut to 3/4 of it, the
+paper's recipe).
 
 - ours: ``objective.share_prompt=true``: prompt, chosen and rejected in one sequence, the prompt
-  encoded once for policy and reference; lm_head only at the reply tokens.
-- ours_separate: the same pipeline with chosen and rejected as two padded rows (shows what
-  sharing the prompt alone buys).
-- trl: ``DPOTrainer`` with ``DPOConfig`` defaults (bf16, gradient checkpointing, chosen and
-  rejected concatenated into one padded batch, reference model loaded as a second copy, fused
-  lm_head), except ``max_length`` (the default 1024 would cut RoleMRC prompts), the batch size and
-  the run length.
-- trl_no_gc (not in ``make bench``): the same with ``gradient_checkpointing=False``.
+  encoded once for policy and reference; lm_head only at the reply tokens; a frozen copy of the
+  starting model as the reference (``objective.reference=copy``, TRL's default).
+- ours_pre: the same with ``objective.reference=precomputed`` (one reference pass before training).
+- ours_separate: chosen and rejected as two padded rows (what sharing the prompt alone buys).
+- trl: ``DPOTrainer`` with ``DPOConfig`` defaults (gradient checkpointing, chosen and rejected
+  concatenated into one padded batch, reference model loaded as a second copy), except
+  ``max_length`` (the default 1024 would cut RoleMRC prompts), precision, batch size, run length.
+- trl_no_gc: ``gradient_checkpointing=False``. trl_pre_no_gc: also ``precompute_ref_log_probs=True``
+  (no reference model kept during training). TRL 1.16 disables ``padding_free`` for DPO.
+
+Precomputed references: the pass over the used pairs is timed separately (``precompute_s``) and
+``pairs_per_s`` charges it per pair (``timed pairs / (timed seconds + precompute_s x timed
+share)``): a real epoch pays it once per pair, like the inline reference forward of the others.
+``pairs_per_s_steps_only`` leaves it out.
 """
 
 from __future__ import annotations
@@ -32,42 +40,53 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spec, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+from common import Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
 
 set_env()
 
 
-def run_ours(work: Path, spec: Spec, share_prompt: bool) -> dict:
-    from rolemrc import train as train_module
+def run_ours(work: Path, spec: Spec, contender: str) -> dict:
+    from rolemrc.train import run
 
     timer = lightning_timer()
+    share_prompt = contender != "ours_separate"
+    reference = "precomputed" if contender == "ours_pre" else "copy"
     overrides = [
-        f"model.path={work / 'model'}", "model.name=bench", "objective=dpo", "objective.reference=copy",
-        f"objective.share_prompt={str(share_prompt).lower()}", f"data.pairs=[{{path:{work / 'pairs.jsonl'}}}]",
+        f"model.path={work / 'model'}", "model.name=bench", "objective=dpo", f"objective.reference={reference}",
+        f"objective.share_prompt={str(share_prompt).lower()}", f"data.pairs=[{{path:{work / 'pairs_used.jsonl'}}}]",
         "data.val_fraction=0", f"data.max_length={spec.dpo_max_length}",
         f"data.max_prompt_length={spec.dpo_max_prompt_length}", f"data.batch_size={spec.dpo_batch}",
-        "trainer.precision=bf16-mixed", f"trainer.max_steps={spec.warmup + spec.steps}",
+        f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={spec.warmup + spec.steps}",
         "trainer.enable_progress_bar=false", "logger=none", "callbacks=none", "export.enabled=false",
         f"seed={spec.seed}",
+        *spec.ours_overrides,
     ]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(overrides, Path(tmp))
-        original_build = train_module.build_callbacks
-        train_module.build_callbacks = lambda c: [*original_build(c), timer]
-        train_module.run(cfg)
-    name = "ours" if share_prompt else "ours_separate"
-    return {"contender": name, "batch_size": spec.dpo_batch, "overrides": overrides,
+        add_callback(timer)
+        run(cfg)
+    return {"contender": contender, "batch_size": spec.dpo_batch, "overrides": overrides,
+            "precompute_s": timer.precompute_seconds() if reference == "precomputed" else 0.0,
             **timer.steps.summary(spec.warmup)}
 
 
-def run_trl(work: Path, spec: Spec, checkpointing: bool = True) -> dict:
+TRL_VARIANTS = {  # contender -> DPOConfig overrides on top of TRL's defaults
+    "trl": {},
+    "trl_no_gc": {"gradient_checkpointing": False},
+    "trl_pre_no_gc": {"gradient_checkpointing": False, "precompute_ref_log_probs": True},
+}
+
+
+def run_trl(work: Path, spec: Spec, contender: str) -> dict:
+    import time
+
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     records = []
-    for line in (work / "pairs.jsonl").read_text().splitlines():
+    for line in (work / "pairs_used.jsonl").read_text().splitlines():
         r = json.loads(line)
         prompt = [{"role": m["role"].lower(), "content": m["content"]} for m in r["prompt"]]
         records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": r["chosen"]}],
@@ -75,35 +94,51 @@ def run_trl(work: Path, spec: Spec, checkpointing: bool = True) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
     timer = hf_timer(model, pairs=True)
+    precompute = [0.0]
+    original = DPOTrainer._precompute_ref_logps
+
+    def timed_precompute(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        start = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            precompute[0] += time.perf_counter() - start
+
+    DPOTrainer._precompute_ref_logps = timed_precompute
+    overrides = TRL_VARIANTS[contender]
     with tempfile.TemporaryDirectory() as tmp:
         args = DPOConfig(output_dir=tmp, max_length=spec.dpo_max_length, per_device_train_batch_size=spec.dpo_batch,
                          max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no", seed=spec.seed,
-                         disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-                         **({} if checkpointing else {"gradient_checkpointing": False}))
+                         disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=spec.precision == "bf16",
+                         **overrides)
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
                              processing_class=tokenizer, callbacks=[timer])
         defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "padding_free",
                                                   "precompute_ref_log_probs", "loss_type", "beta",
                                                   "per_device_train_batch_size", "max_length")}
-        defaults["reference"] = "separate model copy" if trainer.ref_model is not None else "adapter/none"
+        defaults["reference"] = ("separate model copy" if trainer.ref_model is not None
+                                 else "precomputed" if args.precompute_ref_log_probs else "adapter/none")
         trainer.train()
-    return {"contender": "trl" if checkpointing else "trl_no_gc", "config": {k: str(v) for k, v in defaults.items()},
-            **timer.steps.summary(spec.warmup)}
+    return {"contender": contender, "config": {k: str(v) for k, v in defaults.items()},
+            "precompute_s": round(precompute[0], 3), **timer.steps.summary(spec.warmup)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--contender", choices=["ours", "ours_separate", "trl", "trl_no_gc"], required=True)
+    p.add_argument("--contender", choices=["ours", "ours_pre", "ours_separate", *TRL_VARIANTS], required=True)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     spec = Spec.load(args.work)
     if args.contender.startswith("trl"):
-        result = run_trl(args.work, spec, checkpointing=args.contender == "trl")
+        result = run_trl(args.work, spec, args.contender)
     else:
-        result = run_ours(args.work, spec, share_prompt=args.contender == "ours")
+        result = run_ours(args.work, spec, args.contender)
     result["command"] = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
-    result["pairs_per_s"] = round(result.pop("samples_per_s"), 4)
+    steps_only = result.pop("samples_per_s")
+    share = result["samples"] / spec.dpo_pairs_used  # the timed pairs' part of the precompute pass
+    result["pairs_per_s_steps_only"] = round(steps_only, 4)
+    result["pairs_per_s"] = round(result["samples"] / (result["seconds"] + result["precompute_s"] * share), 4)
     result["tokens_per_s"] = round(result["tokens_per_s"], 2)
     write_result(args.out or args.work / "results" / f"dpo_{args.contender}.json", result)
 

@@ -1,14 +1,17 @@
 """SFT training throughput (non-padding tokens per second) on RoleMRC-shaped data, one contender
 per process:
 
-    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender ours      # rolemrc, data.packing=true
-    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender pad_max   # rolemrc, every row padded to max_length (paper)
-    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl       # TRL SFTTrainer, its defaults
-    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_no_gc # ... without gradient checkpointing
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender ours            # rolemrc, data.packing=true
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender pad_max         # rolemrc, rows padded to max_length (paper)
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl             # TRL SFTTrainer, its defaults
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_no_gc       # ... gradient_checkpointing=False
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_pack        # ... packing=True (BFD, padding-free)
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_pack_no_gc  # ... packing, no checkpointing
+    .venv/bin/python benchmarks/sft_throughput.py --work <dir> --contender trl_padfree_no_gc  # padding_free=True, no packing
 
-``<dir>`` is prepared by ``benchmarks/run_all.py`` (model + data + spec.json). All three train the
-same model on the same conversations in bf16 mixed precision (TRL's default, and ours set to
-match), loss on the assistant reply only, with the same allocator settings.
+``<dir>`` is prepared by ``benchmarks/run_all.py`` (model + data + spec.json). All train the
+same model on the same conversations in the spec's precision (fp32 by default, see common.py),
+loss on the assistant reply only, with the same allocator settings.
 
 - ours: ``data.packing=true``: conversations packed best-fit into rows of ``max_length`` tokens,
   attention per conversation (no padding, no cross-conversation attention), the lm_head only at
@@ -20,8 +23,11 @@ match), loss on the assistant reply only, with the same allocator settings.
   no padding-free, batch padded to its longest row, fused lm_head on the completion tokens
   since the data is prompt-completion), except ``max_length`` (the default 1024 would cut
   RoleMRC prompts, and with them the replies) and the run length.
-- trl_no_gc (not in ``make bench``): the same with ``gradient_checkpointing=False``, to show how
-  much of the gap is that default alone.
+- trl_no_gc: the same with ``gradient_checkpointing=False`` (faster on CPU when memory allows).
+- trl_pack / trl_pack_no_gc: ``packing=True`` (TRL 1.16's best-fit-decreasing packing, which
+  turns on padding-free collation: one flattened row, position ids restarting per conversation)
+  with the same number of packed rows per step as ours.
+- trl_padfree_no_gc: ``padding_free=True`` without packing (each step's conversations flattened).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spec, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+from common import Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
 
 set_env()
 
@@ -43,7 +49,6 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
     import torch
 
     from rolemrc.data.datamodule import ChatDataModule
-    from rolemrc.data.packing import pack_rows
     from rolemrc.objectives import IGNORE_INDEX
     from rolemrc.train import run
 
@@ -68,23 +73,19 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
 
         ChatDataModule.collator = padded_collator
     else:  # rows per step holding about spec.sft_batch conversations, as the others' batches
-        rows = [{"input_ids": [0] * n, "labels": [0] * n} for n in _lengths(work)]
-        report = pack_rows(rows, spec.sft_max_length)[1]
-        batch_size = max(1, round(spec.sft_batch / report["items_per_row"]))
+        batch_size = packed_rows_per_step(work, spec)
     steps = spec.warmup + spec.steps
     overrides = [
         f"model.path={work / 'model'}", "model.name=bench", "objective=sft",
         f"data.sft=[{{path:{work / 'sft.jsonl'}}}]", "data.val_fraction=0", f"data.max_length={spec.sft_max_length}",
         f"data.batch_size={batch_size}", f"data.packing={str(not pad_max).lower()}",
-        "trainer.precision=bf16-mixed", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false",
+        f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false",
         "logger=none", "callbacks=none", "export.enabled=false", f"seed={spec.seed}",
+        *spec.ours_overrides,
     ]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(overrides, Path(tmp))
-        from rolemrc import train as train_module
-
-        original_build = train_module.build_callbacks
-        train_module.build_callbacks = lambda c: [*original_build(c), timer]
+        add_callback(timer)
         run(cfg)
     name = "pad_max" if pad_max else "ours"
     return {"contender": name, "batch_size": batch_size, "overrides": overrides, **timer.steps.summary(spec.warmup)}
@@ -101,7 +102,27 @@ def _lengths(work: Path) -> list[int]:
     return [len(chat.encode_conversation(ex.messages).input_ids) for ex in examples]
 
 
-def run_trl(work: Path, spec: Spec, checkpointing: bool = True) -> dict:
+def packed_rows_per_step(work: Path, spec: Spec) -> int:
+    """Rows of ``max_length`` per step holding about ``sft_batch`` conversations (ours and TRL's packing)."""
+    from rolemrc.data.packing import pack_rows
+
+    rows = [{"input_ids": [0] * n, "labels": [0] * n} for n in _lengths(work)]
+    report = pack_rows(rows, spec.sft_max_length)[1]
+    return max(1, round(spec.sft_batch / report["items_per_row"]))
+
+
+TRL_VARIANTS = {  # contender -> SFTConfig overrides on top of TRL's defaults
+    "trl": {},
+    "trl_no_gc": {"gradient_checkpointing": False},
+    "trl_pack": {"packing": True},
+    "trl_pack_no_gc": {"packing": True, "gradient_checkpointing": False},
+    # TRL refuses max_length with padding-free unpacked batches; every conversation here is shorter
+    # than max_length (run_all.py's data), so None truncates nothing.
+    "trl_padfree_no_gc": {"padding_free": True, "gradient_checkpointing": False, "max_length": None},
+}
+
+
+def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     import json
 
     import torch
@@ -116,30 +137,33 @@ def run_trl(work: Path, spec: Spec, checkpointing: bool = True) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
     timer = hf_timer(model, pairs=False)
+    overrides = TRL_VARIANTS[contender]
+    packing = overrides.get("packing", False)
+    batch = packed_rows_per_step(work, spec) if packing else spec.sft_batch
     with tempfile.TemporaryDirectory() as tmp:
-        args = SFTConfig(output_dir=tmp, max_length=spec.sft_max_length, per_device_train_batch_size=spec.sft_batch,
+        args = SFTConfig(output_dir=tmp, **{"max_length": spec.sft_max_length, **overrides}, per_device_train_batch_size=batch,
                          max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no",
                          seed=spec.seed, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-                         **({} if checkpointing else {"gradient_checkpointing": False}))
+                         bf16=spec.precision == "bf16")
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
                              processing_class=tokenizer, callbacks=[timer])
         defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "packing", "padding_free",
                                                   "completion_only_loss", "assistant_only_loss", "loss_type",
                                                   "per_device_train_batch_size", "max_length")}
         trainer.train()
-    return {"contender": "trl" if checkpointing else "trl_no_gc", "config": {k: str(v) for k, v in defaults.items()},
+    return {"contender": contender, "config": {k: str(v) for k, v in defaults.items()},
             **timer.steps.summary(spec.warmup)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--contender", choices=["ours", "pad_max", "trl", "trl_no_gc"], required=True)
+    p.add_argument("--contender", choices=["ours", "pad_max", *TRL_VARIANTS], required=True)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     spec = Spec.load(args.work)
     if args.contender.startswith("trl"):
-        result = run_trl(args.work, spec, checkpointing=args.contender == "trl")
+        result = run_trl(args.work, spec, args.contender)
     else:
         result = run_ours(args.work, spec, pad_max=args.contender == "pad_max")
     result["command"] = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])

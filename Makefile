@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench bench-gpu clean
+.PHONY: setup demo test bench bench-gpu gpu-site clean
 
 setup: $(STAMP)
 
@@ -35,10 +35,17 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 # One CUDA device (README, Performance). Runs with the interpreter given, e.g. on a GPU node
-# without this venv: make bench-gpu GPU_PYTHON=python3
+# without this venv: make bench-gpu GPU_PYTHON=python3. Where that node's image lacks hydra-core
+# and omegaconf and has no package index, `make gpu-site` here first: it copies them (pure
+# Python, 4 MB, the pinned versions) from this venv into .gpu-site/, which travels with the checkout.
 GPU_PYTHON ?= $(PY)
+SITE_PACKAGES = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+gpu-site: $(STAMP)
+	rm -rf .gpu-site && mkdir -p .gpu-site
+	cp -r $(SITE_PACKAGES)/hydra $(SITE_PACKAGES)/omegaconf $(SITE_PACKAGES)/antlr4 .gpu-site/
+
 bench-gpu:
-	PYTHONPATH=$(CURDIR)/src:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py
+	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/.gpu-site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py $(GPU_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -46,7 +46,7 @@ def route(request, monkeypatch) -> str:
     route; with sdpa, transformers itself turns the restarting position ids into a packed mask)."""
     forced = {"segments": None, "mask": "mask", "position_ids": "flash_varlen"}[request.param]
     if forced is not None:
-        monkeypatch.setattr(packed_attention, "packed_route", lambda model, need_context: forced)
+        monkeypatch.setattr(packed_attention, "packed_route", lambda model, need_context, prefer="auto": forced)
     return request.param
 
 
@@ -146,3 +146,25 @@ def test_installed_attention_leaves_unpacked_calls_alone(tmp_path) -> None:
     assert net.config._attn_implementation == packed_attention.PREFIX + "eager"
     net.save_pretrained(tmp_path)
     assert "rolemrc" not in (tmp_path / "config.json").read_text()
+
+
+def test_route_choice_is_overridable_refused_when_impossible_and_logged(caplog) -> None:
+    """model.packed_attention: auto picks segments for an sdpa model; mask can be forced; a route
+    the model cannot take, or an unknown name, is refused naming the key; the choice is logged once."""
+    import logging
+
+    cfg = compose_train(["model=tiny"])
+    tok = load_tokenizer(cfg.model)
+    net = load_model(cfg.model, tok)
+    with caplog.at_level(logging.INFO, logger="rolemrc.models.packed_attention"):
+        assert packed_attention.packed_route(net, False) == "segments"
+        assert packed_attention.packed_route(net, False) == "segments"
+    assert caplog.text.count("packed attention (model.packed_attention=auto): segments") == 1
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rolemrc.models.packed_attention"):
+        assert packed_attention.packed_route(net, True, "mask") == "mask"
+    assert "packed attention (model.packed_attention=mask): mask" in caplog.text
+    with pytest.raises(ValueError, match="model.packed_attention=flash_varlen needs"):
+        packed_attention.packed_route(net, False, "flash_varlen")
+    with pytest.raises(ValueError, match="must be auto or one of"):
+        packed_attention.packed_route(net, False, "flex")

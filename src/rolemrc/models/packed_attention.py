@@ -139,7 +139,12 @@ def attend_segments(
     transformers' attention functions return); padding positions get zeros.
     """
     b, hq, t, d = query.shape
-    if _use_flash_attn(query):
+    flash = _use_flash_attn(query)
+    if getattr(module, "_rolemrc_packed_kernel", None) is None and getattr(module, "layer_idx", 0) == 0:
+        module._rolemrc_packed_kernel = True
+        log.info("packed attention kernel: %s", "flash_attn_varlen_func (all pieces in one call)" if flash
+                 else "scaled_dot_product_attention per piece")
+    if flash:
         from flash_attn import flash_attn_varlen_func
 
         q_idx, k_idx, cu_q, cu_k, max_q, max_k = layout.varlen_indices(query.device)
@@ -232,27 +237,67 @@ def install_segment_attention(model: nn.Module) -> bool:
     return True
 
 
-def packed_route(model: nn.Module, need_context: bool) -> str:
-    """Which route computes packed attention for ``model`` (installing the dispatcher if needed).
+def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> str:
+    """Which route computes packed attention for ``model`` (installing the dispatcher if needed),
+    logged once per model.
 
     ``need_context``: some pieces see a context span (shared-prompt DPO), which the
     position-id-only flash path cannot express; a flash model is moved to sdpa for it.
+    ``prefer`` (``model.packed_attention``): ``auto`` picks ``flash_varlen`` for flash-attention
+    models without context spans, else ``segments`` where the attention can be swapped, else
+    ``mask``; naming a route forces it, and one the model cannot take is refused.
     """
+    if prefer not in ("auto", *ROUTES):
+        raise ValueError(f"model.packed_attention must be auto or one of {', '.join(ROUTES)}, got {prefer!r}")
     base = unwrap(model)
     impl = base.config._attn_implementation
+    flash = impl.startswith("flash_attention")
+    if prefer == "flash_varlen" and (not flash or need_context):
+        why = "shared-prompt pairs need context spans" if flash else f"the model's attention is {impl}"
+        raise ValueError(f"model.packed_attention=flash_varlen needs model.attn_implementation=flash_attention_2 "
+                         f"and no share_prompt ({why})")
+    if prefer == "mask" and flash:
+        raise ValueError(f"model.packed_attention=mask needs attn_implementation sdpa or eager, not {impl}")
     if impl.startswith(PREFIX):
-        return "segments"
-    if impl.startswith("flash_attention"):
-        if not need_context:
-            return "flash_varlen"
-        log.warning("share_prompt: %s cannot express 'rejected sees the prompt but not chosen'; "
-                    "switching the model to sdpa with per-piece kernels", impl)
-        base.set_attn_implementation("sdpa")
-        impl = "sdpa"
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(f"packed rows / share_prompt need attn_implementation sdpa, eager or flash_attention_2, "
-                         f"not {impl!r} (flex_attention has no CPU backward here)")
-    return "segments" if install_segment_attention(model) else "mask"
+        route = "mask" if prefer == "mask" else "segments"  # the dispatcher passes mask calls to the original
+    elif flash and not need_context and prefer in ("auto", "flash_varlen"):
+        route = "flash_varlen"
+    else:
+        if flash:
+            log.warning("%s: %s cannot express %s; switching the model to sdpa with per-piece kernels",
+                        "share_prompt" if need_context else "model.packed_attention=segments", impl,
+                        "'rejected sees the prompt but not chosen'" if need_context else "per-piece kernels")
+            base.set_attn_implementation("sdpa")
+            impl = "sdpa"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"packed rows / share_prompt need attn_implementation sdpa, eager or flash_attention_2, "
+                             f"not {impl!r} (flex_attention has no CPU backward here)")
+        if prefer == "mask":
+            route = "mask"
+        elif install_segment_attention(model):
+            route = "segments"
+        elif prefer == "segments":
+            raise ValueError(f"model.packed_attention=segments: {type(base).__name__}'s attention cannot be swapped "
+                             "(transformers' AttentionInterface); use auto or mask")
+        else:
+            route = "mask"
+    _log_route(base, route, prefer)
+    return route
+
+
+_ROUTE_TEXT = {
+    "segments": "one causal kernel per conversation (flash_attn_varlen_func on CUDA with flash-attn, "
+                "else scaled_dot_product_attention per piece); cost grows with each conversation's length",
+    "flash_varlen": "flash-attn varlen over one flattened row, boundaries from the position ids",
+    "mask": "a [rows, 1, T, T] additive mask: exact, but attention costs grow with the packed row's length",
+}
+
+
+def _log_route(base: nn.Module, route: str, prefer: str) -> None:
+    if getattr(base, "_rolemrc_packed_route", None) == route:
+        return
+    base._rolemrc_packed_route = route
+    log.info("packed attention (model.packed_attention=%s): %s: %s", prefer, route, _ROUTE_TEXT[route])
 
 
 def flatten_rows(batch: dict[str, Tensor]) -> tuple[Tensor, list[tuple[int, int, int, int, int]]]:

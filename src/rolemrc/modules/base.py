@@ -3,8 +3,11 @@ objectives' :func:`~rolemrc.objectives.sequence_logprobs` through the model's
 :class:`~rolemrc.models.logprob_head.LogprobHead`), loss normalisation over the global batch,
 the optimizer/schedule and FSDP2 sharding.
 
+Every loss term is computed by :mod:`rolemrc.objectives`; the modules only feed them.
+
 A module receives what it needs, not the whole config: the model, the ``objective`` and
-``optim`` config nodes, the precision policy and (for FSDP2) the ``strategy`` node."""
+``optim`` settings (schema dataclasses), the precision policy and (for FSDP2) the ``strategy``
+settings."""
 
 from __future__ import annotations
 
@@ -104,26 +107,23 @@ class PolicyModule(L.LightningModule):
         return False
 
     # ---- loss normalisation over the global batch -----------------------------------------
-    def global_mean(self, local_sum: torch.Tensor, batch: dict[str, torch.Tensor], total: str) -> torch.Tensor:
-        """This micro-batch's share of the optimizer step's mean: ``local_sum`` over the step's
-        ``total`` (label tokens, pairs) on every micro-batch of every rank.
-
-        Summed over the step's micro-batches and ranks, these shares are the mean over the whole
-        global batch, however it is cut into micro-batches and ranks, a short last step of an
-        epoch included (the step's real totals come with the batch, see
-        :class:`~rolemrc.data.sampler.StepBatchSampler`)."""
-        return local_sum / batch[f"step_{total}"].to(local_sum.dtype).clamp(min=1)
-
+    # A micro-batch's loss is its share of the optimizer step's mean: the objectives' functions
+    # (token_nll, preference_loss) divide its sums by the step's totals (label tokens, pairs,
+    # chosen tokens) over every micro-batch of every rank, which come with the batch
+    # (``step_tokens``, ``step_pairs``, ``step_chosen_tokens``; see
+    # :class:`~rolemrc.data.sampler.StepBatchSampler`). Summed over the step's micro-batches and
+    # ranks, the shares are the mean over the whole global batch, however it is cut, a short last
+    # step of an epoch included.
     def backward_scale(self) -> int:
         """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and DDP/FSDP
         average gradients over ranks: the loss handed back is multiplied by both, so that the
-        gradient that reaches the optimizer is the gradient of the sum of :meth:`global_mean`
+        gradient that reaches the optimizer is the gradient of the sum of the micro-batches'
         shares, i.e. of the global-batch mean."""
         return self.trainer.accumulate_grad_batches * self.trainer.world_size
 
     def log_step_shares(self, batch: dict[str, torch.Tensor], shares: dict[str, torch.Tensor],
                         prog_bar: tuple[str, ...] = ()) -> None:
-        """Add up :meth:`global_mean` shares over a step's micro-batches; when the step's last
+        """Add up per-micro-batch shares over a step's micro-batches; when the step's last
         micro-batch is done, sum them over ranks and log them once for the step: the logged
         ``train/loss`` is the loss the optimizer step minimised."""
         acc = self.__dict__.setdefault("_step_acc", {})

@@ -24,7 +24,7 @@ from torch import nn
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.dpo import average_logps, dpo_loss
+from rolemrc.objectives.dpo import average_logps, dpo_loss, pair_mean, preference_loss
 from rolemrc.objectives.logprobs import SequenceLogProbs
 
 log = logging.getLogger(__name__)
@@ -101,21 +101,18 @@ class DPOModule(PolicyModule):
         return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
                 "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
                 "rewards/margins": out.chosen_rewards - out.rejected_rewards,
-                "logps/chosen": policy[:b], "logps/rejected": policy[b:],
-                "nll_chosen": -policy[:b], "chosen_tokens": counts[:b]}
+                "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_tokens": counts[:b]}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The step's loss: the mean pair loss over the global batch, plus ``sft_weight`` x the
-        chosen responses' token-mean NLL over the global batch (both normalised by the step's
-        totals, see :meth:`global_mean`); the logged metrics are per-pair means over the step."""
+        """The step's loss (:func:`~rolemrc.objectives.dpo.preference_loss`): the mean pair loss
+        over the global batch, plus ``sft_weight`` x the chosen responses' token-mean NLL over the
+        global batch, each divided by the step's totals (pairs, chosen tokens: this micro-batch's
+        share of the step's loss); the logged metrics are per-pair means over the step."""
         terms = self._pair_terms(batch, "train")
-        pair_loss = self.global_mean(terms["loss"].sum(), batch, "pairs")
-        shares = {f"train/{k}": self.global_mean(terms[k].detach().double().sum(), batch, "pairs")
-                  for k in _PAIR_METRICS}
-        loss = pair_loss
-        if self.objective.sft_weight > 0:
-            nll = self.global_mean(terms["nll_chosen"].sum(), batch, "chosen_tokens")
-            loss = loss + self.objective.sft_weight * nll
+        loss, nll = preference_loss(terms["loss"], terms["logps/chosen"], sft_weight=self.objective.sft_weight,
+                                    num_pairs=batch["step_pairs"], num_chosen_tokens=batch["step_chosen_tokens"])
+        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), batch["step_pairs"]) for k in _PAIR_METRICS}
+        if nll is not None:
             shares["train/nll_chosen"] = nll
         shares["train/loss"] = loss
         self.log_step_shares(batch, shares, prog_bar=("train/loss",))
@@ -127,15 +124,15 @@ class DPOModule(PolicyModule):
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         cols = dict(zip(_VAL_COLUMNS, values.unbind(-1)))
-        out = {k: cols[k].mean() for k in _PAIR_METRICS}
-        out["loss"] = cols["loss"].mean()
-        if self.objective.sft_weight > 0:
-            out["nll_chosen"] = cols["nll_chosen"].sum() / cols["chosen_tokens"].sum().clamp(min=1)
-            out["loss"] = out["loss"] + self.objective.sft_weight * out["nll_chosen"]
+        out = {k: pair_mean(cols[k]) for k in _PAIR_METRICS}
+        out["loss"], nll = preference_loss(cols["loss"], cols["logps/chosen"], sft_weight=self.objective.sft_weight,
+                                           num_chosen_tokens=cols["chosen_tokens"].sum())
+        if nll is not None:
+            out["nll_chosen"] = nll
         return out
 
 
 # Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
 _PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                  "logps/chosen", "logps/rejected")
-_VAL_COLUMNS = ("loss", *_PAIR_METRICS, "nll_chosen", "chosen_tokens")
+_VAL_COLUMNS = ("loss", *_PAIR_METRICS, "chosen_tokens")

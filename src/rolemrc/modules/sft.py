@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from rolemrc.modules.base import PolicyModule
+from rolemrc.objectives.logprobs import token_nll
 
 
 class SFTModule(PolicyModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])
-        share = self.global_mean(-seq.logps.sum(), batch, "tokens")
+        share = token_nll(seq.logps, batch["step_tokens"])  # this micro-batch's share of the step's mean
         # train/tokens: the step's label tokens (each micro-batch's count, summed over the step)
         self.log_step_shares(batch, {"train/loss": share, "train/tokens": seq.num_tokens.sum()},
                              prog_bar=("train/loss",))
@@ -27,8 +28,8 @@ class SFTModule(PolicyModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])
-        self.collect_val(batch["index"], torch.stack([-seq.logps.detach().double(), seq.num_tokens.double()], dim=-1))
+        self.collect_val(batch["index"], torch.stack([seq.logps.detach().double(), seq.num_tokens.double()], dim=-1))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        nll, tokens = values.sum(0)
-        return {"loss": nll / tokens.clamp(min=1), "tokens": tokens}
+        logps, tokens = values.sum(0)
+        return {"loss": token_nll(logps, tokens), "tokens": tokens}

@@ -1,10 +1,21 @@
 """Training objectives as pure tensor functions (no Lightning, no transformers model classes).
 
 ``logprobs``: memory-lean per-token / per-sequence log-probs from final hidden states + lm_head
-weight, and the SFT loss. ``dpo``: the DPO loss family over per-sequence log-probs and its metrics.
+weight, and the SFT loss (:func:`token_nll`). ``dpo``: the DPO loss family over per-sequence log-probs,
+its reduction to a step's loss (:func:`preference_loss`) and its metrics. The training modules
+compute every loss term with these functions.
 """
 
-from rolemrc.objectives.dpo import LOSS_TYPES, DPOOutput, LossType, average_logps, dpo_loss, metrics
+from rolemrc.objectives.dpo import (
+    LOSS_TYPES,
+    DPOOutput,
+    LossType,
+    average_logps,
+    dpo_loss,
+    metrics,
+    pair_mean,
+    preference_loss,
+)
 from rolemrc.objectives.logprobs import (
     IGNORE_INDEX,
     SequenceLogProbs,
@@ -13,6 +24,7 @@ from rolemrc.objectives.logprobs import (
     sft_loss,
     shift_labels,
     token_logprobs,
+    token_nll,
 )
 
 __all__ = [
@@ -25,8 +37,11 @@ __all__ = [
     "dpo_loss",
     "metrics",
     "naive_token_logprobs",
+    "pair_mean",
+    "preference_loss",
     "sequence_logprobs",
     "sft_loss",
     "shift_labels",
     "token_logprobs",
+    "token_nll",
 ]

@@ -15,9 +15,10 @@ the losses per pair are
   (see :func:`average_logps`); this function does not know the lengths;
 * ``hinge`` (SLiC-style): ``relu(1 - beta * h)``.
 
-An SFT term on the chosen responses (RoleMRC/RPO-style mixing) belongs to the caller:
-``loss = dpo.losses.mean() + sft_weight * nll_chosen``, with ``nll_chosen`` from
-:func:`rolemrc.objectives.logprobs.sft_loss` on the chosen half of the batch.
+:func:`preference_loss` reduces the per-pair losses to the objective a step minimises: their
+mean (:func:`pair_mean`) plus, RoleMRC/RPO-style, ``sft_weight`` x the chosen responses' token-mean
+NLL (:func:`rolemrc.objectives.logprobs.token_nll`); both divide by totals the caller gives,
+which lets a training step divide by its global batch's pairs and chosen tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rolemrc.objectives.logprobs import token_nll
+
 LossType = Literal["sigmoid", "ipo", "hinge"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
 
-__all__ = ["LOSS_TYPES", "DPOOutput", "LossType", "average_logps", "dpo_loss", "metrics"]
+__all__ = ["LOSS_TYPES", "DPOOutput", "LossType", "average_logps", "dpo_loss", "metrics", "pair_mean",
+           "preference_loss"]
 
 
 class DPOOutput(NamedTuple):
@@ -111,6 +115,42 @@ def dpo_loss(
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()
     return DPOOutput(losses, chosen_rewards, rejected_rewards, h)
+
+
+def pair_mean(values: Tensor, num_pairs: Tensor | None = None) -> Tensor:
+    """The mean over pairs of per-pair ``values`` ``[B]``: ``values.mean()``, or with
+    ``num_pairs`` ``values.sum() / max(num_pairs, 1)``. Given an optimizer step's pairs, counted
+    over all of its micro-batches and ranks, this is the micro-batch's share of the step's mean
+    (the shares add up to the global-batch mean however the batch is cut)."""
+    if num_pairs is None:
+        return values.mean()
+    total = values.sum()
+    return total / num_pairs.to(total.dtype).clamp(min=1)
+
+
+def preference_loss(
+    losses: Tensor,
+    chosen_logps: Tensor,
+    *,
+    sft_weight: float = 0.0,
+    num_pairs: Tensor | None = None,
+    num_chosen_tokens: Tensor | int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The preference objective of a batch: ``pair_mean(losses, num_pairs)`` plus, when
+    ``sft_weight > 0``, ``sft_weight * nll_chosen`` with ``nll_chosen = token_nll(chosen_logps,
+    num_chosen_tokens)`` (the chosen responses' summed log-probs ``[B]`` over their tokens).
+
+    Returns ``(loss, nll_chosen)``, ``nll_chosen`` None without the SFT term. ``losses``: the
+    per-pair :attr:`DPOOutput.losses`; ``num_pairs`` / ``num_chosen_tokens``: see
+    :func:`pair_mean` and :func:`~rolemrc.objectives.logprobs.token_nll`.
+    """
+    loss = pair_mean(losses, num_pairs)
+    if not sft_weight > 0:
+        return loss, None
+    if num_chosen_tokens is None:
+        raise ValueError("sft_weight > 0 needs num_chosen_tokens (the chosen responses' token count)")
+    nll = token_nll(chosen_logps, num_chosen_tokens)
+    return loss + sft_weight * nll, nll
 
 
 def metrics(

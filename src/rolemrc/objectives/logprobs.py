@@ -46,6 +46,7 @@ __all__ = [
     "sft_loss",
     "shift_labels",
     "token_logprobs",
+    "token_nll",
 ]
 
 
@@ -361,13 +362,26 @@ def sft_loss(
         vocab_chunk_size=vocab_chunk_size,
         ignore_index=ignore_index,
     )
+    if reduction == "mean":
+        return token_nll(logps, logps.numel())
     nll = -logps
-    if reduction == "none":
-        return nll
-    total = nll.sum()
-    if reduction == "sum":
-        return total
-    return total / max(nll.numel(), 1)
+    return nll if reduction == "none" else nll.sum()
+
+
+def token_nll(logps: Tensor, num_tokens: Tensor | int) -> Tensor:
+    """The SFT loss: negative log-likelihood per token, ``-logps.sum() / max(num_tokens, 1)``
+    (0.0, not NaN, with no token; still attached to the graph).
+
+    ``logps``: log-probs to add up (per token, per sequence as :func:`sequence_logprobs` sums
+    them, or one total). ``num_tokens``: what the sum is divided by. The tokens behind ``logps``
+    give their mean; an optimizer step's label tokens, counted over all of its micro-batches and
+    ranks, give this micro-batch's share of the step's mean, which is how the training modules
+    normalise: the shares add up to the global-batch mean however the batch is cut.
+    """
+    total = -logps.sum()
+    if isinstance(num_tokens, Tensor):
+        return total / num_tokens.to(total.dtype).clamp(min=1)
+    return total / max(num_tokens, 1)
 
 
 def naive_token_logprobs(

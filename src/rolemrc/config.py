@@ -384,6 +384,8 @@ class EvalMetricsConfig:
     )
     rouge_only: bool = False  # ROUGE-L only (paper Table 4, RoleBench); implied by format: rolebench sources
     meteor_tokenizer: str = "regex"  # regex | punkt
+    # ROUGE as HF evaluate's "rouge" computes it: no stemming by default (its use_stemmer=False).
+    rouge_use_stemmer: bool = False
     bertscore: EvalBertScoreConfig = field(default_factory=EvalBertScoreConfig)
 
 

@@ -5,7 +5,8 @@
 
 - bleu: ``tokenizer_13a`` (evaluate's copy of sacrebleu's ``Tokenizer13a``, returning
   ``line.split()``) + nmt ``compute_bleu(refs, preds, max_order=4, smooth=False)``;
-- rouge: ``rouge_scorer.RougeScorer(types, use_stemmer=True)``, ``score`` / ``score_multi``;
+- rouge: ``rouge_scorer.RougeScorer(types, use_stemmer=False)`` (evaluate's default; and True where
+  ``metrics.rouge_use_stemmer`` asks for it), ``score`` / ``score_multi``;
 - meteor: ``nltk`` ``single_meteor_score`` / ``meteor_score`` over ``word_tokenize`` output with
   ``alpha=0.9, beta=3, gamma=0.5`` (punkt replaced by the documented regex sentence split);
 - bertscore: ``BERTScorer(...).score(cands, [[ref], ...])`` with the offline MiniLM.
@@ -184,12 +185,13 @@ def test_empty_prediction_or_reference_bleu_is_zero_where_nmt_divides_by_zero():
 # ---------------------------------------------------------------- ROUGE: evaluate "rouge"
 
 
-def test_rouge_parity_on_edge_strings():
+@pytest.mark.parametrize("stem", [False, True])
+def test_rouge_parity_on_edge_strings(stem: bool):
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=True)
+    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=stem)
     preds, refs = zip(*ALL_PAIRS)
-    ours = M.rouge_scores(preds, refs)
+    ours = M.rouge_scores(preds, refs, use_stemmer=stem)
     nonzero = 0
     for i, (pred, ref) in enumerate(ALL_PAIRS):
         direct = scorer.score(ref, pred)
@@ -206,7 +208,7 @@ def test_rouge_parity_on_edge_strings():
 def test_rouge_parity_several_references():
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=True)
+    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES))  # evaluate's default: no stemming
     preds, refs = zip(*MULTI)
     ours = M.rouge_scores(preds, refs)
     for i, (pred, rs) in enumerate(MULTI):
@@ -214,6 +216,15 @@ def test_rouge_parity_several_references():
         for t in M.ROUGE_TYPES:
             assert ours[t][i] == direct[t].fmeasure, (t, pred, rs)
     assert M.rouge_l(list(preds), list(refs)).per_sample["rougeL"] == ours["rougeL"]
+
+
+def test_rouge_default_is_evaluates_no_stemming_and_the_key_switches_it():
+    """evaluate's "rouge" does not stem unless asked: "cats running" vs "cat runs" share no token
+    unstemmed and every token stemmed; compute_metrics records which."""
+    unstemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"])
+    stemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"], rouge_use_stemmer=True)
+    assert unstemmed.per_sample["rouge1"] == [0.0] and stemmed.per_sample["rouge1"] == [1.0]
+    assert "use_stemmer=False" in unstemmed.info["rouge"] and "use_stemmer=True" in stemmed.info["rouge"]
 
 
 # ---------------------------------------------------------------- METEOR: evaluate "meteor"

@@ -17,7 +17,8 @@ handled as each library handles them).
   trailing ``"-\\n"`` is kept as a hyphen instead of being removed by 13a) and uses the
   *closest* reference length; both change scores. Where nmt-BLEU divides by zero (a
   prediction or a shortest reference with no tokens) the score is 0 by definition.
-- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(types, use_stemmer=True)`` (rougeLsum splits on
+- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(types, use_stemmer=False)`` (evaluate's default;
+  ``metrics.rouge_use_stemmer=true`` for Porter stemming) (rougeLsum splits on
   newlines, ``split_summaries=False``), F-measure; several references: ``score_multi``.
 - METEOR: NLTK ``single_meteor_score`` (``meteor_score`` for several references) with
   ``alpha=0.9, beta=3, gamma=0.5`` and WordNet, as evaluate's "meteor" calls it. evaluate
@@ -197,20 +198,26 @@ def bleu_scores(predictions: Sequence[str], references: Sequence[str | Sequence[
 
 
 @lru_cache(maxsize=8)
-def _rouge_scorer(types: tuple[str, ...]) -> Any:
+def _rouge_scorer(types: tuple[str, ...], use_stemmer: bool) -> Any:
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(list(types), use_stemmer=True, split_summaries=False)
+    return rouge_scorer.RougeScorer(list(types), use_stemmer=use_stemmer, split_summaries=False)
+
+
+def rouge_info(use_stemmer: bool) -> str:
+    return f"rouge_score RougeScorer(use_stemmer={use_stemmer}), F-measure (score_multi for several references)"
 
 
 def rouge_scores(
-    predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES
+    predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES,
+    use_stemmer: bool = False,
 ) -> dict[str, list[float]]:
-    """F-measure per sample for each ROUGE type (rouge_score with Porter stemming).
+    """F-measure per sample for each ROUGE type, as HF evaluate's "rouge" computes it
+    (``use_stemmer=False`` is its default; True applies the Porter stemmer).
 
     A list of references is scored with ``score_multi`` (per type, the best F-measure).
     """
-    scorer = _rouge_scorer(tuple(types))
+    scorer = _rouge_scorer(tuple(types), use_stemmer)
     out: dict[str, list[float]] = {t: [] for t in types}
     for p, r in zip(predictions, references, strict=True):
         # rouge_score's order is (target, prediction)
@@ -220,11 +227,12 @@ def rouge_scores(
     return out
 
 
-def rouge_l(predictions: Sequence[str], references: Sequence[str | Sequence[str]]) -> MetricsResult:
+def rouge_l(predictions: Sequence[str], references: Sequence[str | Sequence[str]],
+            use_stemmer: bool = False) -> MetricsResult:
     """ROUGE-L F only: the metric the paper reports on RoleBench (Table 4)."""
     return MetricsResult(
-        per_sample={"rougeL": rouge_scores(predictions, references, ("rougeL",))["rougeL"]},
-        info={"rouge": "rouge_score RougeScorer(use_stemmer=True), F-measure"},
+        per_sample={"rougeL": rouge_scores(predictions, references, ("rougeL",), use_stemmer)["rougeL"]},
+        info={"rouge": rouge_info(use_stemmer)},
     )
 
 
@@ -366,6 +374,7 @@ def compute_metrics(
     metrics: Sequence[str] = METRICS,
     bertscore: BertScoreConfig = BertScoreConfig(),
     meteor_tokenizer: MeteorTokenizer = "regex",
+    rouge_use_stemmer: bool = False,
 ) -> MetricsResult:
     """All requested Table-3 metrics, per sample, with provenance in ``info``.
 
@@ -390,8 +399,8 @@ def compute_metrics(
         )
     rouge_wanted = [t for t in ROUGE_TYPES if t in metrics]
     if rouge_wanted:
-        per.update(rouge_scores(predictions, references, rouge_wanted))
-        info["rouge"] = "rouge_score RougeScorer(use_stemmer=True), F-measure (score_multi for several references)"
+        per.update(rouge_scores(predictions, references, rouge_wanted, rouge_use_stemmer))
+        info["rouge"] = rouge_info(rouge_use_stemmer)
     if "meteor" in metrics:
         per["meteor"] = meteor_scores(predictions, references, meteor_tokenizer)
         info["meteor"] = f"nltk meteor_score alpha=0.9 beta=3 gamma=0.5, tokenizer={meteor_tokenizer}"

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Sequence[str], rolebench: bool) -> Any:
     """MetricsResult: ROUGE-L only for RoleBench / ``metrics.rouge_only``, else ``metrics.names``."""
-    from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_l, rouge_scores
+    from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_info, rouge_l, rouge_scores
 
     m = cfg.metrics
     if rolebench:
@@ -60,12 +60,11 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
         per = []
         for it, reply in zip(items, replies, strict=True):
             refs = it.extra.get("references") or [it.reference]
-            per.append(max(rouge_scores([reply] * len(refs), refs, ("rougeL",))["rougeL"]))
-        return MetricsResult({"rougeL": per}, {"rouge": "rouge_score RougeScorer(use_stemmer=True), F-measure, "
-                                                         "best over the reference answers"})
+            per.append(max(rouge_scores([reply] * len(refs), refs, ("rougeL",), m.rouge_use_stemmer)["rougeL"]))
+        return MetricsResult({"rougeL": per}, {"rouge": rouge_info(m.rouge_use_stemmer) + ", best over the reference answers"})
     refs = [it.reference for it in items]
     if m.rouge_only:
-        return rouge_l(replies, refs)
+        return rouge_l(replies, refs, m.rouge_use_stemmer)
     if not m.names:
         return None
     bs = m.bertscore
@@ -74,6 +73,7 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
         metrics=list(m.names),
         bertscore=BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device),
         meteor_tokenizer=m.meteor_tokenizer,
+        rouge_use_stemmer=m.rouge_use_stemmer,
     )
 
 

@@ -54,6 +54,21 @@ def wandb_records(path: str | Path) -> list[Any]:
     return records
 
 
+def finished_records(path: Path, timeout: float = 60.0) -> list[Any]:
+    """The records of a run that has finished. wandb's core process writes the log on its own
+    schedule, so ``run.finish()`` can return before the last records are on disk (seen here on a
+    loaded machine): read until the run's ``exit`` record is there, which comes after every
+    history row."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
     """The logged rows (``run.log`` calls) of the single offline run under ``<run_dir>/wandb``,
     values decoded from JSON; nested keys joined with ``/``."""
@@ -61,7 +76,7 @@ def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
     if len(files) != 1:
         raise AssertionError(f"expected one offline run under {run_dir}/wandb, found {files}")
     rows = []
-    for record in wandb_records(files[0]):
+    for record in finished_records(files[0]):
         if record.WhichOneof("record_type") == "history":
             rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
                          for item in record.history.item})

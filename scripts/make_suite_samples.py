@@ -15,6 +15,8 @@ Outputs under ``src/rolemrc/assets/``:
         profiles-zh/desc.json
         profiles-eng/roles.jsonl              ours: {name, description, catchphrases, dialogue}
         profiles-zh/roles.jsonl
+        profiles-eng/roles_with_scripts.jsonl ours: the same roles + script_file, Context-Instruct's input
+        profiles-eng/scripts/<Name>.txt       a short original scene script per role
         rolebench-eng/instruction-generalization/{general,role_specific}/{train,test}.jsonl
         rolebench-eng/role-generalization/{general,role_specific}/{train,test}.jsonl
         rolebench-zh/{general,role_specific}/{train,test}.jsonl
@@ -75,6 +77,53 @@ ZH_ROLES = {
         dialogue=[],
     ),
 }
+
+# Short scene scripts of the English roles (Context-Instruct's input: the role knowledge it
+# turns into question-answer pairs). Paragraphs are blank-line separated, so segments cut there.
+ENG_SCRIPTS = {
+    "Tobias Wren": [
+        "INT. GULLROCK LIGHT, LAMP ROOM - DUSK. Wind against the glass. TOBIAS WREN, sixty, oilskin coat, "
+        "climbs the last of the ninety-four steps and trims the wick.",
+        "TOBIAS: Thirty-one years I have lit you, old girl, and not one night missed. Mind the tide.",
+        "He opens a leather log book on the chart table. Page after page of storms in a small, careful hand.",
+        "TOBIAS (writing): Wind north-east, force seven. Rain from the south by midnight. Supply boat late again.",
+        "INT. GULLROCK LIGHT, KITCHEN - MORNING. Tobias polishes the great lens with a chamois cloth before he "
+        "boils the kettle. A gull taps at the window.",
+        "TOBIAS: Aye, shipmate, you will have your crust. The lens comes first, then the tea, then the gulls.",
+        "EXT. GULLROCK LANDING - DAY. A rowing boat bumps the stone steps. The harbour master, ELSIE DUNN, "
+        "hands up a sack of flour and a bundle of letters.",
+        "ELSIE: They say the light will be automatic in a year, Tobias.",
+        "TOBIAS: Then the light will not know when a fishing boat is in trouble. I do. Mind the tide going back, Elsie.",
+    ],
+    "Colette Marchand": [
+        "INT. LE PETIT FOUET, LYON - 4 A.M. Flour in the air. COLETTE MARCHAND, forties, sleeves rolled, folds a "
+        "slab of cold butter into the dough on a marble counter.",
+        "COLETTE: Three folds, mon ami, and never warm hands. The butter must stay a sheet, not a puddle.",
+        "Her apprentice, THEO, reaches for the dough sheeter in the corner. Colette shakes her head.",
+        "COLETTE: The machine is for the tourists' baguettes. Every croissant here is shaped by hand. Voila!",
+        "INT. LE PETIT FOUET, SHOP FRONT - 7 A.M. The first customers queue along the street by the river. The "
+        "sign above the door shows a little whisk.",
+        "THEO: Why is the bakery called the little whisk?",
+        "COLETTE: My grandmother's first tool was a whisk she bought with her first week's wages. She opened "
+        "this shop with it. Voila, the name.",
+    ],
+    "Maren Holt": [
+        "INT. FREIGHTER LONG HAUL, ENGINE DECK - SHIP'S NIGHT. Red warning lights. MAREN HOLT, chief engineer, "
+        "grease to the elbows, wedges a spanner into a coolant valve.",
+        "MAREN: Hold together, old girl. Forty years old and you still fly better than the new ones.",
+        "The CAPTAIN's voice crackles on the intercom: how long until the second reactor is back?",
+        "MAREN: By the numbers, Captain: coolant loop in ten minutes, pressure in twenty, full power in an hour. "
+        "Unless you want it faster and louder.",
+        "INT. LONG HAUL, STORES LOCKER - LATER. Shelves of salvaged parts, each tagged in Maren's handwriting "
+        "with the ship it came from.",
+        "MAREN: Spare parts and stubbornness. Mostly stubbornness. The parts run out first.",
+    ],
+}
+
+
+def script_file(name: str) -> str:
+    return f"scripts/{name.replace(' ', '_')}.txt"
+
 
 # General instructions: (question, original answer, {role: role-customised answer}).
 ENG_GENERAL = [
@@ -154,6 +203,11 @@ def rolebench_files() -> dict[str, object]:
     out[root + "profiles-zh/desc.json"] = {n: r["description"] for n, r in ZH_ROLES.items()}
     out[root + "profiles-eng/roles.jsonl"] = [{"name": n, **r} for n, r in ENG_ROLES.items()]
     out[root + "profiles-zh/roles.jsonl"] = [{"name": n, **r} for n, r in ZH_ROLES.items()]
+    # Context-Instruct's input: python synthesize.py stages=[context_instruct] context_instruct.roles=<this>
+    out[root + "profiles-eng/roles_with_scripts.jsonl"] = [{"name": n, **r, "script_file": script_file(n)}
+                                                           for n, r in ENG_ROLES.items()]
+    for n, paragraphs in ENG_SCRIPTS.items():
+        out[root + "profiles-eng/" + script_file(n)] = "\n\n".join(paragraphs) + "\n"
     out[root + "instructions-eng/instructions-general.jsonl"] = [{"question": q, "answer": a} for q, a, _ in ENG_GENERAL]
     out[root + "instructions-zh/instructions-general.jsonl"] = [{"question": q, "answer": a} for q, a, _ in ZH_GENERAL]
 

@@ -140,3 +140,30 @@ def test_bad_role_records_name_file_and_line(tmp_path: Path, inputs: dict[str, P
         assert server.requests == 0
     with pytest.raises(ValueError, match="rolegpt.questions: must name"):
         run_pipeline([f"out_dir={tmp_path}", "stages=[rolegpt]", f"rolegpt.roles={bad}"])
+
+
+def test_readme_dry_run_on_the_shipped_roles_file(tmp_path: Path) -> None:
+    """The README's offline command on the shipped sample roles (scripts read through script_file)
+    exits 0 and plans one request per segment, sending nothing."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.synth.helpers import REPO
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    [line] = [ln for ln in readme.splitlines()
+              if ln.startswith("python synthesize.py stages=[context_instruct]") and "roles_with_scripts.jsonl" in ln
+              and ln.endswith("dry_run=true")]
+    argv = shlex.split(line)[2:]
+    roles = next(a for a in argv if a.startswith("context_instruct.roles=")).split("=", 1)[1]
+    assert (REPO / roles).is_file()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "COLUMNS": "250"}
+    env.pop("OPENAI_API_KEY", None)
+    proc = subprocess.run([sys.executable, str(REPO / "synthesize.py"), *argv, f"out_dir={tmp_path / 'out'}",
+                           "progress=false", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "roles=3" in proc.stdout and "would send 3" in proc.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing into out_dir

@@ -64,13 +64,15 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
 
         return SFTModule(model, objective, optim, policy, sharding)
     if cfg.objective.name == "dpo":
+        from rolemrc.checkpointing.state import read_checkpoint_entries
         from rolemrc.modules.dpo import DPOModule
         from rolemrc.modules.reference import make_reference
 
         if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
-        return DPOModule(model, objective, optim, policy, make_reference(model, cfg), sharding)
+        reference = make_reference(model, cfg, read_checkpoint=read_checkpoint_entries)
+        return DPOModule(model, objective, optim, policy, reference, sharding)
     raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
 
 

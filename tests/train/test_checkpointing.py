@@ -131,3 +131,24 @@ def test_checkpoint_run_dir(tmp_path: Path) -> None:
     stray = touch(tmp_path / "elsewhere" / "x" / "last.ckpt", T)
     with pytest.raises(FileNotFoundError, match=r"no \.hydra/config\.yaml"):
         checkpoint_run_dir(stray)
+
+
+def test_read_checkpoint_entries_without_the_weights(tmp_path: Path) -> None:
+    """A checkpoint's other entries (the precomputed DPO reference's tables), from a ``.ckpt``
+    file or a DCP folder's ``meta.pt``; tensors copied out of the memory map."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from rolemrc.checkpointing import read_checkpoint_entries
+
+    entries = {"reference_logps": {"train": torch.arange(6.0).reshape(3, 2)}, "reference_rows": {"train": "ab12"}}
+    torch.save({"state_dict": {"model.w": torch.ones(2)}, **entries}, tmp_path / "last.ckpt")
+    (tmp_path / "last-dcp").mkdir()
+    torch.save({"epoch": 0, **entries}, tmp_path / "last-dcp" / _METADATA_FILENAME)
+    for path in (tmp_path / "last.ckpt", tmp_path / "last-dcp"):
+        got = read_checkpoint_entries(path, ("reference_logps", "reference_rows", "absent"))
+        assert set(got) == {"reference_logps", "reference_rows"}
+        assert torch.equal(got["reference_logps"]["train"], entries["reference_logps"]["train"])
+        assert got["reference_rows"] == {"train": "ab12"}
+    assert read_checkpoint_entries(tmp_path / "last.ckpt", ("absent",)) == {}
+    with pytest.raises(FileNotFoundError):
+        read_checkpoint_entries(tmp_path / "none.ckpt", ("reference_logps",))

@@ -1,8 +1,11 @@
-"""Model weights out of checkpoints and sharded models, as full (unsharded) state dicts."""
+"""Model weights out of checkpoints and sharded models, as full (unsharded) state dicts, and a
+checkpoint's other entries read without its weights."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,3 +44,30 @@ def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torc
     else:
         weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def read_checkpoint_entries(path: str | Path, keys: Iterable[str]) -> dict[str, Any]:
+    """The top-level entries ``keys`` of a Lightning checkpoint that it has, read without its
+    weights: from a ``.ckpt`` file (memory-mapped; tensors copied out of the map) or from a
+    distributed (DCP) folder's ``meta.pt``, where Lightning's ModelParallelStrategy writes the
+    non-tensor entries. Raises what reading raises (a missing or unreadable file)."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    p = Path(path)
+    if p.is_dir():
+        ckpt = torch.load(p / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+    else:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    return {k: _copied(ckpt[k]) for k in keys if k in ckpt}
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor (in nested dicts, lists, tuples) cloned, so nothing points
+    into a memory-mapped file."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value

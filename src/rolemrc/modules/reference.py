@@ -14,8 +14,9 @@ encoded rows (data, tokenizer, template, max lengths), precision, attention impl
 FSDP compute dtype. Every checkpoint carries the tables, so a run resumed in any folder finds them
 there. A resume whose checkpoint lacks them and whose cache is gone is refused when the policy
 already holds the checkpoint's trained weights (single/DDP restore before ``on_fit_start``); FSDP2
-(ModelParallelStrategy) restores after it, so the tables are read from the checkpoint file early
-and, failing that, computed from the still-initial weights. A table computed from trained weights
+(ModelParallelStrategy) restores after it, so the tables are read from the checkpoint early (by the
+reader the builder hands in: checkpoint storage is :mod:`rolemrc.checkpointing`'s) and, failing
+that, computed from the still-initial weights. A table computed from trained weights
 is never used nor written to the cache.
 """
 
@@ -26,7 +27,7 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 REFERENCE_MODES = ("copy", "adapter", "precomputed")
 CKPT_TABLES = "reference_logps"  # {stage: [N, 2] float32} in every precomputed run's checkpoint
 CKPT_ROWS = "reference_rows"  # {stage: rows_fingerprint} of the rows those tables belong to
+ReadCheckpoint = Callable[[Any, Iterable[str]], dict[str, Any]]  # (checkpoint path, keys) -> the entries it has
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -136,10 +138,12 @@ class AdapterReference(Reference):
 class PrecomputedReference(Reference):
     mode = "precomputed"
 
-    def __init__(self, model: nn.Module, key: str, cache_dir: str, batch_size: int) -> None:
+    def __init__(self, model: nn.Module, key: str, cache_dir: str, batch_size: int,
+                 read_checkpoint: ReadCheckpoint | None = None) -> None:
         self.key = key  # the initial weights (fingerprinted before anything is restored) + settings
         self.cache_dir = cache_dir
         self.batch_size = batch_size
+        self.read_checkpoint = read_checkpoint  # (path, keys) -> entries; None: never read early
         self.tables: dict[str, torch.Tensor] = {}
         self.rows: dict[str, str] = {}  # stage -> rows_fingerprint of its table (unknown: absent)
 
@@ -189,7 +193,7 @@ class PrecomputedReference(Reference):
         trainer = module.trainer
         restored_later = trainer.ckpt_path is not None and trainer.strategy.restore_checkpoint_after_setup
         if restored_later:  # FSDP2: the checkpoint's tables now, rather than a pass over the data
-            found = _broadcast(trainer, _read_checkpoint_tables(trainer.ckpt_path) if trainer.is_global_zero else None)
+            found = _broadcast(trainer, self._checkpoint_tables(trainer.ckpt_path) if trainer.is_global_zero else None)
             if found is not None:
                 self.load_state_dict(found)
                 if stage in self.tables and self.tables[stage].shape[0] == len(rows):
@@ -217,6 +221,20 @@ class PrecomputedReference(Reference):
 
     def cache_path(self, rows: list[dict]) -> Path:
         return Path(self.cache_dir) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
+
+    def _checkpoint_tables(self, path: Any) -> dict[str, Any] | None:
+        """The reference entries of the checkpoint being resumed, read without its weights by
+        the builder's ``read_checkpoint``; None when it has none or cannot be read."""
+        if self.read_checkpoint is None:
+            return None
+        try:
+            found = self.read_checkpoint(path, (CKPT_TABLES, CKPT_ROWS))
+        except Exception as e:  # noqa: BLE001 - computing from the still-initial weights is correct too
+            log.warning("could not read reference log-probs from %s (%s): computing them", path, e)
+            return None
+        if CKPT_TABLES not in found:
+            return None
+        return {CKPT_TABLES: found[CKPT_TABLES], CKPT_ROWS: found.get(CKPT_ROWS, {})}
 
 
 def reference_key(model: nn.Module, cfg: Any) -> str:
@@ -253,34 +271,17 @@ def compute_table(module: DPOModule, rows: list[dict], stage: str, batch_size: i
     return table
 
 
-def _read_checkpoint_tables(path: Any) -> dict[str, Any] | None:
-    """The reference entries of a Lightning checkpoint, read without its weights: a ``.ckpt``
-    file (memory-mapped) or a distributed (DCP) folder, whose non-tensor entries Lightning's
-    ModelParallelStrategy writes to ``meta.pt``."""
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-    p = Path(path)
-    try:
-        if p.is_dir():
-            ckpt = torch.load(p / _METADATA_FILENAME, map_location="cpu", weights_only=True)
-        else:
-            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - computing from the still-initial weights is correct too
-        log.warning("could not read reference log-probs from %s (%s): computing them", path, e)
-        return None
-    if CKPT_TABLES not in ckpt:
-        return None
-    return {CKPT_TABLES: {k: v.clone() for k, v in ckpt[CKPT_TABLES].items()}, CKPT_ROWS: ckpt.get(CKPT_ROWS, {})}
-
-
 def _broadcast(trainer: Any, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank: all ranks take the same path (collective compute or not),
     even when only rank 0 sees a file."""
     return trainer.strategy.broadcast(obj, src=0) if trainer.world_size > 1 else obj
 
 
-def make_reference(model: nn.Module, cfg: Any) -> Reference:
-    """The reference of ``objective.reference``, built from the initial ``model``."""
+def make_reference(model: nn.Module, cfg: Any, read_checkpoint: ReadCheckpoint | None = None) -> Reference:
+    """The reference of ``objective.reference``, built from the initial ``model``.
+    ``read_checkpoint(path, keys)``: a checkpoint's entries without its weights (the builder
+    passes :func:`rolemrc.checkpointing.state.read_checkpoint_entries`), for a precomputed
+    reference resumed under FSDP2, whose checkpoint is restored after fit start."""
     mode = cfg.objective.reference
     if mode == "copy":
         return CopyReference(model)
@@ -288,5 +289,5 @@ def make_reference(model: nn.Module, cfg: Any) -> Reference:
         return AdapterReference(model)
     if mode == "precomputed":
         cache_dir = cfg.objective.reference_cache_dir or str(Path(cfg.run_dir) / "ref_cache")
-        return PrecomputedReference(model, reference_key(model, cfg), cache_dir, cfg.data.batch_size)
+        return PrecomputedReference(model, reference_key(model, cfg), cache_dir, cfg.data.batch_size, read_checkpoint)
     raise ValueError(f"objective.reference must be one of {REFERENCE_MODES}, got {mode!r}")

@@ -2,6 +2,8 @@
 
 A file is written to a temporary sibling, flushed and fsynced, then renamed over the target,
 so a reader (or a resumed run) sees either the old content or the new, never a torn file.
+A folder (an export, a sharded checkpoint) is written as ``<name>.partial`` and swapped in
+complete (:func:`atomic_dir`, :func:`swap_in`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -61,3 +64,43 @@ def atomic_save(path: str | Path, save: Callable[[str], None]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def partial_path(path: str | Path) -> Path:
+    """Where a folder (or file) is written before :func:`swap_in` puts it at ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
+def swap_in(tmp: str | Path, final: str | Path) -> None:
+    """Put the finished ``tmp`` in ``final``'s place. A folder already at ``final`` is renamed
+    to its ``<final>.old`` twin, ``tmp`` renamed in, then the twin deleted: a crash leaves the
+    old folder, the new one, or the old one as ``<final>.old`` (which checkpoint lookup falls
+    back to), never a mix and never a moment without either. Otherwise one rename over it."""
+    tmp, final = Path(tmp), Path(final)
+    if final.is_dir():
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """``with atomic_dir(out) as tmp: <write the folder into tmp>``: ``tmp`` is
+    ``<out>.partial``, emptied first; when the block ends it is swapped in for ``out``
+    (:func:`swap_in`). If the block raises, ``out`` is untouched and the partial folder stays
+    behind (never taken for a finished one; the next attempt clears it)."""
+    out = Path(path)
+    tmp = partial_path(out)
+    if tmp.is_dir():
+        shutil.rmtree(tmp)
+    elif tmp.exists():
+        tmp.unlink()
+    tmp.mkdir(parents=True)
+    yield tmp
+    swap_in(tmp, out)

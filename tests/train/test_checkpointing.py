@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rolemrc.checkpointing import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
-from rolemrc.checkpointing.io import AtomicCheckpointIO, _swap_in
+from rolemrc.checkpointing.io import AtomicCheckpointIO
+from rolemrc.fileio import atomic_dir, swap_in
 
 
 def touch(path: Path, mtime: float, dcp: bool = False) -> Path:
@@ -69,7 +70,7 @@ def test_old_twin_competes_with_slurm_checkpoints_by_age(tmp_path: Path) -> None
 
 
 def test_interrupted_folder_swap_leaves_the_old_checkpoint_findable(tmp_path: Path, monkeypatch) -> None:
-    """The crash ``_swap_in`` guards against: the old folder moved aside, the new one not yet in."""
+    """The crash ``swap_in`` guards against: the old folder moved aside, the new one not yet in."""
     ckpts = tmp_path / "checkpoints"
     final = touch(ckpts / "last.ckpt", T, dcp=True)
     (final / "step").write_text("6")
@@ -85,18 +86,18 @@ def test_interrupted_folder_swap_leaves_the_old_checkpoint_findable(tmp_path: Pa
 
     monkeypatch.setattr(Path, "rename", crash_on_second)
     with pytest.raises(OSError, match="killed mid-swap"):
-        _swap_in(tmp, final)
+        swap_in(tmp, final)
     monkeypatch.undo()
     found = find_checkpoint(tmp_path)
     assert found == ckpts / "last.ckpt.old" and (found / "step").read_text() == "6"
     assert is_training_checkpoint(found)
 
-    _swap_in(tmp, final)  # the next save puts a complete last.ckpt back, which wins over the twin
+    swap_in(tmp, final)  # the next save puts a complete last.ckpt back, which wins over the twin
     assert find_checkpoint(tmp_path) == final and (final / "step").read_text() == "9"
     assert not tmp.exists()
     newer = touch(ckpts / "last.ckpt.partial", T + 2, dcp=True)
     (newer / "step").write_text("12")
-    _swap_in(newer, final)  # and the save after that clears the stale twin
+    swap_in(newer, final)  # and the save after that clears the stale twin
     assert find_checkpoint(tmp_path) == final and (final / "step").read_text() == "12"
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]
 
@@ -152,3 +153,22 @@ def test_read_checkpoint_entries_without_the_weights(tmp_path: Path) -> None:
     assert read_checkpoint_entries(tmp_path / "last.ckpt", ("absent",)) == {}
     with pytest.raises(FileNotFoundError):
         read_checkpoint_entries(tmp_path / "none.ckpt", ("reference_logps",))
+
+
+def test_atomic_dir_swaps_a_finished_folder_in_and_leaves_out_alone_on_failure(tmp_path: Path) -> None:
+    """Exports: ``<out>.partial`` swapped in complete; a failed write keeps the previous export."""
+    out = tmp_path / "export"
+    with atomic_dir(out) as tmp:
+        assert tmp == tmp_path / "export.partial" and tmp.is_dir()
+        (tmp / "model.safetensors").write_text("v1")
+    assert (out / "model.safetensors").read_text() == "v1" and not tmp.exists()
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_dir(out) as tmp:
+            (tmp / "model.safetensors").write_text("half")
+            raise RuntimeError("killed")
+    assert (out / "model.safetensors").read_text() == "v1"
+    with atomic_dir(out) as tmp:  # the next attempt clears the leftover partial folder
+        assert list(tmp.iterdir()) == []
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]

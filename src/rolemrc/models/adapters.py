@@ -10,12 +10,11 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from rolemrc.errors import ModelSourceError
-from rolemrc.fileio import atomic_write_json
+from rolemrc.fileio import atomic_dir, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ def _merged_dir(adapter: Path) -> Path:
 
 def merged_adapter_path(adapter: str | Path) -> str:
     """A plain HF folder holding ``adapter`` merged into its base model: written once (under a
-    file lock, into ``<out>.partial`` then renamed) and reused while the adapter is unchanged."""
+    file lock, into ``<out>.partial`` then swapped in) and reused while the adapter is unchanged."""
     from filelock import FileLock
 
     adapter = Path(adapter).expanduser().resolve()
@@ -105,12 +104,7 @@ def _merge(adapter: Path, base: str, out: Path) -> None:
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     has_tokenizer = any((adapter / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(adapter) if has_tokenizer else base, trust_remote_code=False)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
     merged.config.use_cache = True
-    merged.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    with atomic_dir(out) as partial:
+        merged.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)

@@ -5,7 +5,6 @@ run's model (:func:`export_state`) or from a checkpoint file/folder (:func:`expo
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from rolemrc.checkpointing.state import read_model_state
+from rolemrc.fileio import atomic_dir
 from rolemrc.models.loading import load_model, load_tokenizer, unwrap
 from rolemrc.models.logprob_head import install_logprob_head, restore_linear_head
 
@@ -28,13 +28,11 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     whose ``adapter_config.json`` names its base model, so ``peft.AutoPeftModelForCausalLM``
     loads it: ``base`` (the ``model.path`` it was loaded from: a hub id, or a folder written as
     an absolute path) or, for a random-init base, the base weights saved next to the adapter in
-    ``<out_dir>/base_model``. Writes into ``<out_dir>.partial`` and renames at the end, so an
-    interrupted export never leaves a folder that looks complete; rerunning simply writes it again.
+    ``<out_dir>/base_model``. Writes into ``<out_dir>.partial`` and swaps it in at the end
+    (:func:`rolemrc.fileio.atomic_dir`), so an interrupted export never leaves a folder that looks
+    complete and a previous export stays in place until the new one is; rerunning simply writes it again.
     """
     out = Path(out_dir)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
     is_peft = hasattr(model, "get_base_model")
     restore_linear_head(model)  # saved models are plain transformers models
     try:
@@ -47,18 +45,16 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
         config = unwrap(to_save).config
         training_cache, config.use_cache = config.use_cache, True  # exports are for inference (KV cache)
         try:
-            if is_peft and not merge_lora:
-                _save_adapter(to_save, partial, out, base)
-            else:
-                to_save.save_pretrained(partial, safe_serialization=True)
+            with atomic_dir(out) as partial:  # <out>.partial, swapped in for <out> once complete
+                if is_peft and not merge_lora:
+                    _save_adapter(to_save, partial, out, base)
+                else:
+                    to_save.save_pretrained(partial, safe_serialization=True)
+                tokenizer.save_pretrained(partial)
         finally:
             config.use_cache = training_cache
-        tokenizer.save_pretrained(partial)
     finally:
         install_logprob_head(model)
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
     log.info("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
     return out
 

@@ -290,6 +290,14 @@ def typed_train_config(cfg: Any) -> TrainConfig:
     return typed
 
 
+def plain(value: Any) -> Any:
+    """A config value as plain Python (dicts, lists, scalars; interpolations resolved), anything
+    else as it is: for code that works on plain types and for library calls (Hydra hands nested
+    config as DictConfig/ListConfig; transformers' config classes reject OmegaConf nodes, e.g.
+    ``rope_parameters`` from a saved config.json)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def typed(node: Any) -> Any:
     """A structured config node (``cfg.objective``, ``cfg.optim``, ...) as its dataclass; other
     values as they are. For code that wants typed settings without the whole config."""

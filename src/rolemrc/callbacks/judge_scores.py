@@ -47,10 +47,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
-from rolemrc.config import JudgeConfig
+from rolemrc.config import JudgeConfig, plain
 from rolemrc.eval.generation import greedy_generate_ids, item_id, stop_token_ids
 from rolemrc.eval.judge import (
     STATUSES,
@@ -77,13 +77,6 @@ DEFAULT_METRICS: tuple[str, ...] = ("bleu", "rouge1", "rougeL")  # cheap: no mod
 def is_live(judge: JudgeConfig) -> bool:
     """The model being trained judges itself (``backend: hf`` with ``model: null``)."""
     return judge.backend == "hf" and judge.model is None
-
-
-def plain(value: Any) -> Any:
-    """Hydra hands nested config as DictConfig/ListConfig; the callbacks work on plain types."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def is_sharded(model: nn.Module) -> bool:

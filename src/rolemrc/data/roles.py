@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc.data.schemas import Conversation, Message, RecordError, TestItem, check_turn_order, normalise_messages
+from rolemrc.config import plain
 from rolemrc.errors import ConfigError, InputNotFound
 
 # Our own wording of RoleLLM's structure: identity + description, speaking style and
@@ -147,25 +148,12 @@ def load_profiles(paths: list[str] | tuple[str, ...]) -> dict[str, RoleProfile]:
     return out
 
 
-def _plain(cfg: Any) -> dict[str, Any]:
-    if cfg is None:
-        return {}
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(cfg)
-
-
 class RoleSystem:
     """Renders the system instruction of a role by name, from a ``roles`` config
     (:class:`rolemrc.config_suites.RolesConfig` fields: profiles, template, few_shot, strict)."""
 
     def __init__(self, roles: Any = None, extra_profiles: list[str] | None = None) -> None:
-        r = _plain(roles)
+        r = dict(plain(roles) or {})
         self.template = check_template(r["template"]) if r.get("template") else DEFAULT_TEMPLATE
         self.few_shot = int(r.get("few_shot", 2))
         self.strict = bool(r.get("strict", True))

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rolemrc.config import plain
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 
@@ -177,17 +178,11 @@ def load(data: Any) -> dict[str, Any]:
 def _system(data: Any, name: str, profile: str, profile_chars: int) -> str:
     from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 
-    system = RoleSystem(_plain(data.roles))
+    system = RoleSystem(plain(data.roles))
     if name in system.profiles:
         return system(name)
     desc = profile[:profile_chars].rsplit(" ", 1)[0] if len(profile) > profile_chars else profile
     return render_system(RoleProfile(name, desc), system.template, system.few_shot)
-
-
-def _plain(x: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
 def interview(cfg: Any, ctx: Any, loaded: dict[str, Any]) -> list[Interview]:

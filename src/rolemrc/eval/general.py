@@ -27,18 +27,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
+from rolemrc.config import plain
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 SKIP_KEYS = ("alias", "name", "sample_len", "samples")
-
-
-def _plain(x: Any) -> Any:
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
 def task_specs(tasks: list[Any]) -> list[tuple[str, Any, str | None]]:
@@ -151,7 +148,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     from rolemrc.eval.generation import load_eval_model, model_label
 
     b = cfg.benchmarks
-    specs = task_specs(_plain(b.tasks))
+    specs = task_specs(plain(b.tasks))
     if b.batch_size != "auto" and not (isinstance(b.batch_size, int) and b.batch_size > 0):
         raise ConfigError(f"benchmarks.batch_size must be 'auto' or a positive integer, got {b.batch_size!r}")
     out = Path(cfg.out_dir) / "general"

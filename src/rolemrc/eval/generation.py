@@ -433,17 +433,13 @@ def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], token
             progress=g.progress,
             restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
         )
+    from rolemrc.config import plain
+
     return generate_vllm(
         cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
         stop_ids=stops,
         max_new_tokens=g.max_new_tokens,
         max_model_len=g.max_model_len,
         seed=cfg.seed,
-        llm_kwargs=_plain(g.vllm_kwargs),
+        llm_kwargs=dict(plain(g.vllm_kwargs) or {}),
     )
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value or {})

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from rolemrc.config import plain
 from rolemrc.data.readers import iter_source, read_examples
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
@@ -102,12 +103,6 @@ class RBItem:
     raw: str | None = None  # the original answer (general subset)
 
 
-def _plain(x: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
-
-
 def _raw_answers(path: Path, qfield: str, afield: str) -> dict[str, str]:
     out: dict[str, str] = {}
     errors = []
@@ -129,8 +124,8 @@ def load_items(data: Any, limit: int | None) -> list[RBItem]:
     root = Path(str(rb.root)).expanduser()
     if not root.is_dir():
         raise InputNotFound(f"data.rolebench.root: not a folder: {root} (put RoleBench's files there, see README)")
-    roles = _plain(data.roles) or {}
-    raw_cfg = _plain(rb.raw_answers) or {}
+    roles = plain(data.roles) or {}
+    raw_cfg = plain(rb.raw_answers) or {}
     unknown = [s for s in rb.splits if s not in SPLITS]
     if unknown:
         raise ConfigError(f"data.rolebench.splits: unknown {unknown}; known: {', '.join(SPLITS)}")
@@ -259,12 +254,12 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     items = load_items(cfg.data, cfg.limit)
     log.info("RoleBench: %d test items over %s", len(items), ", ".join(dict.fromkeys(i.split for i in items)))
     replies = ctx.generate("rolebench", [it.item for it in items])
-    raw_cfg = _plain(cfg.data.rolebench.raw_answers) or {}
+    raw_cfg = plain(cfg.data.rolebench.raw_answers) or {}
     res = score(items, replies, cfg.data.rolebench.chinese_tokenizer,
                 raw_enabled={lang: bool(raw_cfg.get(lang)) for lang in ("eng", "zh")})
     from rolemrc.data.roles import RoleSystem
 
-    res["rocit"] = RoleSystem(_plain(cfg.data.roles)).describe()
+    res["rocit"] = RoleSystem(plain(cfg.data.roles)).describe()
     res["items"] = len(items)
     return res
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.config import plain
 from rolemrc.errors import InputNotFound, ModelSourceError
 from rolemrc.models.logprob_head import install_logprob_head
 
@@ -31,15 +32,6 @@ def _naming(key: str, source: str) -> Iterator[None]:
             hint = (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
                     f"where there is network (`hf download {source}`) or point {key} at a local folder.")
         raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
-
-
-def plain(value: Any) -> Any:
-    """A config value as plain Python (dicts, lists, scalars), for library calls: transformers'
-    config classes validate field types and reject OmegaConf nodes (e.g. ``rope_parameters``
-    from a saved config.json)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def check_source(value: str | None, key: str) -> None:

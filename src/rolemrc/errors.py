@@ -37,6 +37,11 @@ class MissingAPIKey(UserError, RuntimeError):
     """An API key's environment variable is not set; the message names the variable."""
 
 
+class DataUnavailable(UserError, ConnectionError):
+    """A data set that cannot be fetched (the hub offline or unreachable, no local copy); the
+    message names what needed it and how to make it available."""
+
+
 
 @contextmanager
 def exit_on_user_error() -> Iterator[None]:

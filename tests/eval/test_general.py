@@ -67,7 +67,7 @@ def test_general_sample_command_reports_delta(exports: tuple[Path, Path], tmp_pa
     trained, start = exports
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     cmd = [sys.executable, "evaluate.py", "benchmarks=general_sample", f"model.path={trained}",
-           f"compare.path={start}", f"out_dir={tmp_path}", "generation.cpu_threads=1"]
+           f"compare.path={start}", f"out_dir={tmp_path}", "generation.cpu_threads=1", "logger=csv"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "metrics.json").read_text())["general"]
@@ -86,10 +86,65 @@ def test_general_sample_command_reports_delta(exports: tuple[Path, Path], tmp_pa
     r = tasks["rolemrc_roleeval_sample"]
     assert (f"| rolemrc_roleeval_sample | acc,none | {100 * r['model']:.2f} | {100 * r['compare']:.2f} | "
             f"{100 * r['delta']:+.2f} |") in summary
+    # The title names the evaluated model (its path), as the "model:" line does, not the preset.
+    assert summary.startswith(f"# Evaluation: {trained} on general\n") and f"- model: {trained}\n" in summary
     # Each model's results are kept for a rerun (reused while model and settings are the same).
     saved = json.loads((tmp_path / "general" / "compare.json").read_text())
     assert saved["settings"]["model"] == str(start) and saved["tasks"]["rolemrc_general_sample"]["value"] == \
         tasks["rolemrc_general_sample"]["compare"]
+    # Every average is logged (csv logger): the model's, the compare's and Δ.
+    logged = csv_scalars(tmp_path / "csv" / "metrics.csv")
+    avg = doc["average"]
+    assert logged["general/average_model"] == pytest.approx(avg["model"], abs=1e-9)
+    assert logged["general/average_compare"] == pytest.approx(avg["compare"], abs=1e-9)
+    assert logged["general/average_delta"] == pytest.approx(avg["delta"], abs=1e-9)
+    assert logged["general/rolemrc_general_sample/delta"] == pytest.approx(tasks["rolemrc_general_sample"]["delta"],
+                                                                          abs=1e-9)
+    # Without compare.path (model results reused from the run above: no lm-eval pass), the model's
+    # average is still logged, and nothing about a compare.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "general").mkdir()
+    (alone / "general" / "model.json").write_bytes((tmp_path / "general" / "model.json").read_bytes())
+    cmd = [sys.executable, "evaluate.py", "benchmarks=general_sample", f"model.path={trained}",
+           f"out_dir={alone}", "generation.cpu_threads=1", "logger=csv"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = csv_scalars(alone / "csv" / "metrics.csv")
+    assert logged["general/average_model"] == pytest.approx(avg["model"], abs=1e-9)
+    assert not any("compare" in k or "delta" in k for k in logged)
+
+
+def csv_scalars(path: Path) -> dict[str, float]:
+    """The non-empty metric columns of the csv logger's rows (the step column aside)."""
+    import csv
+
+    out: dict[str, float] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            out.update({k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)})
+    return out
+
+
+def test_unreachable_dataset_is_one_error_line(tmp_path: Path) -> None:
+    """A task whose data set is on the hub, offline and not cached: one ``error:`` line naming the
+    task and the ways out, exit status 1, no traceback."""
+    task = tmp_path / "unreachable.yaml"
+    task.write_text("task: rolemrc_unreachable\ndataset_path: rolemrc-test/no-such-dataset\ntest_split: test\n"
+                    "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+                    "doc_to_target: answer\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
+               HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"))
+    cmd = [sys.executable, "evaluate.py", "benchmarks=general_sample", f"benchmarks.tasks=[{task}]",
+           f"out_dir={tmp_path / 'out'}", "generation.cpu_threads=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: benchmarks: task rolemrc_unreachable: its data set cannot be loaded "
+                                "(Couldn't reach 'rolemrc-test/no-such-dataset'")
+    assert "HF_DATASETS_OFFLINE=1" in errors[0] and "local task YAML" in errors[0]
 
 
 def test_task_specs_resolve_shipped_yaml_and_refuse_bad_entries(tmp_path: Path) -> None:

@@ -14,8 +14,12 @@ shipped ``rolemrc/assets/lm_eval/*.yaml`` run fully offline), or ``{task, metric
 the metric reported (default: the task's first metric, e.g. ``acc``).
 
 The report lists each task's score for both models and Δ = model − compare, and the average Δ
-over the tasks both have. Each model's results are kept in ``<out_dir>/general/<which>.json``
-and reused by a rerun with the same model and settings.
+over the tasks both have; the loggers get ``general/<task>/model`` and ``general/average_model``
+(with ``compare.path`` also ``.../compare``, ``.../delta``, ``general/average_compare`` and
+``general/average_delta``). A task whose data set cannot be fetched (offline, not cached) ends the
+run with one ``error:`` line naming it (:class:`~rolemrc.errors.DataUnavailable`). Each model's
+results are kept in ``<out_dir>/general/<which>.json`` and reused by a rerun with the same model
+and settings.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 from omegaconf import open_dict
 
 from rolemrc.config import plain
-from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.errors import ConfigError, DataUnavailable, InputNotFound
 from rolemrc.fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -113,7 +117,7 @@ def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model:
               max_length=b.max_length, trust_remote_code=False)
     # Indexing lm-eval's own task folder takes a while: only when a task is named from it.
     named = any(isinstance(s, str) for _, s, _ in specs)
-    tm = TaskManager(include_path=b.include_path or None, include_defaults=named)
+    tm = _task_manager(TaskManager)(include_path=b.include_path or None, include_defaults=named)
     limit = b.limit if b.limit is not None else cfg.limit
     res = lm_eval.simple_evaluate(model=lm, tasks=[s for _, s, _ in specs], task_manager=tm, limit=limit,
                                   num_fewshot=b.num_fewshot, log_samples=False, random_seed=cfg.seed,
@@ -131,6 +135,37 @@ def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model:
     atomic_write_json(out, {"key": key, "settings": settings, "tasks": tasks,
                             "lm_eval_version": res.get("lm_eval_version"), "n-shot": res.get("n-shot")})
     return tasks
+
+
+OFFLINE_HINT = ("lm-eval reads a task's data through `datasets`: run once where the hub is reachable (or copy "
+                "~/.cache/huggingface/datasets here) and set HF_DATASETS_OFFLINE=1, or list a local task YAML in "
+                "benchmarks.tasks (dataset_path: json with dataset_kwargs.data_files, like "
+                "rolemrc/assets/lm_eval/general_sample.yaml; benchmarks=general_sample runs offline)")
+
+
+def _task_manager(base: type) -> type:
+    """lm-eval's ``TaskManager`` loading the tasks one at a time, so that a data set that cannot
+    be fetched (hub offline or unreachable, nothing cached) ends in a :class:`DataUnavailable`
+    naming the task, instead of a ``ConnectionError`` traceback from ``datasets``."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    class Tasks(base):  # type: ignore[misc, valid-type]
+        def load(self, task_list: Any) -> dict[str, Any]:
+            items = task_list if isinstance(task_list, list) else [task_list]
+            out: dict[str, Any] = {"tasks": {}, "groups": {}, "group_map": {}}
+            for spec in items:
+                name = spec.get("task") if isinstance(spec, dict) else getattr(spec, "task_name", spec)
+                try:
+                    part = super().load([spec])
+                except (ConnectionError, DatasetNotFoundError) as e:
+                    what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    raise DataUnavailable(f"benchmarks: task {name}: its data set cannot be loaded ({what}); "
+                                          + OFFLINE_HINT) from None
+                for key in out:
+                    out[key].update(part.get(key) or {})
+            return out
+
+    return Tasks
 
 
 def _compare_model(cfg: Any) -> tuple[Any, Any]:
@@ -222,6 +257,9 @@ def scalars(res: dict[str, Any]) -> dict[str, float]:
         if "delta" in r:
             out[f"general/{name}/compare"] = r["compare"]
             out[f"general/{name}/delta"] = r["delta"]
-    if "delta" in res["average"]:
-        out["general/average_delta"] = res["average"]["delta"]
+    avg = res["average"]
+    out["general/average_model"] = avg["model"]
+    if "delta" in avg:
+        out["general/average_compare"] = avg["compare"]
+        out["general/average_delta"] = avg["delta"]
     return out

@@ -131,7 +131,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
         scalars.update(general.scalars(res))
 
     meta: dict[str, Any] = {
-        "name": f"{cfg.model.name} on {', '.join(k for k in ('rolebench', 'characterllm', 'general') if k in doc)}",
+        "name": f"{model_label(cfg)} on {', '.join(k for k in ('rolebench', 'characterllm', 'general') if k in doc)}",
         "model": model_label(cfg),
         **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
         **({"data": cfg.data.name} if "rolebench" in doc or "characterllm" in doc else {}),

@@ -168,6 +168,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) inside the block, its previous train/eval mode
+    restored after (so a reference pass or a training callback can use the live model)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder stack (embeddings, layers, final norm) and the output head, each called as a module."""
     base = unwrap(model)

@@ -22,12 +22,11 @@ is never used nor written to the cache.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +38,7 @@ from tqdm.auto import tqdm
 
 from rolemrc.data.sampler import ResumableSampler
 from rolemrc.fileio import atomic_save
+from rolemrc.models.loading import eval_mode
 
 if TYPE_CHECKING:
     from rolemrc.modules.dpo import DPOModule
@@ -69,17 +69,6 @@ def rows_fingerprint(rows: list[dict]) -> str:
     for r in rows:
         h.update(json.dumps([r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]]).encode())
     return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (no dropout) inside, its previous mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class Reference:

@@ -15,14 +15,13 @@ batched with **left** padding, so the last prompt token of every row sits at pos
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from rolemrc.models.loading import unwrap
+from rolemrc.models.loading import eval_mode, unwrap
 
 SITES = ("mlp_out", "attn_out", "residual")
 # Submodule names per site across HF decoder architectures (first match wins).
@@ -162,19 +161,6 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode and no grad for the block; the previous train/eval mode comes back after
-    (so a training callback can probe the live model)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
 def iter_activations(
     model: nn.Module,
     prompts: Sequence[list[int]],
@@ -194,7 +180,7 @@ def iter_activations(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     decoder = unwrap(model).get_decoder()
     device = model_device(model)
-    with eval_mode(model), LastTokenCapture(model, site) as capture:
+    with eval_mode(model), torch.no_grad(), LastTokenCapture(model, site) as capture:
         for start in range(0, len(order), batch_size):
             indices = order[start:start + batch_size]
             batch = left_padded([prompts[i] for i in indices], pad_id, device)

@@ -5,10 +5,13 @@ the model they are compared with (``compare``). Used by :mod:`rolemrc.config`.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from rolemrc.errors import ConfigError
 
 
 @dataclass
@@ -83,3 +86,25 @@ class BenchmarksConfig:
 @dataclass
 class CompareConfig:
     path: Optional[str] = None  # the starting model for General Δ (model.path = the trained one)
+
+
+SUITE_SCHEMAS = {"data.rolebench": RoleBenchConfig, "data.characterllm": CharacterLLMConfig,
+                 "benchmarks": BenchmarksConfig, "compare": CompareConfig}
+
+
+def check_suite_keys(cfg: Any) -> None:
+    """Refuse keys the suites' schemas do not have. A plain override of an unknown key already
+    fails at compose time, but Hydra's ``+key=value`` lifts the schema's check, so
+    ``+data.rolebench.splitz=[...]`` would otherwise be carried along and never read: a
+    :class:`ConfigError` naming the key (and the nearest known one)."""
+    for where, schema in SUITE_SCHEMAS.items():
+        node = OmegaConf.select(cfg, where) if OmegaConf.is_config(cfg) else None
+        if node is None or not OmegaConf.is_dict(node):
+            continue
+        known = [f.name for f in fields(schema)]
+        unknown = [str(k) for k in node if k not in known]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f"did you mean {where}.{near[0]}? " if near else ""
+            raise ConfigError(f"{where}.{unknown[0]} is not a key of {where} ({schema.__name__}); {hint}"
+                              f"its keys: {', '.join(known)}")

@@ -178,6 +178,19 @@ def test_rolebench_bad_rows_and_paths_are_clear_errors(tmp_path: Path) -> None:
         run(compose_eval(*FAST, "data=rolebench_sample", f"data.rolebench.root={root}", f"out_dir={tmp_path / 'p'}"))
 
 
+def test_unknown_suite_keys_added_with_plus_are_refused(tmp_path: Path) -> None:
+    """Hydra's '+' lifts the schema's check at compose time; the run refuses the key by name
+    before loading anything, instead of carrying a misspelt key that nothing reads."""
+    cfg = compose_eval(*FAST, "data=rolebench_sample", "+data.rolebench.splitz=[role_generalization_eng]",
+                       f"out_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"data.rolebench.splitz is not a key of data.rolebench \(RoleBenchConfig\); "
+                                          r"did you mean data.rolebench.splits\?"):
+        run(cfg)
+    with pytest.raises(ConfigError, match=r"benchmarks.tasx is not a key of benchmarks"):
+        run(compose_eval(*FAST, "benchmarks=general_sample", "+benchmarks.tasx=[x]", f"out_dir={tmp_path}"))
+    assert not (tmp_path / "summary.md").exists()
+
+
 def test_rolebench_sample_command_runs(tmp_path: Path) -> None:
     """`python evaluate.py data=rolebench_sample` as a user runs it (short replies for speed)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")

@@ -89,8 +89,10 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     from rolemrc.eval.report import write_report
     from rolemrc.eval.generation import model_label
     from rolemrc.eval.report import log_to_loggers
+    from rolemrc.config_suites import check_suite_keys
     from rolemrc.models.source import resolve_model_sources
 
+    check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
     cfg, resolved = resolve_model_sources(cfg, "compare.path")
     if cfg.generation.backend not in ("hf", "vllm"):
         raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")

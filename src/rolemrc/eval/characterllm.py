@@ -282,8 +282,9 @@ def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tu
             for i in todo[k]:
                 results[i] = {"status": status, "score": n, "raw": text, "cached": False, "error": error}
 
-        if asks and isinstance(backend, OpenAIBackend):
-            asyncio.run(_ask_openai(backend, asks, record))
+        if asks and isinstance(backend, OpenAIBackend):  # the judge's backend, asked for a score instead of a verdict
+            asyncio.run(backend.answer_all(asks, lambda j, ans: record(j, ans.status, ans.text, ans.attempts, ans.error),
+                                           check=check_score, tag="characterllm prompt"))
         elif asks:
             answers = asyncio.run(backend.answer_all(asks))
             for j, ans in enumerate(answers):
@@ -292,33 +293,6 @@ def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tu
                 record(j, status, ans.text, ans.attempts, ans.error)
     judge.close()
     return [r for r in results if r is not None], stats
-
-
-async def _ask_openai(backend: Any, prompts: Sequence[list[dict[str, str]]], record: Any) -> None:
-    from rolemrc.api import ApiClient, Budget
-
-    c = backend.config
-    client = ApiClient("judge", base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency,
-                       timeout_s=c.timeout_s, max_attempts=c.max_attempts, backoff_s=c.backoff_s,
-                       max_backoff_s=c.max_backoff_s, budget=Budget(c.max_requests, names=("judge.max_requests", "")),
-                       counts=backend.counts)
-
-    async def one(j: int, messages: list[dict[str, str]]) -> None:
-        body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
-        out = await client.chat(body, tag=f"characterllm prompt {j}", check=check_score)
-        if out.ok:
-            record(j, "ok", out.text, out.attempts, None)
-        elif out.status == "budget_exhausted":
-            record(j, "budget_exhausted", out.text, out.attempts, out.error)
-        elif out.kind == "rejected":
-            record(j, "unparseable", out.text, out.attempts, out.error)
-        else:
-            record(j, "failed", out.text, out.attempts, out.error)
-
-    try:
-        await asyncio.gather(*(one(j, p) for j, p in enumerate(prompts)))
-    finally:
-        await client.close()
 
 
 def summarise(scores: Sequence[Score], settings: Sequence[str], dimensions: Sequence[str]) -> dict[str, Any]:

@@ -423,7 +423,9 @@ class OpenAIBackend:
 
     ``max_requests`` caps the requests sent in one ``answer_all`` call (retries included);
     prompts that would need more are reported ``budget_exhausted`` and not sent. An answer
-    without a verdict line is retried like a fault; after ``max_attempts`` it is ``unparseable``.
+    without a verdict line (or that ``answer_all``'s ``check`` rejects: other judges' answer
+    formats, e.g. CharacterLLM's 1-7 score) is retried like a fault; after ``max_attempts`` it
+    is ``unparseable``.
     The key is read (from ``api_key_env``) when the backend is made.
     """
 
@@ -440,7 +442,10 @@ class OpenAIBackend:
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
 
-    async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]:
+    async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None, *,
+                         check: Callable[[str], Any] = check_verdict, tag: str = "prompt") -> list[Answer]:
+        """``check(text)`` raises on an answer that is not valid (default: no verdict line);
+        ``tag``: how the requests are named in logs (``<tag> <index>``)."""
         c = self.config
         client = ApiClient(
             "judge", base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency, timeout_s=c.timeout_s,
@@ -450,7 +455,7 @@ class OpenAIBackend:
 
         async def one(i: int, messages: list[Message]) -> Answer:
             body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
-            out = await client.chat(body, tag=f"prompt {i}", check=check_verdict)
+            out = await client.chat(body, tag=f"{tag} {i}", check=check)
             if out.ok:
                 ans = Answer("ok", text=out.text, attempts=out.attempts)
             elif out.status == "budget_exhausted":

@@ -317,3 +317,16 @@ def test_objective_node_without_its_schema_is_checked_before_the_run() -> None:
         cfg.objective = OmegaConf.create({"name": "ppo"})
     with pytest.raises(ConfigError, match="objective.name must be one of"):
         check_train_config(cfg)
+
+
+def test_key_added_to_a_typed_objective_is_refused_not_dropped() -> None:
+    """``+objective.beta=0.1`` composes onto objective=sft (``+`` adds keys even to a schema's
+    node) and typed() would drop it without a word: check_train_config names it."""
+    cfg = compose_train(["objective=sft", "+objective.beta=0.1"])
+    assert OmegaConf.get_type(cfg.objective) is SFTObjectiveConfig  # still the schema's node
+    with pytest.raises(ConfigError, match=r"objective.beta is not a key of objective=sft \(SFTObjectiveConfig\)"):
+        check_train_config(cfg)
+    cfg = compose_train(["objective=dpo", "+objective.sft_weigth=0.5"])  # a typo'd key is named too
+    with pytest.raises(ConfigError, match=r"objective.sft_weigth is not a key of objective=dpo"):
+        check_train_config(cfg)
+    check_train_config(compose_train(["objective=sft"]))  # the schema's own keys pass

@@ -115,11 +115,9 @@ def trainer_args(cfg: Any) -> dict[str, Any]:
 
 
 def runtime_value(cfg: Any, key: str) -> Any:
-    """A runtime setting (``runtime.<key>``; older configs: ``trainer.<key>``)."""
-    node = cfg.get("runtime")
-    if node is not None and key in node:
-        return node[key]
-    return cfg.trainer.get(key)
+    """A runtime setting, ``runtime.<key>`` (deprecated ``trainer.<key>`` aliases are moved
+    there by :func:`rolemrc.config.check_train_config` before anything is built)."""
+    return getattr(cfg.runtime, key)
 
 
 def build_trainer(cfg: Any) -> L.Trainer:

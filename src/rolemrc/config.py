@@ -323,12 +323,16 @@ def check_train_config(cfg: Any) -> None:
     if cfg.objective.name not in OBJECTIVE_SCHEMAS:
         raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
     schema = OBJECTIVE_SCHEMAS[cfg.objective.name]
-    if OmegaConf.is_config(cfg.objective) and OmegaConf.get_type(cfg.objective) is not schema:
-        # An objective file without its schema in its defaults (e.g. a user's own): check it here.
-        unknown = sorted(set(cfg.objective) - {f.name for f in fields(schema)})
-        if unknown:
-            raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
-                              f"({schema.__name__}); add '- {cfg.objective.name}_schema' to the objective file's defaults")
+    # Keys the schema lacks: from an objective file without its schema in its defaults (e.g. a
+    # user's own), or added to a typed node (``+objective.beta=0.1`` on objective=sft), which
+    # typed() would silently drop.
+    unknown = sorted(set(cfg.objective) - {f.name for f in fields(schema)}) if OmegaConf.is_config(cfg.objective) else []
+    if unknown:
+        untyped = OmegaConf.get_type(cfg.objective) is not schema
+        hint = (f"add '- {cfg.objective.name}_schema' to the objective file's defaults" if untyped
+                else "remove it: it has no effect on this objective")
+        raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
+                          f"({schema.__name__}); {hint}")
     if cfg.objective.name == "dpo":
         from rolemrc.data.templates import check_pair_lengths
 

@@ -62,7 +62,7 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     if cfg.objective.name == "sft":
         from rolemrc.modules.sft import SFTModule
 
-        return SFTModule(model, objective, optim, policy, sharding)
+        return SFTModule(model, objective, optim, policy, sharding, cfg.model.packed_attention)
     if cfg.objective.name == "dpo":
         from rolemrc.checkpointing.state import read_checkpoint_entries
         from rolemrc.modules.dpo import DPOModule
@@ -72,7 +72,7 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
         reference = make_reference(model, cfg, read_checkpoint=read_checkpoint_entries)
-        return DPOModule(model, objective, optim, policy, reference, sharding)
+        return DPOModule(model, objective, optim, policy, reference, sharding, cfg.model.packed_attention)
     raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
 
 

@@ -47,6 +47,9 @@ class ModelConfig:
     # trainer.precision is bf16-true/16-true (rolemrc.models.precision).
     dtype: str = "float32"
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    # Packed rows / shared-prompt pairs: auto | segments (per-conversation kernels: flash-attn varlen
+    # on CUDA, sdpa per piece otherwise) | flash_varlen (flash_attention_2, position ids only) | mask.
+    packed_attention: str = "auto"
     kernels: str = "none"  # none | liger (GPU + liger-kernel: fused RMSNorm/RoPE/SwiGLU + linear cross-entropy)
     # true | false | auto (off when the memory estimate without it fits runtime.device_memory_gb;
     # rolemrc.memory.choose_checkpointing). The one activation-checkpointing switch.
@@ -304,6 +307,9 @@ def typed(node: Any) -> Any:
     return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
 
 
+PACKED_ATTENTION = ("auto", "segments", "flash_varlen", "mask")  # rolemrc.models.packed_attention routes
+
+
 def checkpointing_setting(value: Any) -> bool | str:
     """``model.gradient_checkpointing`` checked: True, False or "auto"."""
     if isinstance(value, bool) or value == "auto":
@@ -320,6 +326,9 @@ def check_train_config(cfg: Any) -> None:
 
     upgrade_train_config(cfg)
     checkpointing_setting(cfg.model.gradient_checkpointing)
+    if cfg.model.packed_attention not in PACKED_ATTENTION:
+        raise ConfigError(f"model.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
+                          f"got {cfg.model.packed_attention!r}")
     if cfg.objective.name not in OBJECTIVE_SCHEMAS:
         raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
     schema = OBJECTIVE_SCHEMAS[cfg.objective.name]

@@ -168,3 +168,19 @@ def test_route_choice_is_overridable_refused_when_impossible_and_logged(caplog) 
         packed_attention.packed_route(net, False, "flash_varlen")
     with pytest.raises(ValueError, match="must be auto or one of"):
         packed_attention.packed_route(net, False, "flex")
+
+
+def test_model_packed_attention_reaches_the_forward(train_cfg, caplog) -> None:
+    """model.packed_attention=mask trains through the mask route (named in the run's log); an
+    unknown value is refused before anything loads."""
+    import logging
+
+    from rolemrc.errors import ConfigError
+    from rolemrc.train import fit, setup
+
+    with pytest.raises(ConfigError, match="model.packed_attention must be one of"):
+        setup(train_cfg("model.packed_attention=flex"))
+    with caplog.at_level(logging.INFO, logger="rolemrc.models.packed_attention"):
+        fit(setup(train_cfg("data.packing=true", "model.packed_attention=mask", "trainer.max_steps=1",
+                            "export.enabled=false")))
+    assert "packed attention (model.packed_attention=mask): mask" in caplog.text

@@ -71,7 +71,7 @@ class PolicyModule(L.LightningModule):
     """Holds ``self.model`` (a transformers causal LM, maybe PEFT-wrapped)."""
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
-                 sharding: Any = None) -> None:
+                 sharding: Any = None, packed_attention: str = "auto") -> None:
         super().__init__()
         # from_pretrained returns a model in eval mode and Lightning keeps module modes as it
         # finds them: without this, a model loaded from a path trains with dropout off and, worse,
@@ -82,6 +82,7 @@ class PolicyModule(L.LightningModule):
         self.optim = optim
         self.policy = policy
         self.sharding = sharding  # the strategy node: FSDP2 unit options (used under a device mesh)
+        self.packed_attention = packed_attention  # model.packed_attention: route for packed rows
         self._sharded = False
 
     # ---- forward -------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class PolicyModule(L.LightningModule):
         """
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.objective.logprob_chunk_size
-        hidden = policy_hidden(model, decoder, batch, self.packs_with_context())
+        hidden = policy_hidden(model, decoder, batch, self.packs_with_context(), self.packed_attention)
         labels = batch.get("shifted_labels")
         if labels is None:
             labels = shift_labels(batch["labels"], batch.get("sequence_ids"))

@@ -37,8 +37,8 @@ class DPOModule(PolicyModule):
     (:func:`rolemrc.modules.reference.make_reference`)."""
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
-                 reference: Reference, sharding: Any = None) -> None:
-        super().__init__(model, objective, optim, policy, sharding)
+                 reference: Reference, sharding: Any = None, packed_attention: str = "auto") -> None:
+        super().__init__(model, objective, optim, policy, sharding, packed_attention)
         self.reference = reference
         self.mode = reference.mode
 

@@ -22,6 +22,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register()
 
 
+@pytest.fixture(autouse=True)
+def _children_start_their_own_wandb_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes a test starts (train.py, evaluate.py) get their own W&B service, as from a shell.
+
+    A test that used W&B in this process leaves ``WANDB_SERVICE`` in ``os.environ``; children
+    inheriting it attach to this process's service, and one that is SIGKILLed there leaves its
+    run id registered, so its resume fails with "run ID ... is in use" (seen when
+    test_characterllm ran before test_resume_folder)."""
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+
+
 def compose_train(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would."""
     GlobalHydra.instance().clear()

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 def build_chat(model_cfg: Any) -> ChatFormat:
     """The model's tokenizer wrapped in the chat format that turns messages into ids + labels."""
+    model_cfg = _typed(model_cfg)  # ModelConfig
     return ChatFormat(load_tokenizer(model_cfg), eot=model_cfg.eot_token)
 
 
@@ -44,6 +45,9 @@ def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
 
 
 def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
+    """The HF model ``model_cfg`` (a ``ModelConfig``, typed here) describes: weights or random
+    init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels."""
+    model_cfg = _typed(model_cfg)
     model = load_model(model_cfg, tokenizer)
     trainable, total = count_parameters(model)
     log.info("model %s: %s parameters, %s trainable", model_cfg.name, f"{total:,}", f"{trainable:,}")

@@ -23,7 +23,10 @@ import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from rolemrc.data.schemas import TestItem
 
 log = logging.getLogger(__name__)
 
@@ -380,12 +383,12 @@ def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
     """The model to evaluate, on its device, in eval mode, with the KV cache on."""
     import torch
 
-    from rolemrc.models.loading import load_model
+    from rolemrc.build import build_model
 
     if cfg.generation.cpu_threads:
         torch.set_num_threads(cfg.generation.cpu_threads)
     torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
-    model = load_model(cfg.model, tokenizer)
+    model = build_model(cfg.model, tokenizer)
     model.config.use_cache = True  # load_model turns it off for training; generation needs it
     return model.to(_device(cfg.generation.device)).eval()
 

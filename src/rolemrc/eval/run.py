@@ -14,30 +14,13 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from rolemrc.data.readers import read_examples
-from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
-from rolemrc.errors import UserError
 from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers  # noqa: F401 - re-exported
-from rolemrc.eval.generation import (
-    generate,
-    prepare_generation,
-    restraint_hook,
-    load_eval_model,
-    model_label,
-    GenerationRun,
-    GenItem,
-    Restraint,
-    check_settings,
-    generate_hf,
-    generate_vllm,
-    item_id,
-    require_vllm,
-    stop_token_ids,
-)
+from rolemrc.eval.generation import generate, item_id, load_eval_model, model_label, prepare_generation, require_vllm
 from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -121,7 +104,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from rolemrc.eval.judge import aggregate, check_judge, judge_config, judge_items
     from rolemrc.eval.report import write_report
     from rolemrc.eval.verifiers import agreement, verify_all
-    from rolemrc.models.loading import load_tokenizer
 
     cfg, resolved = resolve_model_sources(cfg)
     source = resolved.get("model.path")  # the checkpoint an export came from

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.build import build_chat
+from rolemrc.build import build_chat, build_model
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
-from rolemrc.models.loading import check_source, load_model, load_tokenizer
+from rolemrc.models.loading import check_source
 from rolemrc.models.source import resolve_model_sources
 from rolemrc.probing.capture import check_site
 from rolemrc.tasks import balanced_subset
@@ -65,7 +65,7 @@ def probe_one(cfg: DictConfig, model_cfg: DictConfig, chat: ChatFormat, items: l
               device: torch.device) -> FrequencyMaps:
     """Load one model, compute its frequency maps on ``items``, free it."""
     start = time.perf_counter()
-    model = load_model(model_cfg, chat.tokenizer).to(device)
+    model = build_model(model_cfg, chat.tokenizer).to(device)
     try:
         maps = compute_frequency_maps(
             model, chat, items, site=cfg.site, top_fraction=cfg.top_fraction, batch_size=cfg.batch_size,
@@ -107,7 +107,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)  # path-less (random-init) models are reproducible
 
     chat = build_chat(cfg.model)
-    tokenizer = chat.tokenizer
     items, _ = read_examples(list(cfg.data.test), "test", cfg.data.on_error, cfg.seed)
     if cfg.limit is not None:
         items = balanced_subset(items, cfg.limit)

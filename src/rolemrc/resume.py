@@ -159,6 +159,8 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
     would_be = Path(str(cfg.hydra.run.dir))
     found = find_run_to_continue(cfg, would_be, args)
     if found is None:
+        print(f"ckpt_path=last: no run of this config with a checkpoint in <run>/checkpoints under "
+              f"{would_be.parent}: starting a new run in {would_be}", flush=True)
         return argv
     print(f"ckpt_path=last: continuing {found}", flush=True)
     return [*argv, f'hydra.run.dir="{found}"']

@@ -41,8 +41,9 @@ def test_ckpt_path_last_continues_a_killed_run_in_its_folder_with_all_its_rows(t
     # One command, run twice: the first run is SIGKILLed mid-training, the second continues it.
     command = [*ARGS, "logger=[csv,wandb]", *KILL, f"+callbacks.kill.marker={tmp_path / 'killed'}", "ckpt_path=last"]
     reference = train(tmp_path, *ARGS, "logger=csv", f"hydra.run.dir={tmp_path / 'reference'}")
-    rc, _, err = finish(train(tmp_path, *command))
+    rc, out, err = finish(train(tmp_path, *command))
     assert rc == -9, err[-3000:]  # killed: a fresh run with ckpt_path=last started normally
+    assert "ckpt_path=last: no run of this config with a checkpoint" in out and "starting a new run" in out
     runs = sorted((tmp_path / "outputs" / "resumetest").iterdir())
     assert len(runs) == 1
     run = runs[0]

@@ -1,6 +1,7 @@
 """Export any checkpoint of a run (single file or sharded FSDP folder) to HF format.
 
     python export.py outputs/train/<run>/checkpoints/last.ckpt            # -> <run>/export
+    python export.py outputs/train/<run>                                  # the same: the run's newest checkpoint
     python export.py outputs/train/<run>/hpc_ckpt_1.ckpt                  # SLURM preemption checkpoint
     python export.py <checkpoint> --out <dir> --adapter                    # LoRA: the adapter alone
     python export.py <checkpoint> --out <dir> --merge                      # LoRA: merged, whatever the run said
@@ -23,7 +24,7 @@ from rolemrc.errors import InputNotFound, exit_on_user_error
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint (.ckpt or DCP folder), or a run folder: its newest")
     parser.add_argument("--out", type=Path, default=None, help="default: <run>/export")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: the checkpoint's run folder")
     lora = parser.add_mutually_exclusive_group()
@@ -33,12 +34,18 @@ def main() -> None:
     args = parser.parse_args()
 
     register()
-    from rolemrc.checkpointing import checkpoint_run_dir
+    from rolemrc.checkpointing import checkpoint_run_dir, find_checkpoint
     from rolemrc.models.export import export_checkpoint
     from rolemrc.models.source import resolve_model_sources
 
     if not args.checkpoint.exists():
         raise InputNotFound(f"checkpoint not found: {args.checkpoint}")
+    if (args.checkpoint / ".hydra" / "config.yaml").is_file():  # a run folder: its newest checkpoint
+        run_folder = args.checkpoint
+        args.checkpoint = find_checkpoint(run_folder)
+        if args.checkpoint is None:
+            raise InputNotFound(f"{run_folder}: a run folder without a checkpoint (checkpoints/last.ckpt or hpc_ckpt_*)")
+        args.run_dir = args.run_dir or run_folder
     run_dir = args.run_dir or checkpoint_run_dir(args.checkpoint)
     config = run_dir / ".hydra" / "config.yaml"
     if not config.exists():

@@ -74,6 +74,10 @@ def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path
     from_merged = logits(AutoModelForCausalLM.from_pretrained(merged))
     torch.testing.assert_close(with_adapter, from_merged, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(from_merged, logits(AutoModelForCausalLM.from_pretrained(base)), atol=1e-4)
+    # The run folder alone names the same checkpoint (its newest).
+    again = python("export.py", str(lora_run), "--out", str(tmp_path / "from_run"), "--merge")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_run")), from_merged)
 
 
 def test_a_random_init_adapter_carries_its_base(tmp_path: Path) -> None:

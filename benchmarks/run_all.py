@@ -2,7 +2,7 @@
 machine, on the same model, data, tokenizer, precision, batch, max length, steps and warm-up.
 
     make bench                                          # = .venv/bin/python benchmarks/run_all.py
-    .venv/bin/python benchmarks/run_all.py --models proxy --steps 3 --repeats 2   # longer, proxy only
+    .venv/bin/python benchmarks/run_all.py --models proxy --steps 6 --repeats 2   # longer, proxy only
     .venv/bin/python benchmarks/run_all.py --only sft/ours,sft/trl_no_gc          # a subset
 
 Models (benchmarks/common.py ``MODELS``):
@@ -218,7 +218,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "bench.json")
     p.add_argument("--models", default="proxy,head_heavy", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=2, help="timed steps per contender")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per contender (per-step times vary with the rows drawn: prompts 800-1800 tokens, and each side shuffles its own way; fewer steps, noisier ratios)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (the next in reverse order)")
     p.add_argument("--only", default="", help="comma list like sft/ours,dpo/trl (default: all)")

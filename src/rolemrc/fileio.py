@@ -66,6 +66,15 @@ def atomic_save(path: str | Path, save: Callable[[str], None]) -> None:
             tmp.unlink()
 
 
+def remove(path: str | Path) -> None:
+    """Delete the file or folder at ``path``, if there is one."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 def partial_path(path: str | Path) -> Path:
     """Where a folder (or file) is written before :func:`swap_in` puts it at ``path``."""
     path = Path(path)
@@ -97,10 +106,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     behind (never taken for a finished one; the next attempt clears it)."""
     out = Path(path)
     tmp = partial_path(out)
-    if tmp.is_dir():
-        shutil.rmtree(tmp)
-    elif tmp.exists():
-        tmp.unlink()
+    remove(tmp)
     tmp.mkdir(parents=True)
     yield tmp
     swap_in(tmp, out)

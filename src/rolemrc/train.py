@@ -68,8 +68,8 @@ def setup(cfg: DictConfig) -> TrainRun:
     if matmul:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
-    check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
     resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
+    check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
 
     chat = build_chat(cfg.model)
     datamodule = build_datamodule(cfg, chat)

@@ -4,7 +4,6 @@ sharded (DCP) folders are written beside their final name and swapped in complet
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from rolemrc.fileio import atomic_open, partial_path, swap_in
+from rolemrc.fileio import atomic_open, partial_path, remove, swap_in
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -30,8 +29,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         final = Path(filepath)
         tmp = partial_path(final)
-        if self.is_global_zero and tmp.exists():
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if self.is_global_zero:
+            remove(tmp)
         self.barrier("checkpoint-start")
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier("checkpoint-written")

@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rolemrc.config import PACKED_ATTENTION
 from rolemrc.models.loading import unwrap
 
 log = logging.getLogger(__name__)
 
 PREFIX = "rolemrc_packed_"  # registered attention name = PREFIX + the model's original one
 LAYOUT_KWARG = "packed_layout"
-ROUTES = ("segments", "flash_varlen", "mask")
+ROUTES = tuple(r for r in PACKED_ATTENTION if r != "auto")  # segments, flash_varlen, mask
 
 
 class SegmentLayout:
@@ -247,7 +248,7 @@ def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> 
     models without context spans, else ``segments`` where the attention can be swapped, else
     ``mask``; naming a route forces it, and one the model cannot take is refused.
     """
-    if prefer not in ("auto", *ROUTES):
+    if prefer not in PACKED_ATTENTION:
         raise ValueError(f"model.packed_attention must be auto or one of {', '.join(ROUTES)}, got {prefer!r}")
     base = unwrap(model)
     impl = base.config._attn_implementation

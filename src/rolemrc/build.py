@@ -99,7 +99,13 @@ def build_loggers(cfg: Any) -> list[Any]:
     return loggers
 
 
-def build_callbacks(cfg: Any) -> list[Any]:
+def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
+    """``cfg.callbacks`` instantiated. A selection without a ``ModelCheckpoint`` (``callbacks=none``)
+    still checkpoints to ``<run_dir>/checkpoints/last.ckpt``, where ``ckpt_path=last`` and
+    ``export.py`` look (Lightning's own default would write into the logger's folder). Without a
+    logger (``logger=none``) the learning-rate monitor, which needs one, is left out."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
     callbacks = []
     every = runtime_value(cfg, "checkpoint_every_n_steps")
     for name, spec in (cfg.callbacks or {}).items():
@@ -107,7 +113,16 @@ def build_callbacks(cfg: Any) -> list[Any]:
             continue
         if name == "checkpoint" and every:
             spec = OmegaConf.merge(spec, {"every_n_train_steps": every})
-        callbacks.append(hydra.utils.instantiate(spec))
+        callback = hydra.utils.instantiate(spec)
+        if isinstance(callback, LearningRateMonitor) and not has_logger:
+            log.info("logger=none: callbacks.%s (a LearningRateMonitor) left out, it needs a logger", name)
+            continue
+        callbacks.append(callback)
+    if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        dirpath = os.path.join(str(cfg.run_dir), "checkpoints")
+        log.info("callbacks has no ModelCheckpoint: checkpointing to %s/last.ckpt", dirpath)
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0,
+                                         every_n_train_steps=every or None))
     return callbacks
 
 
@@ -130,9 +145,12 @@ def build_trainer(cfg: Any) -> L.Trainer:
     from rolemrc.checkpointing.io import AtomicCheckpointIO
     from rolemrc.strategies import build_strategy
 
+    from rolemrc.callbacks.resume_epoch import ContinueEpochStoppedByMaxSteps
+
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
-    callbacks = build_callbacks(cfg)
+    loggers = build_loggers(cfg)
+    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps()]
     if SLURMEnvironment.detect():
         from rolemrc.callbacks.slurm_requeue import SlurmRequeue
 
@@ -141,7 +159,7 @@ def build_trainer(cfg: Any) -> L.Trainer:
     return L.Trainer(
         **trainer_args(cfg),
         strategy=strategy,
-        logger=build_loggers(cfg) or False,
+        logger=loggers or False,
         callbacks=callbacks,
         default_root_dir=str(cfg.run_dir),
         use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself

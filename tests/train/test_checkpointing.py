@@ -172,3 +172,26 @@ def test_atomic_dir_swaps_a_finished_folder_in_and_leaves_out_alone_on_failure(t
         (tmp / "config.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def _fit_loop_state(epochs_done: int, epoch_ready: int, batches: int, is_last_batch: bool) -> dict:
+    progress = lambda ready, done: {"ready": ready, "started": ready, "processed": done, "completed": done}  # noqa: E731
+    return {"epoch": epochs_done, "global_step": batches, "loops": {"fit_loop": {
+        "epoch_progress": {"current": progress(epoch_ready, epochs_done), "total": progress(epoch_ready, epochs_done)},
+        "epoch_loop.batch_progress": {"current": progress(batches, batches), "is_last_batch": is_last_batch}}}}
+
+
+def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
+    from rolemrc.callbacks.resume_epoch import reopen_epoch_stopped_by_max_steps
+
+    # Lightning's checkpoint at the end of a run stopped by max_steps: epoch counted as finished.
+    cut = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=2, is_last_batch=False)
+    assert reopen_epoch_stopped_by_max_steps(cut)
+    assert cut["epoch"] == 0 and cut["loops"]["fit_loop"]["epoch_progress"]["current"] == {
+        "ready": 1, "started": 1, "processed": 0, "completed": 0}
+    # Left as they are: an epoch that ran to its last batch, a checkpoint saved inside an epoch.
+    ended = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=31, is_last_batch=True)
+    inside = _fit_loop_state(epochs_done=0, epoch_ready=1, batches=2, is_last_batch=False)
+    for state in (ended, inside, {"state_dict": {}}):
+        before = repr(state)
+        assert not reopen_epoch_stopped_by_max_steps(state) and repr(state) == before

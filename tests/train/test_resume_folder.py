@@ -69,6 +69,34 @@ def test_ckpt_path_last_continues_a_killed_run_in_its_folder_with_all_its_rows(t
     assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)
 
 
+def test_raising_max_steps_extends_a_finished_run_within_its_epoch(tmp_path: Path) -> None:
+    """A run that trainer.max_steps stopped mid-epoch, resumed with a larger max_steps, trains on
+    the rest of that epoch's batches (Lightning's end-of-training checkpoint says the epoch ended)
+    at the new schedule's learning rates. With callbacks=none the checkpoint still lands in
+    <run>/checkpoints, where ckpt_path=last looks (Lightning's default: the logger's folder)."""
+    args = [*ARGS, "callbacks=none", "logger=csv", "task_name=extend", "ckpt_path=last"]
+    reference = train(tmp_path, *args, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'reference'}")
+    rc, _, err = finish(train(tmp_path, *args, "trainer.max_steps=2"))
+    assert rc == 0, err[-3000:]
+    (run,) = sorted((tmp_path / "outputs" / "extend").iterdir())
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not list((run / "csv").rglob("*.ckpt"))
+    rc, out, err = finish(train(tmp_path, *args, "trainer.max_steps=4"))
+    assert rc == 0, err[-3000:]
+    assert f"ckpt_path=last: continuing outputs/extend/{run.name}" in out and "max_steps=4` reached" in err + out
+    assert finish(reference)[0] == 0
+    got, want = ([r for r in metric_rows(d) if "train/loss" in r] for d in (run, tmp_path / "reference"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    assert [r["train/tokens"] for r in got] == [r["train/tokens"] for r in want]  # the same batches, in order
+    assert [r["train/lr"] for r in got[2:]] == pytest.approx([r["train/lr"] for r in want[2:]], rel=1e-6)
+    assert got[1]["train/lr"] != pytest.approx(want[1]["train/lr"])  # steps 0-1 ran the 2-step schedule
+
+
+def test_logger_none_trains_with_the_default_callbacks(tmp_path: Path) -> None:
+    rc, _, err = finish(train(tmp_path, *ARGS, "trainer.max_steps=1", "logger=none", f"hydra.run.dir={tmp_path / 'r'}"))
+    assert rc == 0, err[-3000:]  # the learning-rate monitor, which needs a logger, is left out
+    assert (tmp_path / "r" / "checkpoints" / "last.ckpt").is_file()
+
+
 # ------------------------------------------------------------- which folder (no training)
 
 

@@ -180,6 +180,17 @@ class PolicyModule(L.LightningModule):
         if state is not None:
             set_rng_state(state)
             self._rng_to_restore = None
+            self._lr_from_schedule()
+
+    def _lr_from_schedule(self) -> None:
+        """After a resume, each learning rate as this run's schedule gives it at the restored step.
+        The restored optimizer holds the saved run's rate; the same config gives the same value,
+        and a raised ``trainer.max_steps`` (a longer schedule) takes effect from the first step."""
+        for config in self.trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+                for group, base, lam in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * lam(sched.last_epoch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         optimizers = self.trainer.optimizers

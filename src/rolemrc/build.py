@@ -111,7 +111,7 @@ def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
-        if name == "checkpoint" and every:
+        if name == "checkpoint" and every:  # and still at the end of training (of each epoch)
             spec = OmegaConf.merge(spec, {"every_n_train_steps": every})
         callback = hydra.utils.instantiate(spec)
         if isinstance(callback, LearningRateMonitor) and not has_logger:
@@ -145,12 +145,12 @@ def build_trainer(cfg: Any) -> L.Trainer:
     from rolemrc.checkpointing.io import AtomicCheckpointIO
     from rolemrc.strategies import build_strategy
 
-    from rolemrc.callbacks.resume_epoch import ContinueEpochStoppedByMaxSteps
+    from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
 
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps()]
+    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps(), CheckpointAtEnd()]
     if SLURMEnvironment.detect():
         from rolemrc.callbacks.slurm_requeue import SlurmRequeue
 

@@ -176,7 +176,7 @@ class RuntimeConfig:
     """rolemrc's own run settings (everything that is not a ``lightning.Trainer`` argument)."""
 
     matmul_precision: Optional[str] = "high"  # torch.set_float32_matmul_precision: TF32 on Ampere+ GPUs (paper: tf32)
-    checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch only
+    checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch (and of training) only
     device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory.check_memory)
 
 

@@ -182,7 +182,7 @@ def _fit_loop_state(epochs_done: int, epoch_ready: int, batches: int, is_last_ba
 
 
 def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
-    from rolemrc.callbacks.resume_epoch import reopen_epoch_stopped_by_max_steps
+    from rolemrc.callbacks.resumable import reopen_epoch_stopped_by_max_steps
 
     # Lightning's checkpoint at the end of a run stopped by max_steps: epoch counted as finished.
     cut = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=2, is_last_batch=False)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from rolemrc.resume import continue_run_argv
@@ -70,7 +71,7 @@ def test_ckpt_path_last_continues_a_killed_run_in_its_folder_with_all_its_rows(t
 
 
 def test_raising_max_steps_extends_a_finished_run_within_its_epoch(tmp_path: Path) -> None:
-    """A run that trainer.max_steps stopped mid-epoch, resumed with a larger max_steps, trains on
+    """A run that trainer.max_steps stopped mid-epoch (checkpointed at its end), resumed with a larger max_steps, trains on
     the rest of that epoch's batches (Lightning's end-of-training checkpoint says the epoch ended)
     at the new schedule's learning rates. With callbacks=none the checkpoint still lands in
     <run>/checkpoints, where ckpt_path=last looks (Lightning's default: the logger's folder)."""
@@ -80,6 +81,8 @@ def test_raising_max_steps_extends_a_finished_run_within_its_epoch(tmp_path: Pat
     assert rc == 0, err[-3000:]
     (run,) = sorted((tmp_path / "outputs" / "extend").iterdir())
     assert (run / "checkpoints" / "last.ckpt").is_file() and not list((run / "csv").rglob("*.ckpt"))
+    # Saved at the end of training although runtime.checkpoint_every_n_steps=4 had no step for it.
+    assert torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
     rc, out, err = finish(train(tmp_path, *args, "trainer.max_steps=4"))
     assert rc == 0, err[-3000:]
     assert f"ckpt_path=last: continuing outputs/extend/{run.name}" in out and "max_steps=4` reached" in err + out

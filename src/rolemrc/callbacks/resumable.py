@@ -1,4 +1,10 @@
-"""Resuming a run that ``trainer.max_steps`` stopped mid-epoch continues that epoch.
+"""What makes every run resumable where it stopped, added to every trainer by the builder.
+
+A checkpoint at the end of training: ``ModelCheckpoint`` with ``every_n_train_steps`` saves on
+those steps only, so a run of 10 steps checkpointed every 4 ended with step 8's, and resuming
+the finished run redid its last steps.
+
+Resuming a run that ``trainer.max_steps`` stopped mid-epoch continues that epoch.
 
 Lightning saves the checkpoint at the end of such a run as if the epoch had finished (its epoch
 counter already advanced), so ``ckpt_path=last`` with a larger ``trainer.max_steps`` would start
@@ -14,6 +20,7 @@ import logging
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +53,24 @@ class ContinueEpochStoppedByMaxSteps(L.Callback):
         if reopen_epoch_stopped_by_max_steps(checkpoint):
             log.info("resuming at step %d inside epoch %d, which trainer.max_steps had stopped",
                      checkpoint.get("global_step", -1), checkpoint["epoch"])
+
+
+class CheckpointAtEnd(L.Callback):
+    """Saves ``last.ckpt`` of each ``save_last`` ModelCheckpoint when training ends at a step no
+    checkpoint holds yet (every rank calls it: the save is collective under FSDP)."""
+
+    def __init__(self) -> None:
+        self._saved_step = -1
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._saved_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self._saved_step or trainer.global_step == 0:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+                path = f"{callback.dirpath}/{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+                log.info("end of training at step %d: checkpoint %s", trainer.global_step, path)
+                trainer.save_checkpoint(path, weights_only=False)
+                callback.last_model_path = path

@@ -41,7 +41,8 @@ def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     prompt or not, is an objective setting)."""
     kind = "sft" if cfg.objective.name == "sft" else "pairs"
     share_prompt = kind == "pairs" and bool(cfg.objective.share_prompt)
-    return ChatDataModule(cfg.data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
+    data = _typed(cfg.data)  # DataConfig
+    return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
 
 
 def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:

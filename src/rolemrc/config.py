@@ -294,11 +294,28 @@ def typed_train_config(cfg: Any) -> TrainConfig:
 
 
 def plain(value: Any) -> Any:
-    """A config value as plain Python (dicts, lists, scalars; interpolations resolved), anything
-    else as it is: for code that works on plain types and for library calls (Hydra hands nested
-    config as DictConfig/ListConfig; transformers' config classes reject OmegaConf nodes, e.g.
-    ``rope_parameters`` from a saved config.json)."""
+    """A config value as plain Python (dicts, lists, scalars; interpolations resolved; a schema
+    dataclass as its dict), anything else as it is: for code that works on plain types and for
+    library calls (Hydra hands nested config as DictConfig/ListConfig; transformers' config
+    classes reject OmegaConf nodes, e.g. ``rope_parameters`` from a saved config.json)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def as_schema(value: Any, schema: type, **defaults: Any) -> Any:
+    """``value`` as an instance of the dataclass ``schema``: as it is when it already is one; a
+    structured node, a plain mapping or an untyped node checked against the schema (an unknown
+    key is an error naming it) with the schema's defaults, and ``defaults`` for required fields,
+    filling what it leaves out."""
+    if isinstance(value, schema):
+        return value
+    if OmegaConf.is_config(value) and OmegaConf.get_type(value) is schema:
+        return OmegaConf.to_object(value)  # interpolations resolved against the node's own root
+    base = OmegaConf.structured(schema(**defaults) if defaults else schema)
+    return OmegaConf.to_object(OmegaConf.merge(base, plain(value)))
 
 
 def typed(node: Any) -> Any:

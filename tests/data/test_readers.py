@@ -93,6 +93,22 @@ def test_missing_local_file_is_clear() -> None:
         read_examples([{"path": "./nope.jsonl"}], "sft")
 
 
+def test_a_source_is_read_against_its_schema() -> None:
+    """Sources reach the readers as SourceConfig; one given as a plain mapping (a callback's
+    ``test: [{path: ...}]``) is checked the same way: a misspelt key or a missing path is named."""
+    from rolemrc.config import SourceConfig
+    from rolemrc.data.readers import source_config
+
+    sft = asset("sample/sft.jsonl")
+    assert source_config({"path": sft, "weight": 2}) == SourceConfig(path=sft, weight=2.0)
+    typed, _ = read_examples([SourceConfig(path=sft, weight=2.0)], "sft")
+    assert [e.origin for e in typed] == [e.origin for e in read_examples([{"path": sft, "weight": 2}], "sft")[0]]
+    with pytest.raises(Exception, match="wieght"):
+        read_examples([{"path": sft, "wieght": 2}], "sft")
+    with pytest.raises(Exception, match="path"):
+        read_examples([{"weight": 2}], "sft")
+
+
 def test_test_items_cover_all_tasks() -> None:
     from rolemrc.tasks import TASKS
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from rolemrc.config import DataConfig, as_schema
 from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, row_totals
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
@@ -146,12 +147,13 @@ class ChatDataModule(L.LightningDataModule):
     resume works the same.
     """
 
-    def __init__(self, cfg: Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
+    def __init__(self, cfg: DataConfig | Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
                  share_prompt: bool = False) -> None:
         super().__init__()
         if kind not in ("sft", "pairs"):
             raise ValueError(f"kind must be 'sft' or 'pairs', got {kind!r}")
-        self.cfg, self.kind, self.chat, self.seed = cfg, kind, chat, seed
+        self.cfg: DataConfig = as_schema(cfg, DataConfig, name="inline")
+        self.kind, self.chat, self.seed = kind, chat, seed
         self.report_dir = report_dir
         self.share_prompt = share_prompt and kind == "pairs"
         self.train_rows: list[dict] | None = None

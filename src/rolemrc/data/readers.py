@@ -1,7 +1,8 @@
 """Read local JSONL/JSON/Parquet files or hub datasets, validate every record, mix sources.
 
-A source is ``{path, weight, split, name, data_files}``: ``path`` is a local file, folder or
-glob, or else a hub dataset id loaded with ``datasets``. Bad records stop the run with one
+A source is a :class:`~rolemrc.config.SourceConfig` (``path``, ``weight``, ``split``, ``name``,
+``data_files``, ``format``, ``roles``; a plain mapping is read as one): ``path`` is a local file,
+folder or glob, or else a hub dataset id loaded with ``datasets``. Bad records stop the run with one
 error listing file, line and problem for each; ``on_error="skip"`` drops them and reports.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rolemrc.config import SourceConfig, as_schema
 from rolemrc.data.roles import rolebench_parser
 from rolemrc.data.schemas import PARSERS, DataError, RecordError
 from rolemrc.errors import InputNotFound
@@ -93,9 +95,15 @@ def iter_file(path: Path) -> Iterator[tuple[int, Any]]:
                 yield i, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
 
 
-def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
+def source_config(source: SourceConfig | Mapping[str, Any]) -> SourceConfig:
+    """A data source as its schema; a mapping with an unknown key or without ``path`` is an error."""
+    return as_schema(source, SourceConfig)
+
+
+def iter_source(source: SourceConfig | Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
     """``(file, line, record)`` over a local path or a hub dataset (row numbers from 1)."""
-    path = str(source["path"])
+    source = source_config(source)
+    path = str(source.path)
     files = _local_files(path)
     if files is not None:
         for f in files:
@@ -110,7 +118,7 @@ def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
 
     try:
         ds = datasets.load_dataset(
-            path, source.get("name"), data_files=source.get("data_files"), split=source.get("split") or "train"
+            path, source.name, data_files=source.data_files, split=source.split or "train"
         )
     except Exception as err:  # re-raised with the source named: hub ids fail offline
         raise DataError(
@@ -118,11 +126,11 @@ def iter_source(source: Mapping[str, Any]) -> Iterator[tuple[str, int, Any]]:
             "Offline? Point data paths at local files."
         ) from err
     for i, record in enumerate(ds, start=1):
-        yield f"{path}[{source.get('split') or 'train'}]", i, record
+        yield f"{path}[{source.split or 'train'}]", i, record
 
 
 def read_examples(
-    sources: list[Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20,
+    sources: list[SourceConfig | Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20,
     holdout: float = 0.0,
 ) -> tuple[list[Any], ReadReport]:
     """Read, validate and mix ``sources`` of one ``kind`` ("sft", "pairs" or "test").
@@ -136,17 +144,18 @@ def read_examples(
         raise ValueError(f"data.on_error must be 'raise' or 'skip', got {on_error!r}")
     if not sources:
         raise DataError(f"no {kind} sources configured (data.{kind} is empty)")
+    sources = [source_config(s) for s in sources]
     report = ReadReport()
     per_source: list[list[Any]] = []
     errors: list[str] = []
     for index, source in enumerate(sources):
-        label = str(source["path"])
-        fmt = str(source.get("format") or "auto")
+        label = str(source.path)
+        fmt = str(source.format or "auto")
         if fmt != "auto" and (kind, fmt) not in FORMATS:
             raise ValueError(f"data source {label}: format {fmt!r} is not readable as {kind} data")
         parse: Callable[[Any], Any] = PARSERS[kind]
         if fmt == "rolebench":  # RoCIT system instructions from the source's `roles` (profiles, template)
-            parse = rolebench_parser(kind, source.get("roles"))
+            parse = rolebench_parser(kind, source.roles)
         kept: list[Any] = []
         n_bad = 0
         for file, line, record in iter_source(source):
@@ -184,7 +193,7 @@ def read_examples(
                       for k in range(len(per_source))]
     mixed: list[Any] = []
     for index, (source, kept) in enumerate(zip(sources, per_source)):
-        mixed.extend(_weighted(kept, float(source.get("weight", 1.0)), seed + index))
+        mixed.extend(_weighted(kept, float(source.weight), seed + index))
     total_skipped = sum(report.skipped.values())
     if total_skipped:
         log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s",

@@ -301,7 +301,7 @@ def add_callback(callback: Any) -> None:
     import rolemrc.build as build
 
     original = build.build_callbacks
-    build.build_callbacks = lambda cfg: [*original(cfg), callback]
+    build.build_callbacks = lambda cfg, **kw: [*original(cfg, **kw), callback]
 
 
 def hf_timer(model: Any, pairs: bool) -> Any:

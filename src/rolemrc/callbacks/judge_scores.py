@@ -106,9 +106,9 @@ def test_sources(explicit: Any, pl_module: L.LightningModule) -> tuple[list[dict
     on_error = str(data.on_error) if data is not None else "raise"
     if explicit is not None:
         return list(plain(explicit)), on_error
-    if data is None or not data.get("test"):
+    if data is None or not getattr(data, "test", None):
         raise ValueError("no test sources: give the callback `test: [{path: ...}]` (the run's data config has no test)")
-    return list(plain(data.test)), on_error
+    return [plain(source) for source in data.test], on_error  # DataConfig: SourceConfig items
 
 
 class SyncedGenerate:

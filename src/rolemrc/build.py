@@ -112,7 +112,7 @@ def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
     for name, spec in (cfg.callbacks or {}).items():
         if spec is None:
             continue
-        if name == "checkpoint" and every:  # and still at the end of training (of each epoch)
+        if name == "checkpoint" and every:
             spec = OmegaConf.merge(spec, {"every_n_train_steps": every})
         callback = hydra.utils.instantiate(spec)
         if isinstance(callback, LearningRateMonitor) and not has_logger:
@@ -143,10 +143,9 @@ def runtime_value(cfg: Any, key: str) -> Any:
 def build_trainer(cfg: Any) -> L.Trainer:
     """Strategy (checked against the model options), loggers, callbacks, atomic checkpoint IO,
     and on SLURM the preemption handling (checkpoint at a step boundary, then requeue)."""
+    from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
     from rolemrc.checkpointing.io import AtomicCheckpointIO
     from rolemrc.strategies import build_strategy
-
-    from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
 
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]

@@ -180,12 +180,12 @@ class PolicyModule(L.LightningModule):
         if state is not None:
             set_rng_state(state)
             self._rng_to_restore = None
-            self._lr_from_schedule()
+        self._lr_from_schedule()
 
     def _lr_from_schedule(self) -> None:
-        """After a resume, each learning rate as this run's schedule gives it at the restored step.
-        The restored optimizer holds the saved run's rate; the same config gives the same value,
-        and a raised ``trainer.max_steps`` (a longer schedule) takes effect from the first step."""
+        """Each learning rate as this run's schedule gives it at the current step. A no-op on a fresh
+        run and on a resume with the same config; after a resume with a raised ``trainer.max_steps``
+        (a longer schedule) the restored optimizer's rate, the saved run's, is replaced."""
         for config in self.trainer.lr_scheduler_configs:
             sched = config.scheduler
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):

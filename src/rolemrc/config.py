@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
+from rolemrc.objectives.dpo import LOSS_TYPES
 
 
 @dataclass
@@ -359,10 +360,69 @@ def check_train_config(cfg: Any) -> None:
                 else "remove it: it has no effect on this objective")
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
+    check_choices(cfg)
     if cfg.objective.name == "dpo":
         from rolemrc.data.templates import check_pair_lengths
 
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
+
+
+# Enum-like keys of the training config and the values they take (checked by check_choices).
+TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
+    "optim.scheduler": ("cosine", "linear", "constant"),
+    "strategy.name": ("single", "ddp", "fsdp"),
+    "data.on_error": ("raise", "skip"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "model.kernels": ("none", "liger"),
+}
+DPO_CHOICES: dict[str, tuple[str, ...]] = {
+    "objective.loss_type": LOSS_TYPES,
+    "objective.reference": ("copy", "adapter", "precomputed"),
+}
+
+
+def _choice(cfg: Any, key: str, options: tuple[str, ...]) -> None:
+    from rolemrc.errors import ConfigError
+
+    value = OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else _attr(cfg, key)
+    if value not in options:
+        raise ConfigError(f"{key} must be one of {', '.join(options)}, got {value!r}")
+
+
+def _attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_choices(cfg: Any) -> None:
+    """Enum-like keys and cross-key rules of a training config, refused naming the key before any
+    data or weights load (the objective's own numbers included: a DPO run's ``beta`` would
+    otherwise first be checked at its first training step, after the reference pass)."""
+    from rolemrc.errors import ConfigError
+
+    for key, options in TRAIN_CHOICES.items():
+        _choice(cfg, key, options)
+    if cfg.model.quantization.load_in_4bit and not cfg.model.peft.enabled:
+        raise ConfigError("model.quantization.load_in_4bit=true (QLoRA) needs model.peft.enabled=true: "
+                          "4-bit base weights cannot be trained")
+    if cfg.objective.name != "dpo":
+        return
+    for key, options in DPO_CHOICES.items():
+        _choice(cfg, key, options)
+    o = cfg.objective
+    if not o.beta > 0:
+        raise ConfigError(f"objective.beta must be > 0, got {o.beta}")
+    if not 0.0 <= o.label_smoothing < 0.5:
+        raise ConfigError(f"objective.label_smoothing must be in [0, 0.5), got {o.label_smoothing}")
+    if o.label_smoothing and o.loss_type != "sigmoid":
+        raise ConfigError(f"objective.label_smoothing only applies to objective.loss_type=sigmoid, "
+                          f"not {o.loss_type}")
+    if o.sft_weight < 0:
+        raise ConfigError(f"objective.sft_weight must be >= 0, got {o.sft_weight}")
+    if o.reference == "adapter" and not cfg.model.peft.enabled:
+        raise ConfigError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true "
+                          "(or objective.reference=copy|precomputed)")
 
 
 def _asset(name: str) -> str:

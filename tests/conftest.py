@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,10 @@ CONF = ROOT / "conf"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Data stores (rolemrc.data.store) built by tests, and by the train.py processes they start, go to a
+# folder of this session, never the user's cache.
+os.environ["ROLEMRC_CACHE_DIR"] = tempfile.mkdtemp(prefix="rolemrc-test-cache-")
+atexit.register(shutil.rmtree, os.environ["ROLEMRC_CACHE_DIR"], True)
 register()
 
 

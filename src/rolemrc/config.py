@@ -128,6 +128,10 @@ class DataConfig:
     rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
     characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
 
+    # Encoded-row store (rolemrc.data.store): built once, memory-mapped by every rank and later run.
+    cache: bool = True  # false: encode in memory at every start (no files written)
+    cache_dir: Optional[str] = None  # None: $ROLEMRC_CACHE_DIR/data, else ~/.cache/rolemrc/data
+    num_proc: Optional[int] = None  # encoder processes of a build; None: this rank's CPUs (at most 16)
 
 @dataclass
 class OptimConfig:

@@ -1,14 +1,21 @@
 """LightningDataModule: read + validate + mix sources, encode with the chat template,
-report what will be trained on, serve dynamically padded or padding-free packed batches."""
+report what will be trained on, serve dynamically padded or padding-free packed batches.
+
+With ``data.cache`` (the default) the encoded rows live in a :mod:`rolemrc.data.store` built once
+(by local rank 0 in :meth:`ChatDataModule.prepare_data`, the other ranks waiting at Lightning's
+barrier) and memory-mapped by every rank; ``data.cache=false`` encodes into memory at every start.
+Both give the same rows, order, batches and report."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -18,6 +25,7 @@ from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTC
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
+from rolemrc.data.store import Spec, Store, open_or_build
 from rolemrc.data.schemas import Conversation, DataError, Pair
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -121,6 +129,12 @@ def encode_pairs(
     return rows, report
 
 
+def _report_lines(report: dict) -> list[str]:
+    """:meth:`ReadReport.lines` of a stored report."""
+    out = [f"{src}: {n} records kept, {report['skipped'].get(src, 0)} skipped" for src, n in report["sources"].items()]
+    return out + [f"  skipped {e}" for e in report["skipped_examples"]]
+
+
 def item_totals(item: Any) -> tuple[int, ...]:
     """:func:`row_totals` of a row, or summed over the rows of a pack."""
     rows = item if isinstance(item, list) else [item]
@@ -156,8 +170,9 @@ class ChatDataModule(L.LightningDataModule):
         self.kind, self.chat, self.seed = kind, chat, seed
         self.report_dir = report_dir
         self.share_prompt = share_prompt and kind == "pairs"
-        self.train_rows: list[dict] | None = None
-        self.val_rows: list[dict] = []
+        self.train_rows: Sequence[dict] | None = None  # a list, or the store's StoredRows
+        self.val_rows: Sequence[dict] = []
+        self.store: Store | None = None
         self.report: dict[str, Any] = {}
         self._sampler: ResumableSampler | None = None
         self._packs: dict[tuple[str, bool], list[list[dict]]] = {}
@@ -167,9 +182,52 @@ class ChatDataModule(L.LightningDataModule):
             return encode_sft(examples, self.chat, self.cfg.max_length, self.cfg.on_error)
         return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length, self.cfg.on_error)
 
+    def _open_store(self) -> Store:
+        if self.store is None:
+            self.store = open_or_build(Spec.of(self.cfg, self.kind, self.seed), self.chat, self.cfg.cache_dir,
+                                       self.cfg.num_proc)
+        return self.store
+
+    def prepare_data(self) -> None:
+        """Local rank 0 builds the store (or checks the one there) while the others wait."""
+        if self.cfg.cache:
+            self._open_store()
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
+        if self.cfg.cache:
+            self._setup_from_store()
+        else:
+            self._setup_in_memory()
+        if self.cfg.packing:  # fixed once at build time (or here, without the cache): the report shows the fill
+            self.items("train")
+            self.items("val")
+        if self.report_dir:
+            Path(self.report_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
+
+    def _setup_from_store(self) -> None:
+        store = self._open_store()
+        self.train_rows, self.val_rows = store.rows("train"), store.rows("val")
+        self.report = json.loads(json.dumps(store.report))
+        for line in _report_lines(self.report):
+            log.info(line)
+        self._log_reports(self.report["train"], self.report["val"])
+        if not self.report["val"] and self.cfg.val_fraction > 0 \
+                and not (self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val):
+            log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
+                        self.cfg.val_fraction, sum(self.report["sources"].values()), self.kind)
+
+    def _log_reports(self, train_report: dict, val_report: dict) -> None:
+        log.info("mask report (train): %s", json.dumps(train_report))
+        if val_report:
+            log.info("mask report (val): %s", json.dumps(val_report))
+        if train_report["dropped_no_trainable_token"]:
+            log.warning("%d example(s) had no trainable token after truncation and are not trained on: %s",
+                        train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
+
+    def _setup_in_memory(self) -> None:
         sources = self.cfg.sft if self.kind == "sft" else self.cfg.pairs
         val_sources = self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val
         # Without validation sources, val_fraction of the records is held out before the source
@@ -190,18 +248,7 @@ class ChatDataModule(L.LightningDataModule):
                        "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
         for line in read_report.lines():
             log.info(line)
-        log.info("mask report (train): %s", json.dumps(train_report))
-        if val_report:
-            log.info("mask report (val): %s", json.dumps(val_report))
-        if train_report["dropped_no_trainable_token"]:
-            log.warning("%d example(s) had no trainable token after truncation and are not trained on: %s",
-                        train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
-        if self.cfg.packing:  # fixed once here, so the report shows the fill
-            self.items("train")
-            self.items("val")
-        if self.report_dir:
-            Path(self.report_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
+        self._log_reports(train_report, val_report)
 
     def collator(self) -> Any:
         """Takes a list of rows (or of packs when packing) and returns the batch tensors."""
@@ -210,14 +257,17 @@ class ChatDataModule(L.LightningDataModule):
             return PackedCollator(pad_id, self.share_prompt)
         return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
 
-    def items(self, stage: str) -> list[Any]:
+    def items(self, stage: str) -> Sequence[Any]:
         """What the loader of ``stage`` (train/val) indexes: rows, or packs of rows."""
         rows = self.train_rows if stage == "train" else self.val_rows
-        if not self.cfg.packing or not rows:
-            return rows or []
+        if not self.cfg.packing or rows is None or not len(rows):
+            return rows if rows is not None else []
         key = (stage, self.share_prompt)
         if key not in self._packs:
-            packs, report = pack_rows(rows, self.cfg.max_length, self.share_prompt)
+            if self.store is not None:  # the plan stored with the rows
+                packs, report = self.store.packs(stage, self.share_prompt)
+            else:
+                packs, report = pack_rows(list(rows), self.cfg.max_length, self.share_prompt)
             self._packs[key] = packs
             log.info("packing (%s): %s", stage, json.dumps(report))
             self.report.setdefault("packing", {})[stage] = report
@@ -241,7 +291,7 @@ class ChatDataModule(L.LightningDataModule):
             self._sampler.set_epoch(self.trainer.current_epoch)
             accumulate = self.trainer.accumulate_grad_batches
             limit = _limited_batches(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
-        weights = torch.tensor([item_totals(item) for item in items], dtype=torch.float64)
+        weights = self._item_weights("train", items)
         self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit)
         if self.trainer is not None:
             self._batches.skip_batches_fn = self._batches_done_in_epoch
@@ -251,6 +301,19 @@ class ChatDataModule(L.LightningDataModule):
             collate_fn=StepCollator(self.collator(), STEP_TOTALS[self.kind]),
             num_workers=self.cfg.num_workers,
         )
+
+    def _item_weights(self, stage: str, items: Sequence[Any]) -> torch.Tensor:
+        """``[n_items, K]`` float64: :func:`item_totals` of every loader item (the stored per-row
+        totals, summed over each pack's rows, when the rows come from the store)."""
+        if self.store is None:
+            return torch.tensor([item_totals(item) for item in items], dtype=torch.float64)
+        totals = self.store.totals(stage)
+        if self.cfg.packing:
+            packs = self._packs[(stage, self.share_prompt)]
+            offsets = np.asarray(packs.offsets)
+            flat = totals[np.asarray(packs.flat)]
+            totals = np.add.reduceat(flat, offsets[:-1], axis=0) if len(flat) else flat
+        return torch.from_numpy(np.ascontiguousarray(totals, dtype=np.float64))
 
     def _batches_done_in_epoch(self) -> int:
         """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
@@ -262,7 +325,7 @@ class ChatDataModule(L.LightningDataModule):
         return max(0, min(b.epoch_batches, steps_done * b.accumulate))
 
     def val_dataloader(self) -> DataLoader | list:
-        if not self.val_rows:
+        if not len(self.val_rows):
             return []
         rank, world = self._rank_world()
         items = self.items("val")

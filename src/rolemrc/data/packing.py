@@ -98,15 +98,21 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack_rows(rows: list[dict[str, Any]], capacity: int, share_prompt: bool = False) -> tuple[list[list[dict]], dict]:
     """Rows grouped into packs of at most ``capacity`` tokens, and a fill report."""
-    lengths = [item_length(r, share_prompt) for r in rows]
-    packs = [[rows[i] for i in b] for b in best_fit_decreasing(lengths, capacity)]
+    bins, report = plan_packs([item_length(r, share_prompt) for r in rows], capacity)
+    return [[rows[i] for i in b] for b in bins], report
+
+
+def plan_packs(lengths: list[int], capacity: int) -> tuple[list[list[int]], dict]:
+    """:func:`best_fit_decreasing` bins of items of ``lengths`` and the fill report of
+    :func:`pack_rows` (the plan the row store keeps, computed once)."""
+    bins = best_fit_decreasing(lengths, capacity)
     tokens = sum(lengths)
     report = {
         "capacity": capacity,
-        "rows": len(packs),
-        "items": len(rows),
-        "items_per_row": round(len(rows) / max(len(packs), 1), 3),
-        "fill": round(tokens / max(len(packs) * capacity, 1), 4),
+        "rows": len(bins),
+        "items": len(lengths),
+        "items_per_row": round(len(lengths) / max(len(bins), 1), 3),
+        "fill": round(tokens / max(len(bins) * capacity, 1), 4),
         "oversized_items": sum(n > capacity for n in lengths),
     }
-    return packs, report
+    return bins, report

@@ -114,10 +114,23 @@ def iter_source(source: SourceConfig | Mapping[str, Any]) -> Iterator[tuple[str,
             if empty:
                 raise DataError(f"{f}: empty data file (no records)")
         return
+    ds = load_hub(source)
+    for i, record in enumerate(ds, start=1):
+        yield f"{path}[{source.split or 'train'}]", i, record
+
+
+def local_files(source: SourceConfig) -> list[Path] | None:
+    """The files a local source stands for (None: a hub dataset id)."""
+    return _local_files(str(source.path))
+
+
+def load_hub(source: SourceConfig) -> Any:
+    """The ``datasets.Dataset`` of a hub source (read from the datasets cache when offline)."""
     import datasets
 
+    path = str(source.path)
     try:
-        ds = datasets.load_dataset(
+        return datasets.load_dataset(
             path, source.name, data_files=source.data_files, split=source.split or "train"
         )
     except Exception as err:  # re-raised with the source named: hub ids fail offline
@@ -125,8 +138,6 @@ def iter_source(source: SourceConfig | Mapping[str, Any]) -> Iterator[tuple[str,
             f"could not load {path!r} as a local file or a hub dataset ({type(err).__name__}: {err}). "
             "Offline? Point data paths at local files."
         ) from err
-    for i, record in enumerate(ds, start=1):
-        yield f"{path}[{source.split or 'train'}]", i, record
 
 
 def read_examples(
@@ -182,23 +193,37 @@ def read_examples(
         raise DataError(
             f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}"
         )
-    n_records = sum(map(len, per_source))
-    if holdout > 0 and n_records > 1:
-        order = list(range(n_records))
-        random.Random(seed).shuffle(order)
-        held = set(order[: max(1, int(round(holdout * n_records)))])
-        flat = [(k, ex) for k, kept in enumerate(per_source) for ex in kept]
-        report.held_out = [ex for i, (_, ex) in enumerate(flat) if i in held]
-        per_source = [[ex for i, (k2, ex) in enumerate(flat) if k2 == k and i not in held]
-                      for k in range(len(per_source))]
-    mixed: list[Any] = []
-    for index, (source, kept) in enumerate(zip(sources, per_source)):
-        mixed.extend(_weighted(kept, float(source.weight), seed + index))
+    per_source, report.held_out = split_holdout(per_source, holdout, seed)
+    mixed = mix(per_source, [float(s.weight) for s in sources], seed)
     total_skipped = sum(report.skipped.values())
     if total_skipped:
         log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s",
                     total_skipped, kind, "; ".join(report.examples))
     return mixed, report
+
+
+def split_holdout(per_source: list[list[Any]], holdout: float, seed: int) -> tuple[list[list[Any]], list[Any]]:
+    """``(per_source without the held-out records, held-out records)``: a seeded ``holdout``
+    fraction (at least one, when there are two or more records) over all sources together."""
+    n_records = sum(map(len, per_source))
+    if not (holdout > 0 and n_records > 1):
+        return per_source, []
+    order = list(range(n_records))
+    random.Random(seed).shuffle(order)
+    held = set(order[: max(1, int(round(holdout * n_records)))])
+    flat = [(k, ex) for k, kept in enumerate(per_source) for ex in kept]
+    held_out = [ex for i, (_, ex) in enumerate(flat) if i in held]
+    rest = [[ex for i, (k2, ex) in enumerate(flat) if k2 == k and i not in held] for k in range(len(per_source))]
+    return rest, held_out
+
+
+def mix(per_source: list[list[Any]], weights: list[float], seed: int) -> list[Any]:
+    """The sources' records one after another, each source weighted (:func:`_weighted`, seeded
+    ``seed + its index``)."""
+    mixed: list[Any] = []
+    for index, (kept, weight) in enumerate(zip(per_source, weights)):
+        mixed.extend(_weighted(kept, weight, seed + index))
+    return mixed
 
 
 def _weighted(items: list[Any], weight: float, seed: int) -> list[Any]:

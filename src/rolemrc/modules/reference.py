@@ -5,7 +5,8 @@ one small interface (:class:`Reference`).
 - ``adapter``: the policy's own base weights with the LoRA adapter switched off, in eval mode like
   the copy (no dropout), the policy's mode restored after;
 - ``precomputed``: one pass over the pairs before training, kept as one table per stage (``[N, 2]``:
-  chosen, rejected summed log-probs). No reference weights are held during training.
+  chosen, rejected summed log-probs), row ``i`` of the table for row ``i`` of the stage (the
+  data store's stable row index, the batches' ``index``). No reference weights are held during training.
 
 Precomputed tables always come from the *initial* weights: computed at fit start (under the
 trainer's precision context, as training computes), or read from the on-disk cache keyed by the
@@ -26,7 +27,7 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +63,13 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def rows_fingerprint(rows: list[dict]) -> str:
+def rows_fingerprint(rows: Sequence[dict]) -> str:
     """Hash of the encoded pairs: changes with the data, the tokenizer, the template and the
-    max lengths (which truncate them)."""
+    max lengths (which truncate them). Rows from the data store carry theirs (a hash of the
+    store's checksummed arrays and of the stage's row list), so it costs no pass over them."""
+    stored = getattr(rows, "fingerprint", None)
+    if stored is not None:
+        return f"s{stored}"
     h = hashlib.sha256()
     for r in rows:
         h.update(json.dumps([r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]]).encode())
@@ -168,10 +173,10 @@ class PrecomputedReference(Reference):
     def on_fit_start(self, module: DPOModule) -> None:
         dm = module.trainer.datamodule
         for stage, rows in (("train", dm.train_rows), ("val", dm.val_rows)):
-            if rows:
+            if rows is not None and len(rows):
                 self._ensure(module, stage, rows)
 
-    def _ensure(self, module: DPOModule, stage: str, rows: list[dict]) -> None:
+    def _ensure(self, module: DPOModule, stage: str, rows: Sequence[dict]) -> None:
         fp = rows_fingerprint(rows)
         have = self.tables.get(stage)
         if have is not None and self.rows.get(stage, fp) == fp and have.shape[0] == len(rows):
@@ -208,7 +213,7 @@ class PrecomputedReference(Reference):
             atomic_save(path, lambda tmp: save_file({"logps": table}, tmp))
             log.info("reference log-probs (%s, %d pairs) written to %s", stage, len(rows), path)
 
-    def cache_path(self, rows: list[dict]) -> Path:
+    def cache_path(self, rows: Sequence[dict]) -> Path:
         return Path(self.cache_dir) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
 
     def _checkpoint_tables(self, path: Any) -> dict[str, Any] | None:
@@ -235,7 +240,7 @@ def reference_key(model: nn.Module, cfg: Any) -> str:
 
 
 @torch.no_grad()
-def compute_table(module: DPOModule, rows: list[dict], stage: str, batch_size: int) -> torch.Tensor:
+def compute_table(module: DPOModule, rows: Sequence[dict], stage: str, batch_size: int) -> torch.Tensor:
     """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now, in eval
     mode under the trainer's precision context; each rank computes a strided share (collective)."""
     trainer = module.trainer

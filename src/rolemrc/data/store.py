@@ -1,0 +1,706 @@
+"""The encoded-row store: a run's data read, validated, encoded and packed once, kept on disk as
+compact arrays, memory-mapped read-only by every rank and every later run with the same inputs.
+
+Layout of one store (a folder ``<data.cache_dir>/<kind>-<key>/``; raw little-endian arrays,
+dtype and length in ``meta.json``):
+
+- *units*: every record that passed validation, once, in reading order (train sources, then
+  explicit validation sources). SFT: ``ids`` (int32 tokens, all units back to back), ``mask``
+  (uint8, 1 where the token is trained: labels are the ids there, -100 elsewhere), ``offsets``
+  (int64, ``U + 1``). Pairs: ``prompt``/``chosen``/``rejected`` (int32) with their offsets.
+- per stage (``train``, ``val``): ``<stage>_rows`` (int32: the unit of each row, in the order
+  the loaders index rows: the mix with its source weights and holdout applied, records the
+  template cannot encode or with no trained token dropped, as :func:`encode_sft` and
+  :func:`encode_pairs` drop them), ``<stage>_totals`` (int64 ``[R, K]``: what each row adds to
+  its optimizer step's normalisers), and the packing plans ``<stage>_pack<layout>`` (int32 row
+  ids, best-fit decreasing at ``max_length``) with their offsets.
+- ``meta.json``: the key and what it covers, the data report, each array's dtype, length and
+  sha256; written last, so a folder without it is never trusted.
+
+Row ``i`` of a stage is the stable identity the sampler, the batches' ``index`` and the
+precomputed reference table use. The key (sha256) covers: each source's settings (path, weight,
+split, name, data files, format, RoCIT roles) and each file's identity (resolved path, size,
+mtime, and a sha256 of its first and last MiB; a hub dataset: the same of its Arrow cache files),
+the seed, the validation holdout, the tokenizer (its ``tokenizer.json`` content), chat template
+and end-of-turn marker, ``max_length``, ``max_prompt_length``, ``on_error`` and the encoder's code
+(this module, readers, schemas, roles, templates, packing) and the tokenizers/transformers/jinja2
+versions. A changed input gets a new key and is built; an unchanged one is reused.
+
+Building: under a file lock (``<key>.lock``), into ``<key>.tmp-<pid>`` renamed into place when
+complete; a killed build leaves only a tmp folder that the next build removes. A store whose files
+do not match their recorded sizes and checksums is logged, removed and rebuilt. Input files are
+streamed in chunks through ``num_proc`` worker processes, so the build holds a few chunks, the
+per-record bookkeeping (a few ints each) and the output files' buffers, not the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+from tqdm.auto import tqdm
+
+from rolemrc.config import DataConfig, SourceConfig
+from rolemrc.data import readers
+from rolemrc.data.packing import plan_packs
+from rolemrc.data.readers import FORMATS, iter_source, mix, source_config, split_holdout
+from rolemrc.data.roles import rolebench_parser
+from rolemrc.data.schemas import PARSERS, DataError, RecordError
+from rolemrc.data.templates import ChatFormat, TemplateRenderError, check_pair_lengths
+from rolemrc.objectives import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# The files whose code decides the rows (hashed into every key: an edit rebuilds).
+_ENCODER_FILES = ("store.py", "readers.py", "schemas.py", "roles.py", "templates.py", "packing.py")
+_ENCODER_PACKAGES = ("tokenizers", "transformers", "jinja2")
+SAMPLE_BYTES = 1 << 20  # hashed from the start and the end of every input file
+CHUNK = 64  # records per task handed to a worker
+SMALL_INPUT = 4 << 20  # local inputs below this many bytes are encoded in-process (no pool)
+
+# Unit status
+OK, TEMPLATE_ERROR, EMPTY = 0, 1, 2
+# Pair layouts a packing plan is stored for: SFT has one, pairs two (share_prompt off/on)
+LAYOUTS = {"sft": (False,), "pairs": (False, True)}
+
+
+def default_cache_dir() -> Path:
+    """``$ROLEMRC_CACHE_DIR/data``, else ``$XDG_CACHE_HOME/rolemrc/data`` (``~/.cache/rolemrc/data``)."""
+    root = os.environ.get("ROLEMRC_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "data"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "rolemrc" / "data"
+
+
+def default_num_proc() -> int:
+    """The CPUs this process may run on, capped at 16."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 16))
+
+
+# ---------------------------------------------------------------------------------------------- key
+
+
+def _file_identity(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        h.update(fh.read(SAMPLE_BYTES))
+        if st.st_size > 2 * SAMPLE_BYTES:
+            fh.seek(st.st_size - SAMPLE_BYTES)
+        h.update(fh.read(SAMPLE_BYTES))
+    return {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": h.hexdigest()}
+
+
+def _source_identity(source: SourceConfig) -> dict[str, Any]:
+    settings = {
+        "path": str(source.path), "weight": float(source.weight), "split": source.split, "name": source.name,
+        "data_files": _plain(source.data_files), "format": str(source.format or "auto"), "roles": _plain(source.roles),
+    }
+    files = readers.local_files(source)
+    if files is not None:
+        return {**settings, "files": [_file_identity(f) for f in files]}
+    ds = readers.load_hub(source)
+    return {**settings, "hub_files": [_file_identity(Path(f["filename"])) for f in ds.cache_files]}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    from dataclasses import asdict, is_dataclass
+
+    from omegaconf import OmegaConf
+
+    if is_dataclass(value):
+        return _plain(asdict(value))
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def tokenizer_identity(chat: ChatFormat) -> dict[str, str]:
+    tok = chat.tokenizer
+    backend = getattr(tok, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    return {
+        "class": type(tok).__name__,
+        "tokenizer_sha256": hashlib.sha256(content.encode()).hexdigest(),
+        "template_sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest(),
+        "eot": chat.eot,
+    }
+
+
+def encoder_version() -> str:
+    h = hashlib.sha256(f"format {FORMAT_VERSION}".encode())
+    here = Path(__file__).parent
+    for name in _ENCODER_FILES:
+        h.update((here / name).read_bytes())
+    for pkg in _ENCODER_PACKAGES:
+        try:
+            h.update(f"{pkg}=={importlib.metadata.version(pkg)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{pkg} missing".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Spec:
+    """Everything the rows of one datamodule depend on."""
+
+    kind: str  # sft | pairs
+    sources: list[SourceConfig]
+    val_sources: list[SourceConfig]
+    holdout: float
+    seed: int
+    max_length: int
+    max_prompt_length: int
+    on_error: str
+
+    @classmethod
+    def of(cls, cfg: DataConfig, kind: str, seed: int) -> Spec:
+        sources = [source_config(s) for s in (cfg.sft if kind == "sft" else cfg.pairs)]
+        val_sources = [source_config(s) for s in (cfg.sft_val if kind == "sft" else cfg.pairs_val)]
+        holdout = 0.0 if val_sources else float(cfg.val_fraction)
+        return cls(kind, sources, val_sources, holdout, int(seed), int(cfg.max_length), int(cfg.max_prompt_length),
+                   str(cfg.on_error))
+
+    def key_parts(self, chat: ChatFormat) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "sources": [_source_identity(s) for s in self.sources],
+            "val_sources": [_source_identity(s) for s in self.val_sources],
+            "holdout": self.holdout, "seed": self.seed,
+            "max_length": self.max_length,
+            "max_prompt_length": self.max_prompt_length if self.kind == "pairs" else None,
+            "on_error": self.on_error,
+            "tokenizer": tokenizer_identity(chat),
+            "encoder": encoder_version(),
+        }
+
+
+def store_key(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ------------------------------------------------------------------------------------ the worker side
+
+_WORK: dict[str, Any] = {}  # set before the pool forks: kind, parsers, chat, lengths
+
+
+def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
+    """Parse and encode one chunk of records of source ``task[0]``. Per record, one of
+    ``("bad", "file:line: problem")``, ``("tpl", file, line, message)``,
+    ``("ok", file, line, empty, flags, arrays...)``."""
+    source_index, records = task
+    kind, chat = _WORK["kind"], _WORK["chat"]
+    parse = _WORK["parsers"][source_index]
+    out: list[tuple] = []
+    for file, line, record in records:
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            example = parse(record)
+        except RecordError as err:
+            out.append(("bad", f"{file}:{line}: {err}"))
+            continue
+        try:
+            if kind == "sft":
+                enc = chat.encode_conversation(example.messages, _WORK["max_length"])
+                ids = np.asarray(enc.input_ids, dtype=np.int32)
+                mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
+                out.append(("ok", file, line, not mask.any(), int(enc.truncated), ids.tobytes(),
+                            mask.astype(np.uint8).tobytes(), int(mask[1:].sum()), int(mask.sum())))
+            else:
+                enc = chat.encode_pair(example.prompt, example.chosen, example.rejected, _WORK["max_length"],
+                                       _WORK["max_prompt_length"])
+                flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
+                out.append(("ok", file, line, not enc.chosen_ids or not enc.rejected_ids, flags,
+                            np.asarray(enc.prompt_ids, np.int32).tobytes(), np.asarray(enc.chosen_ids, np.int32).tobytes(),
+                            np.asarray(enc.rejected_ids, np.int32).tobytes()))
+        except TemplateRenderError as err:
+            out.append(("tpl", file, line, str(err)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+class _ArrayFile:
+    """An append-only raw array file with a running sha256."""
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path, self.dtype = path, dtype
+        self.fh = path.open("wb")
+        self.sha = hashlib.sha256()
+        self.n = 0
+
+    def append(self, data: bytes) -> None:
+        self.fh.write(data)
+        self.sha.update(data)
+        self.n += len(data) // np.dtype(self.dtype).itemsize
+
+    def close(self) -> dict[str, Any]:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        return {"dtype": self.dtype, "length": self.n, "bytes": self.path.stat().st_size, "sha256": self.sha.hexdigest()}
+
+
+def _write_array(folder: Path, name: str, array: np.ndarray, files: dict[str, Any]) -> None:
+    f = _ArrayFile(folder / f"{name}.bin", str(array.dtype))
+    f.append(np.ascontiguousarray(array).tobytes())
+    files[name] = {**f.close(), "shape": list(array.shape)}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+BUILDS = {"count": 0}  # builds done by this process (tests read it)
+
+
+class _Builder:
+    """One build: stream every source through the encoder, then mix, drop, total and pack."""
+
+    def __init__(self, spec: Spec, chat: ChatFormat, folder: Path, num_proc: int) -> None:
+        self.spec, self.chat, self.folder, self.num_proc = spec, chat, folder, num_proc
+        self.kind = spec.kind
+        names = ("ids", "mask") if self.kind == "sft" else ("prompt", "chosen", "rejected")
+        self.arrays = {n: _ArrayFile(folder / f"{n}.bin", "uint8" if n == "mask" else "int32") for n in names}
+        self.offsets = {n: [0] for n in names if n != "mask"}
+        # per unit: status, flags (truncation), trained tokens (SFT: after the shift), origin
+        self.status: list[int] = []
+        self.flags: list[int] = []
+        self.trained: list[int] = []  # SFT: labels after the one-position shift (the step normaliser)
+        self.labelled: list[int] = []  # SFT: labels (the report's trained_tokens)
+        self.origin_file: list[int] = []
+        self.origin_line: list[int] = []
+        self.files: list[str] = []
+        self._file_ids: dict[str, int] = {}
+        self.template_errors: dict[int, str] = {}
+        self.encoded = 0
+
+    def origin(self, unit: int) -> str:
+        return f"{self.files[self.origin_file[unit]]}:{self.origin_line[unit]}"
+
+    def _add(self, result: tuple) -> None:
+        tag, file, line = result[0], result[1], result[2]
+        fid = self._file_ids.setdefault(file, len(self.files))
+        if fid == len(self.files):
+            self.files.append(file)
+        unit = len(self.status)
+        self.origin_file.append(fid)
+        self.origin_line.append(line)
+        self.encoded += 1
+        if tag == "tpl":
+            self.status.append(TEMPLATE_ERROR)
+            self.flags.append(0)
+            self.trained.append(0)
+            self.labelled.append(0)
+            self.template_errors[unit] = result[3]
+            for name, offs in self.offsets.items():
+                offs.append(offs[-1])
+            return
+        _, _, _, empty, flags, *blobs = result
+        self.status.append(EMPTY if empty else OK)
+        self.flags.append(flags)
+        if self.kind == "sft":
+            ids, mask, trained, n_trained = blobs
+            self.arrays["ids"].append(ids)
+            self.arrays["mask"].append(mask)
+            self.offsets["ids"].append(self.arrays["ids"].n)
+            self.trained.append(trained)
+            self.labelled.append(n_trained)
+        else:
+            for name, blob in zip(("prompt", "chosen", "rejected"), blobs):
+                self.arrays[name].append(blob)
+                self.offsets[name].append(self.arrays[name].n)
+            self.trained.append(0)
+            self.labelled.append(0)
+
+    def read(self, sources: list[SourceConfig], first_index: int, pool: Any, bar: Any) -> tuple[list[list[int]], readers.ReadReport, list[str]]:
+        """Units of each source (validated records, in order), the read report, parse errors."""
+        report = readers.ReadReport()
+        per_source: list[list[int]] = []
+        errors: list[str] = []
+        for k, source in enumerate(sources):
+            label = str(source.path)
+            start, n_bad = len(self.status), 0
+
+            def chunks() -> Iterator[tuple[int, list]]:
+                buf: list = []
+                for item in iter_source(source):
+                    buf.append(item)
+                    if len(buf) == CHUNK:
+                        yield first_index + k, buf
+                        buf = []
+                if buf:
+                    yield first_index + k, buf
+
+            for results in _run(pool, chunks(), self.num_proc):
+                for r in results:
+                    bar.update(1)
+                    if r[0] == "bad":
+                        n_bad += 1
+                        if self.spec.on_error == "raise":
+                            errors.append(r[1])
+                        elif len(report.examples) < 5:
+                            report.examples.append(r[1])
+                        continue
+                    self._add(r)
+            report.kept[label] = len(self.status) - start
+            report.skipped[label] = n_bad
+            per_source.append(list(range(start, len(self.status))))
+        return per_source, report, errors
+
+    def stage(self, units: list[int]) -> tuple[np.ndarray, dict, list[str]]:
+        """Rows (their units) of one stage, its mask report as :func:`encode_sft`/:func:`encode_pairs`
+        give it, and the template problems (``file:line: message``) in the stage's order."""
+        status = np.asarray(self.status, dtype=np.uint8)
+        flags = np.asarray(self.flags, dtype=np.int64)
+        u = np.asarray(units, dtype=np.int64)
+        st = status[u] if len(u) else np.zeros(0, np.uint8)
+        problems = [f"{self.origin(int(x))}: {self.template_errors[int(x)]}" for x in u[st == TEMPLATE_ERROR][:20]]
+        n_problems = int((st == TEMPLATE_ERROR).sum())
+        empty = [self.origin(int(x)) for x in u[st == EMPTY][:5]]
+        rows = u[st == OK]
+        encoded = u[st != TEMPLATE_ERROR]
+        if self.kind == "sft":
+            off = np.asarray(self.offsets["ids"], dtype=np.int64)
+            lengths = (off[1:] - off[:-1])[rows]
+            trained = np.asarray(self.trained, dtype=np.int64)
+            mask_count = np.asarray(self.labelled, dtype=np.int64)[rows]
+            report = {
+                "examples": len(rows), "tokens": int(lengths.sum()), "trained_tokens": int(mask_count.sum()),
+                "trained_fraction": round(int(mask_count.sum()) / max(int(lengths.sum()), 1), 4),
+                "truncated": int((flags[encoded] & 1).sum()),
+                "dropped_no_trainable_token": int((st == EMPTY).sum()), "dropped_examples": empty,
+            }
+            totals = trained[rows][:, None]
+        else:
+            lens = {n: np.diff(np.asarray(self.offsets[n], dtype=np.int64)) for n in ("prompt", "chosen", "rejected")}
+            report = {
+                "examples": len(rows), "prompt_tokens": int(lens["prompt"][rows].sum()),
+                "response_tokens": int(lens["chosen"][rows].sum() + lens["rejected"][rows].sum()),
+                "prompt_truncated": int((flags[encoded] & 1).sum()),
+                "response_truncated": int(((flags[encoded] >> 1) & 1).sum()),
+                "dropped_no_trainable_token": int((st == EMPTY).sum()), "dropped_examples": empty,
+            }
+            totals = np.stack([np.ones(len(rows), np.int64), lens["chosen"][rows] - (lens["prompt"][rows] == 0)], axis=1)
+        report["dropped_template_error"] = n_problems
+        report["template_errors"] = problems[:5]
+        self._check_template(problems, n_problems)
+        return rows.astype(np.int32), report, totals.astype(np.int64)
+
+    def _check_template(self, problems: list[str], n: int, max_shown: int = 20) -> None:
+        if n and self.spec.on_error != "skip":
+            shown = "\n  ".join(problems[:max_shown])
+            more = f"\n  ... and {n - max_shown} more" if n > max_shown else ""
+            raise DataError(f"{n} {self.kind} record(s) the chat template cannot encode "
+                            f"(set data.on_error=skip to drop them):\n  {shown}{more}")
+        if n:
+            log.warning("data.on_error=skip: skipped %d %s record(s) the chat template cannot encode; first: %s",
+                        n, self.kind, "; ".join(problems[:5]))
+
+    def lengths(self, rows: np.ndarray, share_prompt: bool) -> list[int]:
+        if self.kind == "sft":
+            return np.diff(np.asarray(self.offsets["ids"], dtype=np.int64))[rows].tolist()
+        p, c, r = (np.diff(np.asarray(self.offsets[n], dtype=np.int64))[rows] for n in ("prompt", "chosen", "rejected"))
+        return (p + c + 1 + r if share_prompt else 2 * p + c + r).tolist()
+
+
+def _raise_parse_errors(errors: list[str], kind: str, max_shown: int = 20) -> None:
+    if errors:
+        shown = "\n  ".join(errors[:max_shown])
+        more = f"\n  ... and {len(errors) - max_shown} more" if len(errors) > max_shown else ""
+        raise DataError(f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}")
+
+
+def _log_skipped(report: readers.ReadReport, kind: str) -> None:
+    total = sum(report.skipped.values())
+    if total:
+        log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s", total, kind,
+                    "; ".join(report.examples))
+
+
+def _run(pool: Any, tasks: Iterator[tuple[int, list]], num_proc: int) -> Iterator[list[tuple]]:
+    """Results of :func:`_encode_chunk` over ``tasks`` in order; at most ``2 * num_proc`` chunks in
+    flight (``Pool.imap`` would read the whole input ahead)."""
+    if pool is None:
+        for task in tasks:
+            yield _encode_chunk(task)
+        return
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_encode_chunk, (task,)))
+        if len(pending) >= 2 * num_proc:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _parsers(kind: str, sources: list[SourceConfig]) -> list[Any]:
+    out = []
+    for source in sources:
+        fmt = str(source.format or "auto")
+        if fmt != "auto" and (kind, fmt) not in FORMATS:
+            raise ValueError(f"data source {source.path}: format {fmt!r} is not readable as {kind} data")
+        out.append(rolebench_parser(kind, source.roles) if fmt == "rolebench" else PARSERS[kind])
+    return out
+
+
+def _input_bytes(sources: list[SourceConfig]) -> int | None:
+    total = 0
+    for s in sources:
+        files = readers.local_files(s)
+        if files is None:
+            return None
+        total += sum(f.stat().st_size for f in files)
+    return total
+
+
+def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict[str, Any]) -> None:
+    """Write a complete store into ``folder`` (raises :class:`DataError` as reading and encoding
+    do today: nothing is written that a later run could trust)."""
+    if spec.on_error not in ("raise", "skip"):
+        raise ValueError(f"data.on_error must be 'raise' or 'skip', got {spec.on_error!r}")
+    if not spec.sources:
+        raise DataError(f"no {spec.kind} sources configured (data.{spec.kind} is empty)")
+    if spec.kind == "pairs":
+        check_pair_lengths(spec.max_length, spec.max_prompt_length)
+    started = time.perf_counter()
+    all_sources = spec.sources + spec.val_sources
+    size = _input_bytes(all_sources)
+    procs = 1 if size is not None and size < SMALL_INPUT else num_proc
+    _WORK.update(kind=spec.kind, chat=chat, parsers=_parsers(spec.kind, all_sources), max_length=spec.max_length,
+                 max_prompt_length=spec.max_prompt_length)
+    b = _Builder(spec, chat, folder, procs)
+    pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
+    bar = tqdm(desc=f"encode {spec.kind} ({procs} proc)", unit="rec", disable=size is not None and size < SMALL_INPUT)
+    try:
+        per_source, read_report, errors = b.read(spec.sources, 0, pool, bar)
+        _raise_parse_errors(errors, spec.kind)
+        weights = [float(s.weight) for s in spec.sources]
+        per_source, held = split_holdout(per_source, spec.holdout, spec.seed)
+        train_units = mix(per_source, weights, spec.seed)
+        _log_skipped(read_report, spec.kind)
+        val_units = held
+        if spec.val_sources:
+            val_per_source, val_report, val_errors = b.read(spec.val_sources, len(spec.sources), pool, bar)
+            _raise_parse_errors(val_errors, spec.kind)
+            val_units = mix(val_per_source, [float(s.weight) for s in spec.val_sources], spec.seed)
+            _log_skipped(val_report, spec.kind)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+        _WORK.clear()
+    files: dict[str, Any] = {name: {**f.close(), "shape": [f.n]} for name, f in b.arrays.items()}
+    for name, offs in b.offsets.items():
+        _write_array(folder, f"{name}_offsets", np.asarray(offs, dtype=np.int64), files)
+    train_rows, train_report, train_totals = b.stage(train_units)
+    val_rows, val_report, val_totals = b.stage(val_units) if val_units else (np.zeros(0, np.int32), {}, None)
+    if not len(train_rows):
+        raise DataError(f"no {spec.kind} example left to train on after encoding: {train_report}")
+    report: dict[str, Any] = {"sources": read_report.kept, "skipped": read_report.skipped,
+                              "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
+    packing: dict[str, Any] = {}
+    for stage, rows, totals in (("train", train_rows, train_totals), ("val", val_rows, val_totals)):
+        _write_array(folder, f"{stage}_rows", rows, files)
+        if not len(rows):
+            continue
+        _write_array(folder, f"{stage}_totals", totals, files)
+        for share in LAYOUTS[spec.kind]:
+            bins, fill = plan_packs(b.lengths(rows, share), spec.max_length)
+            flat = np.asarray([i for bin_ in bins for i in bin_], dtype=np.int32)
+            offs = np.cumsum([0] + [len(bin_) for bin_ in bins], dtype=np.int64)
+            _write_array(folder, f"{stage}_pack{int(share)}", flat, files)
+            _write_array(folder, f"{stage}_pack{int(share)}_offsets", offs, files)
+            packing[f"{stage}{int(share)}"] = fill
+    fingerprints = {}
+    for stage in ("train", "val"):
+        h = hashlib.sha256()
+        for name in sorted(files):
+            if not name.startswith(("train_", "val_")) or name == f"{stage}_rows":
+                h.update(f"{name}:{files[name]['sha256']}".encode())
+        fingerprints[stage] = h.hexdigest()[:16]
+    meta = {"format": FORMAT_VERSION, "kind": spec.kind, "key_parts": parts, "report": report, "packing": packing,
+            "files": files, "fingerprints": fingerprints, "units": len(b.status),
+            "build_seconds": round(time.perf_counter() - started, 2)}
+    BUILDS["count"] += 1
+    log.info("data store: encoded %d %s record(s) in %.1f s with %d process(es)", b.encoded, spec.kind,
+             meta["build_seconds"], procs)
+    tmp = folder / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / "meta.json")
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+class StoreError(Exception):
+    """A store on disk does not match its meta.json (truncated, corrupt, half-written)."""
+
+
+class Store:
+    """A built store, its arrays memory-mapped read-only."""
+
+    def __init__(self, folder: Path, verify: bool = True) -> None:
+        self.folder = folder
+        try:
+            self.meta = json.loads((folder / "meta.json").read_text())
+        except (OSError, ValueError) as err:
+            raise StoreError(f"meta.json unreadable ({err})") from err
+        if self.meta.get("format") != FORMAT_VERSION:
+            raise StoreError(f"format {self.meta.get('format')} (this code writes {FORMAT_VERSION})")
+        self.kind = self.meta["kind"]
+        self.arrays: dict[str, np.ndarray] = {}
+        for name, info in self.meta["files"].items():
+            path = folder / f"{name}.bin"
+            try:
+                size = path.stat().st_size
+            except OSError as err:
+                raise StoreError(f"{path.name} missing") from err
+            if size != info["bytes"]:
+                raise StoreError(f"{path.name} has {size} bytes, {info['bytes']} written")
+            if verify and _file_sha256(path) != info["sha256"]:
+                raise StoreError(f"{path.name} checksum differs from the one written")
+            dtype = np.dtype(info["dtype"])
+            arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+            self.arrays[name] = arr.reshape(info["shape"])
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.meta["report"]
+
+    def rows(self, stage: str) -> StoredRows:
+        return StoredRows(self, stage)
+
+    def packs(self, stage: str, share_prompt: bool) -> tuple[StoredPacks, dict]:
+        name = f"{stage}_pack{int(share_prompt)}"
+        return StoredPacks(self.rows(stage), self.arrays[name], self.arrays[f"{name}_offsets"]), \
+            self.meta["packing"][f"{stage}{int(share_prompt)}"]
+
+    def totals(self, stage: str) -> np.ndarray:
+        """``[R, K]`` int64: each row's share of its optimizer step's normalisers."""
+        return np.asarray(self.arrays[f"{stage}_totals"])
+
+
+class StoredRows(Sequence):
+    """The rows of one stage as the encoders' dicts (``input_ids``/``labels`` or
+    ``prompt_ids``/``chosen_ids``/``rejected_ids``, plus ``index``), read from the maps on access."""
+
+    def __init__(self, store: Store, stage: str) -> None:
+        self.store, self.stage = store, stage
+        self.units = store.arrays[f"{stage}_rows"]
+        self.fingerprint = store.meta["fingerprints"][stage]
+        a = store.arrays
+        if store.kind == "sft":
+            self._ids, self._mask, self._off = a["ids"], a["mask"], a["ids_offsets"]
+        else:
+            self._parts = [(n, a[n], a[f"{n}_offsets"]) for n in ("prompt", "chosen", "rejected")]
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        u = int(self.units[i])
+        if self.store.kind == "sft":
+            a, b = int(self._off[u]), int(self._off[u + 1])
+            ids = np.asarray(self._ids[a:b], dtype=np.int64)
+            labels = np.where(self._mask[a:b] != 0, ids, IGNORE_INDEX)
+            return {"input_ids": ids.tolist(), "labels": labels.tolist(), "index": i}
+        row: dict[str, Any] = {}
+        for name, arr, off in self._parts:
+            row[f"{name}_ids"] = np.asarray(arr[int(off[u]):int(off[u + 1])], dtype=np.int64).tolist()
+        row["index"] = i
+        return row
+
+
+class StoredPacks(Sequence):
+    """Packs (lists of row dicts) from a stored packing plan."""
+
+    def __init__(self, rows: StoredRows, flat: np.ndarray, offsets: np.ndarray) -> None:
+        self.rows, self.flat, self.offsets = rows, flat, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        return [self.rows[int(i)] for i in self.flat[int(self.offsets[k]):int(self.offsets[k + 1])]]
+
+    def members(self) -> list[np.ndarray]:
+        return [np.asarray(self.flat[int(a):int(b)]) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+
+def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, num_proc: int | None) -> Store:
+    """The store for ``spec``: reused when a complete one with its key exists (verified against its
+    recorded sizes and checksums), else built under the key's lock and renamed into place."""
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    parts = spec.key_parts(chat)
+    key = f"{spec.kind}-{store_key(parts)}"
+    final = root / key
+    with FileLock(str(root / f"{key}.lock")):
+        if final.exists():
+            try:
+                store = Store(final)
+                log.info("data store: reusing %s (no encoding)", final)
+                return store
+            except StoreError as err:
+                log.warning("data store %s is damaged (%s): rebuilding it", final, err)
+                shutil.rmtree(final, ignore_errors=True)
+        for stale in root.glob(f"{key}.tmp-*"):  # a killed build's leftovers (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f"{key}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            log.info("data store: building %s", final)
+            build(spec, chat, tmp, num_proc or default_num_proc(), parts)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return Store(final, verify=False)

@@ -32,6 +32,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from rolemrc.models import family
 from rolemrc.objectives import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,8 @@ def peak_flops(device_name: str, precision: str) -> float | None:
 
 def model_flop_coefficients(model: nn.Module) -> tuple[float, float, float]:
     """``(per input token, per trained token, per attended query-key pair)`` training FLOPs."""
-    from rolemrc.models.loading import unwrap
-
-    base = unwrap(model)
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    base = family.base_model(model)
+    embed, head = family.input_embeddings(base), family.output_head(base)
     skip = {id(p) for m in (embed, head) if m is not None for p in m.parameters()}
     body = sum(p.numel() for p in base.parameters() if id(p) not in skip)
     head_params = sum(p.numel() for p in head.parameters()) if head is not None else 0

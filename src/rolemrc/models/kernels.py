@@ -15,17 +15,13 @@ tests/perf/test_liger.py (runs where liger-kernel and a GPU are present, skipped
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
+from rolemrc.models import family
 from rolemrc.objectives.logprobs import IGNORE_INDEX, SequenceLogProbs
 
 KERNELS = ("none", "liger")
-# transformers model_type -> liger's patch function (RMSNorm / RoPE / SwiGLU for that architecture).
-_LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
-                  "mistral": "apply_liger_kernel_to_mistral", "qwen3": "apply_liger_kernel_to_qwen3"}
 
 
 def check_kernels(name: str) -> None:
@@ -58,16 +54,17 @@ def apply_kernels(model: nn.Module, name: str) -> None:
         return
     import liger_kernel.transformers as liger
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(base.config, "model_type", None)
-    patch = _LIGER_PATCHES.get(model_type)
+    base = family.base_model(model)
+    fam = family.family_of(base)
+    patch = fam.liger_patch
     if patch is None or not hasattr(liger, patch):
-        raise ValueError(f"model.kernels=liger: no Liger kernels for model type {model_type!r} "
-                         f"(supported here: {', '.join(sorted(_LIGER_PATCHES))}); use model.kernels=none")
+        supported = sorted(name for name, f in family.FAMILIES.items() if f.liger_patch)
+        raise ValueError(f"model.kernels=liger: no Liger kernels for model type {fam.model_type!r} "
+                         f"(supported here: {', '.join(supported)}); use model.kernels=none")
     # Only the module kernels: the loss is the LogprobHead's, switched below.
     getattr(liger, patch)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                           fused_linear_cross_entropy=False, model=base)
-    head = base.get_output_embeddings()
+    head = family.output_head(base)
     if not hasattr(head, "kernel"):
         raise TypeError(f"model.kernels=liger: expected rolemrc's LogprobHead as the output layer, got {type(head).__name__}")
     head.kernel = "liger"
@@ -109,10 +106,3 @@ def liger_sequence_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, sequ
         logps.append(-loss.float())
     values = torch.stack(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
     return SequenceLogProbs(values, counts.long())
-
-
-def describe(model: Any) -> str:
-    """What the run's log names: the kernels in use."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
-    return "liger (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)" if getattr(head, "kernel", "") == "liger" else "none"

@@ -15,6 +15,7 @@ from torch import nn
 
 from rolemrc.config import plain
 from rolemrc.errors import InputNotFound, ModelSourceError
+from rolemrc.models import family
 from rolemrc.models.logprob_head import install_logprob_head
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return family.base_model(model)
 
 
 @contextmanager
@@ -182,8 +183,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder stack (embeddings, layers, final norm) and the output head, each called as a module."""
-    base = unwrap(model)
-    return base.get_decoder(), base.get_output_embeddings()
+    return family.decoder(model), family.output_head(model)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

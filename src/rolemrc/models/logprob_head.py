@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rolemrc.models import family
 from rolemrc.objectives.logprobs import SequenceLogProbs, sequence_logprobs
 
 
@@ -61,8 +62,8 @@ class LogprobHead(nn.Module):
 
 def install_logprob_head(model: nn.Module) -> LogprobHead:
     """Give ``model`` (a transformers causal LM, maybe PEFT-wrapped) a :class:`LogprobHead`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    base = family.base_model(model)
+    head = family.output_head(base)
     if isinstance(head, LogprobHead):
         return head
     if type(head) is not nn.Linear:
@@ -74,7 +75,7 @@ def install_logprob_head(model: nn.Module) -> LogprobHead:
 
 def restore_linear_head(model: nn.Module) -> None:
     """Put a plain ``nn.Linear`` back (exports are plain transformers models)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
+    base = family.base_model(model)
+    head = family.output_head(base)
     if isinstance(head, LogprobHead):
         base.set_output_embeddings(head.to_linear())

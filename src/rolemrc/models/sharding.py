@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.models.loading import unwrap
+from rolemrc.models.family import decoder_layers, fsdp_units, tied_embeddings
 from rolemrc.models.precision import cast_trainable
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,8 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def shard_model(model: nn.Module, device_mesh: Any, s: Any, master_dtype: torch.dtype = torch.float32) -> None:
-    """FSDP2 ``fully_shard`` on each decoder layer, the embeddings, the decoder (final norm) and lm_head.
+    """FSDP2 ``fully_shard`` on each unit of :func:`rolemrc.models.family.fsdp_units`: each decoder
+    layer, the embeddings, the decoder (final norm) and lm_head.
 
     rolemrc calls the decoder and the lm_head as modules (not the top-level model), so each
     is its own FSDP unit and its forward hooks gather its parameters. Tied embeddings (one
@@ -46,16 +47,9 @@ def shard_model(model: nn.Module, device_mesh: Any, s: Any, master_dtype: torch.
             cast_trainable(m, master_dtype)
         fully_shard(unit, **kwargs)
 
-    base = unwrap(model)  # activation checkpointing: model.gradient_checkpointing, enabled when it loaded
-    decoder = base.get_decoder()
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    for layer in decoder.layers:
-        shard(layer)
-    tied = head.weight is embed.weight
-    if tied:
-        shard([embed, head])
-    shard(decoder)
-    if not tied:
-        shard(head)
-    log.info("FSDP2: sharded %d decoder layers over %d ranks%s", len(decoder.layers), mesh.size(),
+    # activation checkpointing: model.gradient_checkpointing, enabled when it loaded
+    for unit in fsdp_units(model):
+        shard(unit)
+    tied = tied_embeddings(model)
+    log.info("FSDP2: sharded %d decoder layers over %d ranks%s", len(decoder_layers(model)), mesh.size(),
              " (tied embeddings: one unit for embed_tokens and lm_head)" if tied else "")

@@ -1,7 +1,8 @@
 """Per-layer activations at the last prompt token, captured with forward hooks.
 
 Works on any HF decoder-only model (Llama, Qwen2, ... maybe PEFT-wrapped): the decoder layers
-are found generically and the layer count and width are read from the tensors, never assumed.
+and each site's block come from :mod:`rolemrc.models.family`, and the layer count and width are
+read from the tensors, never assumed.
 
 Sites (what "a layer's output activation" means):
 
@@ -21,58 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.models.loading import eval_mode, unwrap
+from rolemrc.models.family import SITES, check_site, decoder, decoder_layers, family_of, site_module
+from rolemrc.models.loading import eval_mode
 
-SITES = ("mlp_out", "attn_out", "residual")
-# Submodule names per site across HF decoder architectures (first match wins).
-_SITE_ATTRS = {
-    "mlp_out": ("mlp", "feed_forward", "ffn", "block_sparse_moe"),
-    "attn_out": ("self_attn", "attention", "attn", "self_attention"),
-}
-
-
-def check_site(site: str) -> str:
-    if site not in SITES:
-        raise ValueError(f"probing site must be one of {', '.join(SITES)}; got {site!r}")
-    return site
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder blocks.
-
-    ``get_decoder().layers`` where the model has it (every HF decoder-only LM in transformers 5);
-    otherwise the longest ``nn.ModuleList`` whose entries share one class.
-    """
-    base = unwrap(model)
-    get_decoder = getattr(base, "get_decoder", None)
-    if callable(get_decoder):
-        layers = getattr(get_decoder(), "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers):
-            return layers
-    best: nn.ModuleList | None = None
-    for module in base.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
-            if best is None or len(module) > len(best):
-                best = module
-    if best is None:
-        raise ValueError(f"could not find the decoder layers of {type(base).__name__}: no get_decoder().layers "
-                         "and no nn.ModuleList of identical blocks")
-    return best
-
-
-def site_module(layer: nn.Module, site: str) -> nn.Module:
-    """The submodule of one decoder ``layer`` whose forward output is the ``site`` activation."""
-    check_site(site)
-    if site == "residual":
-        return layer
-    for name in _SITE_ATTRS[site]:
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module):
-            return module
-    children = ", ".join(name for name, _ in layer.named_children())
-    raise ValueError(f"site {site!r}: {type(layer).__name__} has none of {_SITE_ATTRS[site]} "
-                     f"(children: {children})")
-
+__all__ = ["SITES", "LastTokenCapture", "capture_activations", "check_site", "decoder_layers", "encode_prompts",
+           "iter_activations", "left_padded", "replace_site_tensor", "site_module", "site_tensor"]
 
 def site_tensor(output: Any) -> torch.Tensor:
     """The activation inside a module's forward output: the tensor itself or element 0 of a tuple
@@ -100,6 +54,7 @@ class LastTokenCapture:
 
     def __init__(self, model: nn.Module, site: str) -> None:
         self.layers = decoder_layers(model)
+        self.family = family_of(model)
         self.site = check_site(site)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._latest: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -113,7 +68,7 @@ class LastTokenCapture:
 
     def __enter__(self) -> LastTokenCapture:
         for i, layer in enumerate(self.layers):
-            self._handles.append(site_module(layer, self.site).register_forward_hook(self._hook(i)))
+            self._handles.append(site_module(layer, self.site, self.family).register_forward_hook(self._hook(i)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -178,13 +133,13 @@ def iter_activations(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
-    decoder = unwrap(model).get_decoder()
+    stack = decoder(model)
     device = model_device(model)
     with eval_mode(model), torch.no_grad(), LastTokenCapture(model, site) as capture:
         for start in range(0, len(order), batch_size):
             indices = order[start:start + batch_size]
             batch = left_padded([prompts[i] for i in indices], pad_id, device)
-            decoder(**batch, use_cache=False)
+            stack(**batch, use_cache=False)
             yield indices, capture.pop()
 
 

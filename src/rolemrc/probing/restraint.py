@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.probing.capture import check_site, decoder_layers, replace_site_tensor, site_module, site_tensor
+from rolemrc.models.family import check_site, decoder_layers, family_of, site_module
+from rolemrc.probing.capture import replace_site_tensor, site_tensor
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class RestraintHooks:
             raise RuntimeError("restraint hooks are already installed")
         try:
             for layer in self.restraint.by_layer():
-                module = site_module(self.layers[layer], self.restraint.site)
+                module = site_module(self.layers[layer], self.restraint.site, family_of(self.model))
                 self._handles.append(module.register_forward_hook(self._hook(layer)))
         except Exception:
             self.remove()

@@ -218,8 +218,8 @@ RULES = {
     "consumers_do_not_import_training": (["rolemrc.eval", "rolemrc.probing", "rolemrc.synth", "rolemrc.callbacks"],
                                          ["rolemrc.train", "rolemrc.modules"], []),
 }
-# Rules the tree does not satisfy yet (the restructuring of issue 14 is under way): strict, so
-# the test fails once the last edge is gone and this entry must be deleted.
+# Rules the tree does not satisfy yet (none today; a new rule may start here): strict, so the
+# test fails once the last edge is gone and the entry must be deleted.
 NOT_YET: dict[str, str] = {
 }
 

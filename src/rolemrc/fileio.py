@@ -41,11 +41,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 

@@ -101,8 +101,6 @@ def test_sources(explicit: Any, pl_module: L.LightningModule) -> tuple[list[dict
     trainer's datamodule, whose ``cfg`` is the data config)."""
     trainer = getattr(pl_module, "_trainer", None)
     data = getattr(getattr(trainer, "datamodule", None), "cfg", None)
-    if data is None and getattr(pl_module, "cfg", None) is not None:
-        data = pl_module.cfg.data  # a module that carries the whole config
     on_error = str(data.on_error) if data is not None else "raise"
     if explicit is not None:
         return list(plain(explicit)), on_error

@@ -40,6 +40,10 @@ class ModelConfig:
     # Hub id or local folder with HF weights. None: random init from ``init`` (tiny models).
     path: Optional[str] = None
     tokenizer: Optional[str] = None  # defaults to ``path``
+    # Shapes for the memory simulation (python -m rolemrc.memory ... --simulate) when ``path`` has no
+    # local config.json (a hub id offline, the DPO recipes' ``???``): a folder with a config.json, or
+    # a shipped one under rolemrc/assets/architectures (llama-3.1-8b, qwen2.5-7b). Weights never load from it.
+    architecture: Optional[str] = None
     # Random-init architecture (used when path is None): "llama" or "qwen2" + config kwargs.
     arch: str = "llama"
     init: dict[str, Any] = field(default_factory=dict)
@@ -183,6 +187,9 @@ class RuntimeConfig:
     matmul_precision: Optional[str] = "high"  # torch.set_float32_matmul_precision: TF32 on Ampere+ GPUs (paper: tf32)
     checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch (and of training) only
     device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory.check_memory)
+    # model.gradient_checkpointing=auto decides from a simulated step (rolemrc.memory_sim, a child process,
+    # ~1-2 CPU-minutes for an 8B model); false: from the formula alone.
+    simulate_memory: bool = True
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,15 +197,45 @@ def check_memory(cfg: Any) -> str:
 
 
 def resolve_checkpointing(cfg: Any) -> bool:
-    """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by the choice of
-    :func:`choose_checkpointing` (logged), so everything built after sees a bool."""
+    """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by a bool (logged), so everything
+    built after sees one. ``auto`` decides from the simulated per-rank peak without checkpointing
+    (:func:`decide_by_simulation`) where ``runtime.simulate_memory`` is on and the run can be
+    simulated; otherwise (or when the simulation fails) from the formula
+    (:func:`choose_checkpointing`), and says so."""
     from omegaconf import open_dict
 
+    from rolemrc.config import checkpointing_setting
+
     choice, why = choose_checkpointing(cfg)
+    if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
+        choice, why = decide_by_simulation(cfg, formula=(choice, why))
     log.info("activation checkpointing: %s, %s", "on" if choice else "off", why)
     with open_dict(cfg):
         cfg.model.gradient_checkpointing = choice
     return choice
+
+
+def decide_by_simulation(cfg: Any, formula: tuple[bool, str]) -> tuple[bool, str]:
+    """``auto`` from the simulated step without checkpointing (:mod:`rolemrc.memory_sim`, in a
+    child process): off where its per-rank peak fits ``HEADROOM`` of ``runtime.device_memory_gb``,
+    else on. A disagreement with the formula's choice is logged; where the run cannot be simulated
+    the formula's choice stands (also logged)."""
+    from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate_in_subprocess
+
+    device_gb = cfg.runtime.device_memory_gb
+    try:
+        sim = simulate_in_subprocess(cfg, checkpointing=False)
+    except (SimulationUnavailable, OSError, subprocess.TimeoutExpired) as err:
+        log.warning("memory simulation unavailable (%s): the formula decides activation checkpointing", err)
+        return formula
+    fits = sim.peak_bytes <= HEADROOM * device_gb * GB
+    choice = not fits
+    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak without it {sim.peak_gib:.1f} GiB on "
+           f"{sim.ranks} rank(s) {'fits' if fits else 'exceeds'} {HEADROOM:.0%} of {device_gb:g} GB devices)")
+    if choice != formula[0]:
+        log.warning("memory: the simulation and the formula disagree on activation checkpointing; simulation: %s; "
+                    "formula: %s. Following the simulation.", why, formula[1])
+    return choice, why
 
 
 def compose_train_config(overrides: list[str]) -> Any:
@@ -221,18 +252,83 @@ def compose_train_config(overrides: list[str]) -> Any:
         return compose("train", overrides=overrides)
 
 
+def simulated_report(cfg: Any) -> dict[str, Any]:
+    """The simulated per-rank peak of the run ``cfg`` (:func:`rolemrc.memory_sim.simulate`) at its
+    configured activation checkpointing; for ``auto`` both with and without it, the choice being
+    what setup would make (off where the peak without it fits). Keys: ``ranks``, ``peak_gib``,
+    ``by_category`` (GiB, the tracker's names), ``gradient_checkpointing`` (``on``/``off`` peaks in
+    GiB, null where not simulated), ``fits``, and what the step was."""
+    from rolemrc.config import checkpointing_setting
+    from rolemrc.memory_sim import HEADROOM, simulate
+
+    device_gb = float(cfg.runtime.device_memory_gb)
+    limit = HEADROOM * device_gb * GB
+    setting = checkpointing_setting(cfg.model.gradient_checkpointing)
+    sims = {}
+    for on in ((False, True) if setting == "auto" else (bool(setting),)):
+        sims[on] = simulate(cfg, checkpointing=on)
+    if setting == "auto":
+        chosen = False if sims[False].peak_bytes <= limit else True
+    else:
+        chosen = bool(setting)
+    sim = sims[chosen]
+    return {
+        "ranks": sim.ranks,
+        "peak_gib": round(sim.peak_gib, 3),
+        "by_category": {k: round(v / GB, 3) for k, v in sim.by_category.items()},
+        "gradient_checkpointing": {"on": round(sims[True].peak_gib, 3) if True in sims else None,
+                                   "off": round(sims[False].peak_gib, 3) if False in sims else None},
+        "fits": sim.peak_bytes <= limit,
+        "checkpointing": "on" if chosen else "off",
+        "setting": str(setting).lower(),
+        "device_memory_gb": device_gb,
+        "headroom": HEADROOM,
+        "strategy": sim.strategy,
+        "micro_batch": {"rows": sim.rows, "tokens": sim.tokens},
+        "tracker": sim.tracker,
+    }
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    mb = r["micro_batch"]
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    print(f"simulated per-rank peak: {r['peak_gib']:.2f} GiB ({r['ranks']} rank(s), strategy={r['strategy']}, "
+          f"micro-batch {mb['rows']} rows / {mb['tokens']} tokens, activation checkpointing {r['checkpointing']}); "
+          f"{verdict} {r['device_memory_gb']:g} GB devices ({r['headroom']:.0%} usable: "
+          f"{r['headroom'] * r['device_memory_gb']:.1f} GiB)")
+    for name, gib in sorted(r["by_category"].items(), key=lambda kv: -kv[1]):
+        print(f"  {name:16s} {gib:9.3f} GiB")
+    gc = r["gradient_checkpointing"]
+    if r["setting"] == "auto":
+        print(f"model.gradient_checkpointing=auto: on {gc['on']:.2f} GiB, off {gc['off']:.2f} GiB -> "
+              f"{r['checkpointing']}")
+
+
 def main(argv: list[str]) -> int:
-    """No arguments: the README table. Hydra overrides: that training config's estimate."""
+    """No arguments: the README table. Hydra overrides: that training config's estimate; with
+    ``--simulate`` after them, its simulated per-rank peak (``--json``: also as one JSON object on
+    the last line)."""
     if not argv:
         print(table())
         return 0
+    flags = [a for a in argv if a in ("--simulate", "--json")]
+    overrides = [a for a in argv if a not in flags]
+    if "--json" in flags and "--simulate" not in flags:
+        print("error: --json goes with --simulate (python -m rolemrc.memory <overrides> --simulate --json)",
+              file=sys.stderr)
+        return 1
+    unknown = [a for a in overrides if a.startswith("--")]
+    if unknown:
+        print(f"error: unknown flag {unknown[0]} (expected --simulate, --json after the Hydra overrides)",
+              file=sys.stderr)
+        return 1
     from hydra.errors import HydraException
 
     from rolemrc.entry import entry_point
 
     with entry_point():
         try:
-            cfg = compose_train_config(argv)
+            cfg = compose_train_config(overrides)
         except HydraException as err:  # a bad override: Hydra's message, one line, no traceback
             cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
             print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
@@ -240,7 +336,19 @@ def main(argv: list[str]) -> int:
         from rolemrc.config import check_train_config
 
         check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
-        print(check_memory(cfg))
+        if "--simulate" not in flags:
+            print(check_memory(cfg))
+            return 0
+        from rolemrc.memory_sim import SimulationUnavailable
+
+        try:
+            report = simulated_report(cfg)
+        except SimulationUnavailable as err:
+            print(f"error: cannot simulate this run: {err}", file=sys.stderr)
+            return 1
+        _print_report(report)
+        if "--json" in flags:
+            print(json.dumps(report))
     return 0
 
 

@@ -1,0 +1,516 @@
+"""Per-rank memory of one training step of a run, simulated on this CPU without allocating it.
+
+    python -m rolemrc.memory experiment=rolemrc_llama_sft --simulate          # the paper recipe, 4 ranks
+    python -m rolemrc.memory experiment=rolemrc_llama_dpo trainer.devices=8 --simulate --json
+
+:func:`simulate` builds the run's own parts the way training does, on the meta device: the model
+(:func:`rolemrc.models.loading.load_model`: dtype, attention, activation checkpointing, LoRA, the
+log-prob head), the objective's module (:func:`rolemrc.build.build_module`: precision policy, the
+DPO reference copy or adapter), the FSDP2 units (:func:`rolemrc.models.sharding.shard_model`, over
+a ``trainer.devices x trainer.num_nodes`` mesh of a fake process group), then materialises it
+under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) and runs one optimizer step
+(forward, backward, AdamW) on a micro-batch of the run's shape, made by the run's own collator:
+``data.batch_size`` rows of ``data.max_length`` tokens (DPO: prompt ``data.max_prompt_length``,
+chosen and rejected responses filling the rest; packing: packs of ``max_length`` tokens).
+``torch.distributed._tools`` trackers (``FSDPMemTracker`` under FSDP, ``MemTracker`` otherwise)
+record the per-rank peak by category.
+
+What it counts and what it does not:
+
+- every position of the micro-batch is full (no padding) and every response position is trained
+  (SFT: every token): the longest rows the config allows, an upper bound for the lm_head's share;
+- AdamW runs its ``foreach`` implementation (torch's default for CUDA tensors), whose temporaries
+  are part of the peak;
+- not counted: the CUDA context and NCCL buffers, the caching allocator's fragmentation, kernels'
+  workspaces (cuBLAS, flash-attention): :data:`HEADROOM` of the device is left for them;
+- 4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors); the formula of
+  :mod:`rolemrc.memory` serves it.
+
+The fake process group is global state of ``torch.distributed``: :func:`simulate` tears it down
+before returning, and :func:`simulate_in_subprocess` runs it in a child process (what a training
+run's setup uses, so its own process group is never touched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+GIB = 1024**3
+HEADROOM = 0.9  # fraction of device memory a run's simulated peak may use (context, NCCL, fragmentation)
+
+
+class SimulationUnavailable(RuntimeError):
+    """The configured run cannot be simulated (the formula of :mod:`rolemrc.memory` is the fallback)."""
+
+
+@dataclass
+class Simulation:
+    """One simulated optimizer step: per-rank peak bytes and their categories (tracker names)."""
+
+    ranks: int
+    peak_bytes: int
+    by_category: dict[str, int]
+    checkpointing: bool
+    rows: int  # rows of the micro-batch
+    tokens: int  # tokens of the micro-batch (rows x length)
+    strategy: str
+    tracker: str  # FSDPMemTracker | MemTracker
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+
+# ---------------------------------------------------------------- the run's architecture
+
+def architecture_config(model_cfg: Any) -> dict[str, Any]:
+    """The model's ``config.json`` as a dict: ``model.path``'s own when it is a local folder, else
+    ``model.architecture`` (a folder, or a shipped one under ``rolemrc/assets/architectures``), else
+    the tiny model's ``init`` (random-init models). Raises :class:`SimulationUnavailable` otherwise."""
+    from omegaconf import OmegaConf
+
+    from rolemrc.config import plain
+
+    path = None if OmegaConf.is_missing(model_cfg, "path") else model_cfg.path
+    if path is not None and (Path(path).expanduser() / "config.json").is_file():
+        return json.loads((Path(path).expanduser() / "config.json").read_text())
+    arch = model_cfg.get("architecture")
+    if arch:
+        folder = Path(arch).expanduser()
+        if not (folder / "config.json").is_file():
+            from rolemrc import ASSETS
+
+            folder = Path(ASSETS) / "architectures" / arch
+        if not (folder / "config.json").is_file():
+            raise SimulationUnavailable(f"model.architecture={arch}: no config.json there nor in "
+                                        f"rolemrc/assets/architectures")
+        return json.loads((folder / "config.json").read_text())
+    if path is None:
+        return {"model_type": model_cfg.arch, **plain(model_cfg.init)}
+    raise SimulationUnavailable(f"model.path={path} is not a local folder with a config.json and model.architecture "
+                                "is not set: no shapes to simulate")
+
+
+class _Vocabulary:
+    """What :func:`~rolemrc.models.loading.load_model` reads of a tokenizer to size a random-init
+    model, from the architecture's ``config.json`` (the hub models' tokenizers are not needed)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.vocab_size = spec["vocab_size"]
+        eos = spec.get("eos_token_id")
+        self.bos_token_id = spec.get("bos_token_id")
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.pad_token_id = spec.get("pad_token_id", self.eos_token_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
+    """(model config that builds the run's architecture from its config, without weights; the
+    tokenizer or its stand-in)."""
+    from omegaconf import OmegaConf, open_dict
+
+    spec = architecture_config(cfg.model)
+    m = copy.deepcopy(cfg.model)
+    with open_dict(m):
+        if spec is not None and ("vocab_size" in spec or OmegaConf.is_missing(m, "path") or m.path is not None):
+            init = {k: v for k, v in spec.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                                "transformers_version", "dtype")}
+            m.init = init
+            m.arch = spec.get("model_type", m.arch)
+        m.path = None
+        m.gradient_checkpointing = checkpointing
+        m.kernels = "none"  # GPU kernels (Triton) do not run on fake CPU tensors
+    if "vocab_size" in spec:
+        tokenizer: Any = _Vocabulary(spec)
+    else:  # a tiny random-init model sized by its shipped tokenizer, as training sizes it
+        from rolemrc.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    return m, tokenizer
+
+
+# ---------------------------------------------------------------- the micro-batch
+
+def _rows(cfg: Any, batch_size: int, vocab: int) -> list[Any]:
+    """``batch_size`` encoded rows (SFT) or pairs of the longest shape the config allows."""
+    length = int(cfg.data.max_length)
+    tok = min(5, vocab - 1)
+    if cfg.objective.name == "sft":
+        return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
+    prompt = int(cfg.data.get("max_prompt_length") or length // 2)
+    response = max(1, length - prompt)
+    return [{"prompt_ids": [tok] * prompt, "chosen_ids": [tok] * response, "rejected_ids": [tok] * response,
+             "index": i} for i in range(batch_size)]
+
+
+def _batch(cfg: Any, batch_size: int, vocab: int) -> dict[str, torch.Tensor]:
+    """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
+    from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, row_totals
+
+    rows = _rows(cfg, batch_size, vocab)
+    share = cfg.objective.name != "sft" and bool(cfg.objective.get("share_prompt", False))
+    if cfg.data.get("packing") or share:
+        batch = PackedCollator(0, share)(rows)
+    else:
+        batch = (SFTCollator(0) if cfg.objective.name == "sft" else PairCollator(0))(rows)
+    # Packed rows (and shared-prompt pairs) run as full causal rows: the per-piece kernels read the
+    # piece boundaries back from the tensor (values fake tensors have not) and hold no more memory
+    # than one causal row (model.packed_attention=mask, a [T x T] additive mask, would hold more).
+    batch.pop("segments", None)
+    # Full rows: an all-ones attention mask, which transformers drops for causal attention anyway
+    # (checking it reads tensor values, which fake tensors have not).
+    if "attention_mask" in batch and bool(batch["attention_mask"].all()):
+        del batch["attention_mask"]
+    totals = [row_totals(r) for r in rows]
+    if cfg.objective.name == "sft":
+        batch["step_tokens"] = torch.tensor(float(sum(t[0] for t in totals)), dtype=torch.float64)
+    else:
+        batch["step_pairs"] = torch.tensor(float(len(rows)), dtype=torch.float64)
+        batch["step_chosen_tokens"] = torch.tensor(float(sum(t[1] for t in totals)), dtype=torch.float64)
+    return batch
+
+
+class _KnownMasks(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fake tensors have no values, so a boolean-mask index (the log-prob head gathers the trained
+    positions: ``hidden[labels != -100]``) has no known size. The micro-batch is built here, so the
+    count of trained positions is known: masks of that shape index as that many positions."""
+
+    def __init__(self, counts: dict[tuple[int, ...], int]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def _positions(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        shape = tuple(mask.shape)
+        if shape not in self.counts:
+            raise SimulationUnavailable(f"a boolean mask of shape {shape} indexes a tensor in the step; only the "
+                                        f"trained-position masks {sorted(self.counts)} have a known size")
+        flat = torch.empty((self.counts[shape], len(shape)), dtype=torch.long, device=mask.device)
+        return list(flat.unbind(1))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.nonzero.default:
+            return torch.stack(self._positions(args[0]), dim=1)
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            # A boolean read back is an input check (``bool((labels >= vocab).any())``); the
+            # micro-batch built here passes every one of them.
+            return False
+        if func is torch.ops.aten.index.Tensor:
+            src, indices = args
+            if any(i is not None and i.dtype == torch.bool for i in indices):
+                flat: list[Any] = []
+                for i in indices:
+                    flat.extend(self._positions(i) if i is not None and i.dtype == torch.bool else [i])
+                return func(src, flat)
+        return func(*args, **kwargs)
+
+
+def _mask_counts(batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
+    from rolemrc.objectives.logprobs import IGNORE_INDEX, shift_labels
+
+    labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
+    return {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
+
+
+# ---------------------------------------------------------------- the step
+
+def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of one micro-batch as the module's ``training_step`` computes it (without the
+    trainer's logging and scaling)."""
+    from rolemrc.objectives.dpo import dpo_loss, preference_loss
+    from rolemrc.objectives.logprobs import token_nll
+
+    o = module.objective
+    if o.name == "sft":
+        seq = module.sequence_logps(module.model, batch, batch["index"].shape[0])
+        return token_nll(seq.logps, batch["step_tokens"])
+    b = batch["index"].shape[0]
+    policy, counts = module.pair_logps(module.model, batch)
+    if module.mode == "precomputed":  # the reference log-probs are a table lookup
+        ref = torch.zeros_like(policy)
+    else:
+        ref = _ReferencePass(module)(batch)
+    out = dpo_loss(policy[:b], policy[b:], ref[:b], ref[b:], beta=o.beta, loss_type=o.loss_type,
+                   label_smoothing=o.label_smoothing)
+    loss, _ = preference_loss(out.losses, policy[:b], sft_weight=o.sft_weight, num_pairs=batch["step_pairs"],
+                              num_chosen_tokens=batch["step_chosen_tokens"])
+    return loss
+
+
+class _ReferencePass(torch.nn.Module):
+    """The reference forward as a module call: FSDPMemTracker takes a second forward of the same
+    top-level FSDP unit in one step (the adapter reference reuses the policy's) for the next
+    iteration unless it runs inside another module's forward."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self.__dict__["module"] = module  # not a submodule: nothing to register
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.module.reference_logps(batch, "train")
+
+
+def _autocast(precision: str) -> contextlib.AbstractContextManager:
+    kind, _, mode = str(precision).partition("-")
+    if mode == "mixed" and kind in ("bf16", "16"):
+        return torch.autocast("cpu", dtype=torch.bfloat16 if kind == "bf16" else torch.float16)
+    return contextlib.nullcontext()
+
+
+def _build(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
+    """(the run's module on the meta device, its vocabulary size)."""
+    from omegaconf import open_dict
+
+    from rolemrc.build import build_module
+    from rolemrc.models.loading import load_model
+
+    if cfg.model.quantization.load_in_4bit:
+        raise SimulationUnavailable("4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors)")
+    model_cfg, tokenizer = _sim_model_cfg(cfg, checkpointing)
+    with torch.device("meta"):
+        model = load_model(model_cfg, tokenizer)
+    run_cfg = copy.deepcopy(cfg)
+    with open_dict(run_cfg):
+        run_cfg.model = model_cfg
+        if cfg.objective.name != "sft" and cfg.objective.reference == "precomputed":
+            run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
+    module = build_module(run_cfg, model)
+    if cfg.objective.name != "sft" and cfg.objective.reference == "precomputed":
+        from rolemrc.modules.reference import Reference
+
+        module.reference, module.mode = Reference(), "precomputed"  # no reference weights held
+    return module, len(tokenizer)
+
+
+def _configure(module: Any, mesh: Any) -> None:
+    """What ``configure_model`` does (DPO: the copy stored in the frozen dtype; trainable weights
+    fp32 masters; FSDP2 units), on meta tensors."""
+    from rolemrc.models.precision import cast_trainable
+    from rolemrc.models.sharding import shard_model
+
+    ref = getattr(module, "ref_model", None)
+    if ref is not None and next(ref.parameters()).dtype != module.policy.frozen:
+        ref.to(dtype=module.policy.frozen)
+    for m in module.models_to_shard():
+        if mesh is None:
+            cast_trainable(m, module.policy.master)
+        else:
+            shard_model(m, {"data_parallel": mesh}, module.sharding, module.policy.master)
+
+
+def _materialise(module: Any) -> None:
+    """Meta tensors -> tensors on the CPU (storage-less fake ones under ``FakeTensorMode``)."""
+    for m in module.models_to_shard():
+        m.to_empty(device="cpu")
+
+
+def _optimizer(module: Any) -> torch.optim.Optimizer:
+    o = module.optim
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                             foreach=True)
+
+
+def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if not fsdp:
+        tracker = MemTracker()
+        tracker.track_external(*module.models_to_shard(), optimizer)
+        return tracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class RunTracker(FSDPMemTracker):
+        """FSDPMemTracker over every FSDP unit of the run: rolemrc shards the decoder layers, the
+        embeddings, the decoder and the head (and a DPO reference copy) as separate roots, with no
+        unit at the top; the tracker instruments the FSDP modules under ``_root_mod``."""
+
+        def __init__(self, roots: list[torch.nn.Module]) -> None:
+            from torch.distributed.fsdp import FSDPModule
+
+            first = next(m for r in roots for m in r.modules() if isinstance(m, FSDPModule))
+            super().__init__(first, optimizer)
+            self._root_mod = torch.nn.ModuleList(roots)
+
+    return RunTracker(module.models_to_shard())
+
+
+def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], precision: str) -> None:
+    with _autocast(precision):
+        loss = _step_loss(module, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake: bool) -> Simulation:
+    """Build the run under an initialised process group of ``world`` ranks (fake or real) and
+    track one optimizer step. ``fake``: under ``FakeTensorMode`` (no memory allocated)."""
+    import torch.distributed as dist
+
+    fsdp = cfg.strategy.name == "fsdp"
+    mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))  # before fake mode
+    module, vocab = _build(cfg, checkpointing)
+    module.model.train()
+    for m in module.models_to_shard()[1:]:
+        m.eval()
+    warm = _batch(cfg, 1, vocab)  # a tiny step first: AdamW's states exist in the tracked step
+    batch = _batch(cfg, batch_size, vocab)
+    counts = {**_mask_counts(warm), **_mask_counts(batch)}
+    _configure(module, mesh)
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        stack = contextlib.ExitStack()
+        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty reads the meta tensors
+        with stack:
+            _materialise(module)
+            warm = {k: mode.from_tensor(v) for k, v in warm.items()}
+            batch = {k: mode.from_tensor(v) for k, v in batch.items()}
+            with _KnownMasks(counts):
+                return _track(cfg, module, warm, batch, fsdp, world, checkpointing, "fake")
+    _materialise(module)
+    _init_weights(module)
+    return _track(cfg, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "")
+
+
+def _init_weights(module: Any) -> None:
+    """Real (validation) runs: values for the storage ``to_empty`` left uninitialised."""
+    with torch.no_grad():
+        for m in module.models_to_shard():
+            for p in m.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
+            base = m.get_base_model() if hasattr(m, "get_base_model") else m
+            base.model.rotary_emb.inv_freq.copy_(base.model.rotary_emb.original_inv_freq
+                                                  if hasattr(base.model.rotary_emb, "original_inv_freq")
+                                                  else base.model.rotary_emb.inv_freq)
+
+
+def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: int, checkpointing: bool,
+           kind: str) -> Simulation:
+    optimizer = _optimizer(module)
+    _one_step(module, optimizer, warm, cfg.trainer.precision)
+    tracker = _tracker(module, optimizer, fsdp)
+    if fsdp:
+        tracker.track_inputs((batch,))
+    with tracker:
+        _one_step(module, optimizer, batch, cfg.trainer.precision)
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(d for d in peak if peak[d].get("Total", 0) > 0), next(iter(peak)))
+    snap = {getattr(k, "value", k): int(v) for k, v in peak[device].items()}
+    total = snap.pop("Total")
+    rows = batch["input_ids"].shape[0]
+    return Simulation(ranks=world, peak_bytes=total, by_category={k: int(v) for k, v in snap.items()},
+                      checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
+                      strategy=cfg.strategy.name, tracker=type(tracker).__mro__[1 if fsdp else 0].__name__
+                      if fsdp else "MemTracker")
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int) -> Iterator[None]:
+    """A fake process group of ``world`` ranks (this process is rank 0), destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise SimulationUnavailable("a process group is already initialised in this process: simulate in a "
+                                    "fresh process (simulate_in_subprocess)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def world_size(cfg: Any) -> int:
+    from rolemrc.strategies import world_size as ws
+
+    return ws(cfg.trainer)
+
+
+def simulate(cfg: Any, *, checkpointing: bool, batch_size: int | None = None) -> Simulation:
+    """One optimizer step of the run ``cfg`` (a composed training config) at micro-batch
+    ``batch_size`` (default ``data.batch_size``), with activation checkpointing on or off,
+    simulated on ``trainer.devices x trainer.num_nodes`` fake ranks; per-rank peak."""
+    world = world_size(cfg)
+    batch_size = int(batch_size or cfg.data.batch_size)
+    with fake_process_group(world):
+        return run_step(cfg, checkpointing=checkpointing, batch_size=batch_size, world=world, fake=True)
+
+
+# ---------------------------------------------------------------- in a child process
+
+def _run_config(cfg: Any) -> dict[str, Any]:
+    """The parts of a training config the simulation reads, resolved to plain values."""
+    from omegaconf import OmegaConf
+
+    keep = ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")
+    out = {}
+    for key in keep:
+        node = cfg[key]
+        if key == "model" and OmegaConf.is_missing(node, "path"):
+            node = copy.deepcopy(node)
+            with __import__("omegaconf").open_dict(node):
+                node.path = None
+        out[key] = OmegaConf.to_container(node, resolve=True)
+    if OmegaConf.is_missing(cfg.model, "path"):
+        out["model"]["path"] = "???"
+    return out
+
+
+def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, batch_size: int | None = None,
+                           timeout: float = 1800) -> Simulation:
+    """:func:`simulate` in a child process (``python -m rolemrc.memory_sim <config.json>``), so the
+    fake process group never meets this process's own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "run.json"
+        spec.write_text(json.dumps({"cfg": _run_config(cfg), "checkpointing": checkpointing,
+                                    "batch_size": batch_size}))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "rolemrc.memory_sim", str(spec)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SimulationUnavailable(f"the simulation failed (exit {proc.returncode}): {last}")
+    return Simulation(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _child(path: str) -> int:
+    from omegaconf import OmegaConf
+
+    from rolemrc.config import register
+
+    register()
+    spec = json.loads(Path(path).read_text())
+    raw = spec["cfg"]
+    cfg = OmegaConf.create(raw)
+    sim = simulate(cfg, checkpointing=spec["checkpointing"], batch_size=spec["batch_size"])
+    print(json.dumps(asdict(sim)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))

@@ -475,6 +475,21 @@ class EvalGenerationConfig:
     cpu_threads: Optional[int] = None  # torch intra-op threads on CPU (None: torch's default)
     progress: bool = True  # tqdm bar
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM(...) args, e.g. tensor_parallel_size
+    # backend=openai: the evaluated model behind an OpenAI-compatible server (greedy, temperature 0)
+    model: Optional[str] = None  # the served model name, e.g. gpt-4o
+    base_url: Optional[str] = None  # None: the client's default / OPENAI_BASE_URL
+    api_key_env: Optional[str] = "OPENAI_API_KEY"  # variable holding the key (never the key); None: no key
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    max_attempts: int = 5  # per reply: 429/5xx/timeouts/malformed 200s are retried
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    max_requests: Optional[int] = None  # budget: no more requests than this (retries included)
+    cache_dir: Optional[str] = None  # None: <out_dir>/generation_cache (good replies only)
+    # backend=file: replies produced elsewhere, JSON lines {"reply": str, "id"?: ...} (one path or a list)
+    path: Optional[Any] = None
+    reply_field: str = "reply"  # RoleBench's rolegpt_baseline.jsonl: generated (a one-string list)
+    on_missing: str = "error"  # error | skip (items without a reply are left out and counted)
 
 
 @dataclass
@@ -493,8 +508,14 @@ class EvalMetricsConfig:
     )
     rouge_only: bool = False  # ROUGE-L only (paper Table 4, RoleBench); implied by format: rolebench sources
     meteor_tokenizer: str = "regex"  # regex | punkt
-    # ROUGE as HF evaluate's "rouge" computes it: no stemming by default (its use_stemmer=False).
-    rouge_use_stemmer: bool = False
+    # ROUGE as RoleMRC's evaluation script: Porter stemming; false = HF evaluate's "rouge" default.
+    rouge_use_stemmer: bool = True
+    # rouge_score's target argument: reply (the authors' score(reply, reference)) | reference
+    # (HF evaluate's order). Only ROUGE-Lsum on multi-line texts depends on it.
+    rouge_target: str = "reply"
+    # BLEU where nmt-BLEU divides by zero (no reply tokens, empty reference): skip (left out of
+    # the mean, as the authors' script) | zero
+    bleu_undefined: str = "skip"
     bertscore: EvalBertScoreConfig = field(default_factory=EvalBertScoreConfig)
 
 
@@ -521,6 +542,10 @@ class JudgeConfig:
     max_requests: Optional[int] = None  # budget: no more requests than this (retries included)
     cache_dir: Optional[str] = None  # None: <out_dir>/judge_cache; share one to reuse answers across runs
     show_reference: bool = False  # also show the reference reply to the judge
+    # verdict: rolemrc's prompts (brief reasoning, then `VERDICT: 0|1`; answers without one retried);
+    # paper: the authors' protocol (score-only answer "0"/"1", one try, unparseable counted and,
+    # in the "unparseable = 0" column, scored 0): conf/judge/paper.yaml
+    protocol: str = "verdict"
 
 
 EvalJudgeConfig = JudgeConfig  # the name before the judge config was shared with the callback

@@ -33,7 +33,8 @@ def test_write_report(tmp_path):
     assert set(doc) == {"meta", "metrics", "judge", "verifier_agreement"}
     assert doc["metrics"]["summary"]["bleu"]["n"] == 2 and len(doc["metrics"]["per_sample"]["rougeL"]) == 2
     assert doc["judge"]["KB"] == {
-        "dimension": "KB", "accuracy": 1.0, "n_ok": 1, "n_unparseable": 1, "n_failed": 0,
+        "dimension": "KB", "accuracy": 1.0, "accuracy_unparseable_as_0": 0.5, "n_ok": 1, "n_unparseable": 1,
+        "n_failed": 0,
         "n_budget_exhausted": 0, "n_total": 2, "by_task": doc["judge"]["KB"]["by_task"],
     }  # fmt: skip
     assert doc["judge"]["PI"]["accuracy"] is None and doc["judge"]["PI"]["n_budget_exhausted"] == 1
@@ -43,9 +44,11 @@ def test_write_report(tmp_path):
 
     md = paths["summary.md"].read_text()
     assert "| BLEU | " in md and "| ROUGE-L | " in md and " ± " in md
-    assert "| Knowledge Boundary (KB) | 100.00% | 1 | 1 | 0 | 0 |" in md
-    assert "| Nested Instruction-following (NI) | 100.00% | 1 | 0 | 1 | 0 |" in md
-    assert "| Prioritized Instruction-following (PI) | n/a | 0 | 0 | 0 | 1 |" in md
+    # accuracy over parseable verdicts and with unparseable scored 0, side by side
+    assert "| accuracy (parseable) | accuracy (unparseable = 0) |" in md
+    assert "| Knowledge Boundary (KB) | 100.00% | 50.00% | 1 | 1 | 0 | 0 |" in md
+    assert "| Nested Instruction-following (NI) | 100.00% | 100.00% | 1 | 0 | 1 | 0 |" in md
+    assert "| Prioritized Instruction-following (PI) | n/a | n/a | 0 | 0 | 0 | 1 |" in md
     assert "Agreement 100.00% over 1 items" in md
 
 

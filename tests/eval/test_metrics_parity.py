@@ -1,12 +1,16 @@
-"""Per-sample metrics equal direct library calls configured as HF ``evaluate``'s metric scripts.
+"""Per-sample metrics equal the library calls RoleMRC's public ``evaluation/evaluation.py`` makes.
 
-``evaluate``'s scripts load from the hub at run time (and "bleu" imports tensorflow-nmt's
-``bleu.py`` from GitHub), so the peers here are those same calls written out in the test:
+The authors' script calls ``rouge_score`` directly and HF ``evaluate``'s "bleu", "meteor" and
+"bertscore" scripts. Those scripts load from the hub at run time (and "bleu" imports
+tensorflow-nmt's ``bleu.py`` from GitHub), so the peers here are the calls they wrap, written out:
 
 - bleu: ``tokenizer_13a`` (evaluate's copy of sacrebleu's ``Tokenizer13a``, returning
-  ``line.split()``) + nmt ``compute_bleu(refs, preds, max_order=4, smooth=False)``;
-- rouge: ``rouge_scorer.RougeScorer(types, use_stemmer=False)`` (evaluate's default; and True where
-  ``metrics.rouge_use_stemmer`` asks for it), ``score`` / ``score_multi``;
+  ``line.split()``) + nmt ``compute_bleu(refs, preds, max_order=4, smooth=False)``; where it raises
+  (ZeroDivisionError) the authors' ``try`` returned NaN and their summary left the sample out;
+- rouge: the authors' ``rouge_scorer.RougeScorer(['rouge1', 'rouge2', 'rougeL', 'rougeLsum'],
+  use_stemmer=True).score(response, reference)`` (the default), and evaluate's
+  ``RougeScorer(types, use_stemmer=False).score(reference, prediction)`` (``rouge_use_stemmer=false,
+  rouge_target=reference``), ``score_multi`` for several references;
 - meteor: ``nltk`` ``single_meteor_score`` / ``meteor_score`` over ``word_tokenize`` output with
   ``alpha=0.9, beta=3, gamma=0.5`` (punkt replaced by the documented regex sentence split);
 - bertscore: ``BERTScorer(...).score(cands, [[ref], ...])`` with the offline MiniLM.
@@ -68,6 +72,10 @@ EDGE = [
     "(She sighs) I can't say. You should ask the captain instead.",
     "word\u00a0word\u2028word",
     "Tab\tseparated\twords\t",
+    # long and multi-line: where ROUGE-Lsum's per-line LCS and the argument order matter
+    " ".join(f"word{i % 97} running cats" for i in range(80)),
+    "The captains were running.\nThe ships sailed.\nArr!",
+    "ships sailed\ncaptains running\nthe end",
 ]
 assert len(EDGE) >= 30
 
@@ -145,6 +153,38 @@ def test_bleu_tokens_are_13a():
     assert M.bleu_tokens(" \n\t") == []
 
 
+def _authors_bleu(prediction: str, reference: str) -> float | None:
+    """evaluate_bleu of the authors' script: the metric's value, or NaN (here None) where it raised."""
+    try:
+        return _nmt_bleu([_evaluate_tokens(reference)], _evaluate_tokens(prediction))
+    except ZeroDivisionError:
+        return None
+
+
+def test_bleu_default_leaves_undefined_samples_out_as_the_authors_script():
+    """Per sample equal to the authors' evaluate "bleu" call; an empty reply or reference (where
+    it raised) is left out of the mean and counted, as their numpy summary did; zero on request."""
+    import numpy as np
+
+    preds, refs = zip(*ALL_PAIRS)
+    res = M.compute_metrics(list(preds), list(refs), metrics=["bleu"])
+    authors = [_authors_bleu(p, r) for p, r in ALL_PAIRS]
+    got = res.per_sample["bleu"]
+    assert [v is None for v in got] == [v is None for v in authors]
+    assert all(g == pytest.approx(a, rel=1e-12, abs=1e-15) for g, a in zip(got, authors) if a is not None)
+    undefined = sum(v is None for v in authors)
+    assert undefined >= len(EDGE)  # the empty and blank strings, against everything
+    s = res.summary()["bleu"]
+    kept = [v for v in authors if v is not None]
+    assert s["n"] == len(kept) and s["n_undefined"] == undefined
+    assert s["mean"] == pytest.approx(float(np.mean(kept)), rel=1e-12)
+    assert s["std"] == pytest.approx(float(np.std(kept, ddof=0)), rel=1e-12)
+    assert res.info["bleu"]["undefined"] == "skip"
+    zero = M.compute_metrics(list(preds), list(refs), metrics=["bleu"], bleu_undefined="zero")
+    assert zero.per_sample["bleu"] == [0.0 if v is None else v for v in res.per_sample["bleu"]]
+    assert zero.summary()["bleu"]["n"] == len(ALL_PAIRS)
+
+
 def test_bleu_parity_on_edge_strings():
     nonzero = 0
     for pred, ref in ALL_PAIRS:
@@ -154,7 +194,7 @@ def test_bleu_parity_on_edge_strings():
         nonzero += expected > 0
     assert nonzero >= 20  # not a comparison of zeros
     preds, refs = zip(*ALL_PAIRS)
-    assert M.compute_metrics(list(preds), list(refs), metrics=["bleu"]).per_sample["bleu"] == [
+    assert M.compute_metrics(list(preds), list(refs), metrics=["bleu"], bleu_undefined="zero").per_sample["bleu"] == [
         M.bleu(p, r) for p, r in ALL_PAIRS
     ]
 
@@ -182,16 +222,53 @@ def test_empty_prediction_or_reference_bleu_is_zero_where_nmt_divides_by_zero():
         assert M.bleu(pred, ref) == 0.0
 
 
-# ---------------------------------------------------------------- ROUGE: evaluate "rouge"
+# ---------------------------------------------------------------- ROUGE: the authors' rouge_score call
+
+
+def test_rouge_default_is_the_authors_call_on_edge_strings():
+    """compute_metrics' defaults = evaluation.py's RougeScorer([...], use_stemmer=True).score(response,
+    reference), F-measure, on every pair of edge strings (empty, punctuation, unicode, long, multi-line)."""
+    from rouge_score import rouge_scorer
+
+    authors = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    preds, refs = zip(*ALL_PAIRS)
+    res = M.compute_metrics(list(preds), list(refs), metrics=list(M.ROUGE_TYPES))
+    nonzero = 0
+    for i, (response, reference) in enumerate(ALL_PAIRS):
+        direct = authors.score(response, reference)
+        for t in M.ROUGE_TYPES:
+            assert res.per_sample[t][i] == direct[t].fmeasure, (t, response, reference)
+        nonzero += direct["rougeLsum"].fmeasure > 0
+    assert nonzero >= len(EDGE)
+    info = res.info["rouge"]
+    assert info["use_stemmer"] is True and info["target"] == "reply" and info["measure"] == "fmeasure"
+    assert "use_stemmer=True).score(reply, reference)" in info["call"]
+
+
+def test_rouge_argument_order_matters_only_for_lsum_on_multiline_text():
+    """rouge_score.score(target, prediction): ROUGE-1/2/L F is symmetric, ROUGE-Lsum's summary-level
+    LCS is not. The authors passed the reply as the target; evaluate passes the reference."""
+    from rouge_score import rouge_scorer
+
+    reply, reference = "a c\nc\nc d", "c b a\nc"
+    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=True)
+    authors = M.rouge_scores([reply], [reference])
+    evaluate_order = M.rouge_scores([reply], [reference], target="reference")
+    assert authors["rougeLsum"] == [scorer.score(reply, reference)["rougeLsum"].fmeasure]
+    assert evaluate_order["rougeLsum"] == [scorer.score(reference, reply)["rougeLsum"].fmeasure]
+    assert authors["rougeLsum"] != evaluate_order["rougeLsum"]
+    for t in ("rouge1", "rouge2", "rougeL"):
+        assert authors[t] == evaluate_order[t]
 
 
 @pytest.mark.parametrize("stem", [False, True])
 def test_rouge_parity_on_edge_strings(stem: bool):
+    """With rouge_target=reference: evaluate's "rouge" call (stemmer as asked)."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=stem)
     preds, refs = zip(*ALL_PAIRS)
-    ours = M.rouge_scores(preds, refs, use_stemmer=stem)
+    ours = M.rouge_scores(preds, refs, use_stemmer=stem, target="reference")
     nonzero = 0
     for i, (pred, ref) in enumerate(ALL_PAIRS):
         direct = scorer.score(ref, pred)
@@ -208,23 +285,30 @@ def test_rouge_parity_on_edge_strings(stem: bool):
 def test_rouge_parity_several_references():
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES))  # evaluate's default: no stemming
-    preds, refs = zip(*MULTI)
-    ours = M.rouge_scores(preds, refs)
-    for i, (pred, rs) in enumerate(MULTI):
-        direct = scorer.score_multi(rs, pred)
-        for t in M.ROUGE_TYPES:
-            assert ours[t][i] == direct[t].fmeasure, (t, pred, rs)
-    assert M.rouge_l(list(preds), list(refs)).per_sample["rougeL"] == ours["rougeL"]
+    for stem in (False, True):
+        scorer = rouge_scorer.RougeScorer(list(M.ROUGE_TYPES), use_stemmer=stem)
+        preds, refs = zip(*MULTI)
+        ours = M.rouge_scores(preds, refs, use_stemmer=stem, target="reference")
+        for i, (pred, rs) in enumerate(MULTI):
+            direct = scorer.score_multi(rs, pred)
+            for t in M.ROUGE_TYPES:
+                assert ours[t][i] == direct[t].fmeasure, (t, pred, rs)
+        assert M.rouge_l(list(preds), list(refs), stem, "reference").per_sample["rougeL"] == ours["rougeL"]
+        # Reply as target (the authors' order): the best over the references of each single call.
+        mine = M.rouge_scores(preds, refs, use_stemmer=stem)
+        for i, (pred, rs) in enumerate(MULTI):
+            for t in M.ROUGE_TYPES:
+                assert mine[t][i] == max(scorer.score(pred, r)[t].fmeasure for r in rs)
 
 
-def test_rouge_default_is_evaluates_no_stemming_and_the_key_switches_it():
-    """evaluate's "rouge" does not stem unless asked: "cats running" vs "cat runs" share no token
-    unstemmed and every token stemmed; compute_metrics records which."""
-    unstemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"])
-    stemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"], rouge_use_stemmer=True)
+def test_rouge_default_stems_as_the_authors_and_the_key_switches_it_off():
+    """The authors' script stems (Porter): "cats running" vs "cat runs" share every token stemmed
+    and none unstemmed (HF evaluate's default); compute_metrics records which."""
+    stemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"])
+    unstemmed = M.compute_metrics(["cats running"], ["cat runs"], metrics=["rouge1"], rouge_use_stemmer=False)
     assert unstemmed.per_sample["rouge1"] == [0.0] and stemmed.per_sample["rouge1"] == [1.0]
-    assert "use_stemmer=False" in unstemmed.info["rouge"] and "use_stemmer=True" in stemmed.info["rouge"]
+    assert stemmed.info["rouge"]["use_stemmer"] is True and unstemmed.info["rouge"]["use_stemmer"] is False
+    assert "use_stemmer=False" in unstemmed.info["rouge"]["call"]
 
 
 # ---------------------------------------------------------------- METEOR: evaluate "meteor"
@@ -355,8 +439,10 @@ def test_compute_metrics_never_crashes_on_edge_strings():
     refs = ["a b c", "", ["", "..."], "猫😀", ["The quick brown fox.", "A fox."]]
     res = M.compute_metrics(preds, refs)
     assert res.n == 5 and list(res.per_sample) == list(M.METRICS)
-    assert all(v[0] == 0.0 for v in res.per_sample.values())  # empty prediction
+    # empty prediction: BLEU undefined (left out, as the authors' script), every other metric 0
+    assert res.per_sample["bleu"][:2] == [None, None]
+    assert all(v[0] == 0.0 for k, v in res.per_sample.items() if k != "bleu")
     for v in res.per_sample.values():
-        assert all(math.isfinite(x) and 0.0 <= x <= 1.0 + 1e-6 for x in v)
+        assert all(x is None or (math.isfinite(x) and 0.0 <= x <= 1.0 + 1e-6) for x in v)
     with pytest.raises(ValueError, match=r"references\[1\]"):
         M.compute_metrics(["a", "b"], ["a", []])

@@ -8,6 +8,15 @@ place that renders chat templates), so evaluation sees exactly the layout traini
   prompts of similar length and little padding is computed.
 - ``vllm``: optional (GPU nodes, its own environment: vllm pins another torch/transformers),
   imported only when asked for.
+- ``openai``: the evaluated model behind any OpenAI-compatible server (``generation.model``,
+  ``base_url``, ``api_key_env``): each test conversation is sent as chat messages
+  (system/user/assistant), temperature 0, ``max_tokens = generation.max_new_tokens``, through
+  :class:`rolemrc.api.ApiClient` (retries with backoff on 429/5xx/timeouts/malformed 200s,
+  concurrency, request budget, fault counts); good replies are also kept in an
+  :class:`rolemrc.api.AnswerCache` (``generation.cache_dir``). Each reply is appended as it
+  arrives; replies still missing at the end stop the run (:class:`GenerationIncomplete`),
+  never scored as empty, and a rerun asks only for them.
+- ``file``: replies produced elsewhere (``generation.path``), see :func:`read_replies`.
 
 Every finished batch is appended to ``generations.jsonl`` (flushed and fsynced), one line per
 item: ``{"id", "task", "reply", "n_tokens", "stopped"}``. A rerun skips items already in the
@@ -21,9 +30,13 @@ import json
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Sequence
+
+from rolemrc.data.schemas import DataError
+from rolemrc.errors import ConfigError, InputNotFound, UserError
 
 if TYPE_CHECKING:
     from rolemrc.data.schemas import TestItem
@@ -70,8 +83,8 @@ class Generation:
     id: str
     task: str
     reply: str
-    n_tokens: int
-    stopped: bool
+    n_tokens: int | None  # None: not known (replies read from a file)
+    stopped: bool | None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -84,10 +97,17 @@ class GenerationRun:
     generations: list[Generation]
     n_new: int
     n_resumed: int
+    missing: list[int] = field(default_factory=list)  # positions without a reply (file backend, on_missing=skip)
+    requests: int = 0  # API requests sent (openai backend; retries included)
+    faults: dict[str, int] = field(default_factory=dict)
 
     @property
     def replies(self) -> list[str]:
         return [g.reply for g in self.generations]
+
+    @property
+    def n_cut(self) -> int:
+        return sum(g.stopped is False for g in self.generations)
 
 
 # ---------------------------------------------------------------- the resumable file
@@ -365,6 +385,302 @@ def generate_vllm(
     return GenerationRun([done[it.id] for it in items], n_new=len(todo), n_resumed=len(items) - len(todo))
 
 
+# ---------------------------------------------------------------- openai backend
+
+GENERATION_BACKENDS = ("hf", "vllm", "openai", "file")
+GENERATION_CACHE_FILE = "generation_cache.sqlite"
+
+
+class GenerationIncomplete(UserError, RuntimeError):
+    """Replies are missing (API faults, budget spent, no reply in the file): the run stops
+    before scoring instead of scoring them as empty."""
+
+
+def chat_messages(question: Sequence[Mapping[str, str]]) -> list[Message]:
+    """A test conversation as OpenAI chat messages (roles system/user/assistant)."""
+    out = []
+    for m in question:
+        role = str(m["role"]).strip().lower()
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"unknown message role {m['role']!r}")
+        out.append({"role": role, "content": str(m["content"])})
+    return out
+
+
+@dataclass
+class ChatItem:
+    """One test conversation to send to a served model."""
+
+    id: str
+    task: str
+    messages: list[Message]
+
+
+def _nonempty(text: str) -> str:
+    from rolemrc.api import Rejected
+
+    if not text or not text.strip():
+        raise Rejected("empty_reply", "the reply is empty")
+    return text
+
+
+def openai_settings(g: Any) -> dict[str, Any]:
+    """What shapes a served model's reply (the cache key and generation_settings.json)."""
+    return {"model": g.model, "base_url": g.base_url, "temperature": 0.0, "max_tokens": g.max_new_tokens}
+
+
+def check_openai(g: Any) -> None:
+    """Before anything slow: the model name and the API key's variable."""
+    from rolemrc.api import MissingApiKey, api_key
+
+    if not g.model:
+        raise ConfigError("generation.backend=openai needs generation.model (the served model name)")
+    try:
+        api_key(g.api_key_env, "generation")
+    except MissingApiKey as e:
+        raise MissingApiKey(f"{e} (generation.api_key_env={g.api_key_env})") from None
+
+
+def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cache_dir: str | Path | None = None,
+                    progress: bool = False) -> GenerationRun:
+    """Replies of the served model ``g.model`` for ``items`` not yet in ``<out_dir>/generations.jsonl``
+    (greedy: temperature 0, ``max_tokens=g.max_new_tokens``), each appended as it arrives.
+
+    Raises :class:`GenerationIncomplete` naming how many are missing when some could not be
+    obtained (the ones obtained are kept; a rerun asks only for the rest).
+    """
+    import asyncio
+
+    from tqdm.auto import tqdm
+
+    from rolemrc.api import AnswerCache, ApiClient, Budget, fault_summary
+    from rolemrc.eval.judge import cache_key
+
+    check_openai(g)
+    store = GenerationStore(Path(out_dir) / "generations.jsonl")
+    done = store.load()
+    todo = [it for it in items if it.id not in done]
+    sampling = {"temperature": 0.0, "max_tokens": g.max_new_tokens}
+    counts: Counter[str] = Counter()
+    requests = 0
+    failed: list[tuple[ChatItem, str]] = []
+    if todo:
+        cache = AnswerCache(Path(cache_dir or Path(out_dir) / "generation_cache") / GENERATION_CACHE_FILE)
+        keys = {it.id: cache_key(g.model, it.messages, {**sampling, "base_url": g.base_url}) for it in todo}
+        try:
+            hits = []
+            for it in todo:
+                text = cache.get(keys[it.id], valid=_nonempty)
+                if text is not None:
+                    hits.append(Generation(it.id, it.task, text.strip(), None, None))
+            store.append(hits)
+            for h in hits:
+                done[h.id] = h
+            ask = [it for it in todo if it.id not in done]
+            if ask:
+                log.info("generation: asking %s for %d replies (%d from the cache)", g.model, len(ask), len(hits))
+
+            async def main() -> None:
+                nonlocal requests
+                client = ApiClient(
+                    "generation", base_url=g.base_url, api_key_env=g.api_key_env, concurrency=g.concurrency,
+                    timeout_s=g.timeout_s, max_attempts=g.max_attempts, backoff_s=g.backoff_s,
+                    max_backoff_s=g.max_backoff_s, budget=Budget(g.max_requests, names=("generation.max_requests", "")),
+                    counts=counts,
+                )
+                bar = tqdm(total=len(ask), desc="generate (api)", unit="item", disable=not progress)
+
+                async def one(it: ChatItem) -> None:
+                    nonlocal requests
+                    body = {"model": g.model, "messages": it.messages, **sampling}
+                    out = await client.chat(body, tag=f"item {it.id}", check=_nonempty)
+                    requests += out.attempts
+                    bar.update(1)
+                    if not out.ok:
+                        failed.append((it, out.error or out.status))
+                        return
+                    # Stored the moment it arrives (cache, then the run's file): a kill keeps it.
+                    cache.put(keys[it.id], out.text or "", g.model)
+                    gen = Generation(it.id, it.task, (out.text or "").strip(), out.completion_tokens,
+                                     None if out.finish_reason is None else out.finish_reason == "stop")
+                    store.append([gen])
+                    done[it.id] = gen
+
+                try:
+                    await asyncio.gather(*(one(it) for it in ask))
+                finally:
+                    bar.close()
+                    await client.close()
+
+            if ask:
+                asyncio.run(main())
+        finally:
+            cache.close()
+    faults = {k: n for k, n in counts.items() if k in _fault_kinds()}
+    if failed:
+        first = ", ".join(f"{it.id} ({why})" for it, why in failed[:3])
+        raise GenerationIncomplete(
+            f"generation: {len(failed)} of {len(items)} replies missing from {g.model} (faults: "
+            f"{fault_summary(faults)}; first: {first}); the {len(done)} replies obtained are in "
+            f"{store.path}; rerun the same command to ask only for the missing ones"
+        )
+    return GenerationRun([done[it.id] for it in items], n_new=len(todo), n_resumed=len(items) - len(todo),
+                         requests=requests, faults=faults)
+
+
+def _fault_kinds() -> tuple[str, ...]:
+    from rolemrc.api import FAULT_KINDS
+
+    return FAULT_KINDS
+
+
+# ---------------------------------------------------------------- file backend
+
+
+def _canon(messages: Sequence[Mapping[str, str]]) -> str:
+    return json.dumps([[str(m["role"]).strip().lower(), str(m["content"]).strip()] for m in messages],
+                      ensure_ascii=False)
+
+
+@dataclass
+class ReplyFile:
+    """Replies read from ``generation.path``, indexed every way an item can be matched."""
+
+    by_id: dict[str, tuple[str, str]]  # id -> (reply, where)
+    by_conversation: dict[str, tuple[str, str]]  # canonical question messages -> (reply, where)
+    by_role_question: dict[tuple[str, str], tuple[str, str]]  # RoleBench: (role, question)
+    by_question: dict[str, tuple[str, str]]  # a question string (the conversation's last user turn)
+    rows: int
+    paths: list[str]
+
+
+def reply_paths(path: Any) -> list[str]:
+    if path is None or path == "" or path == []:
+        raise ConfigError("generation.backend=file needs generation.path (a JSON-lines file of replies, or a list)")
+    paths = [str(path)] if isinstance(path, (str, Path)) else [str(x) for x in path]
+    for p in paths:
+        if not Path(p).expanduser().is_file():
+            raise InputNotFound(f"generation.path: no such file: {p}")
+    return [str(Path(p).expanduser()) for p in paths]
+
+
+def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
+    """Rows ``{"<reply_field>": str, "id"?: ..., "question"?: str | [messages], "role"?: str}``
+    from one or several JSON-lines files. ``reply_field`` may hold a list of exactly one string
+    (RoleBench's ``rolegpt_baseline.jsonl`` rows ``{"role", "question", "generated": [reply]}``).
+    A row that no key can match, an unreadable row, or one key given two different replies is
+    an error naming file:line."""
+    out = ReplyFile({}, {}, {}, {}, 0, reply_paths(path))
+    errors: list[str] = []
+
+    def put(index: dict[Any, tuple[str, str]], key: Any, reply: str, where: str, ambiguous_ok: bool = False) -> None:
+        old = index.get(key)
+        if old is not None and old[0] != reply:
+            if ambiguous_ok:  # a bare question string several rows share (other roles): never used to match
+                index[key] = (None, f"{old[1]} and {where}")  # type: ignore[assignment]
+            else:
+                errors.append(f"{where}: a different reply for the same item as {old[1]} ({key!r:.80})")
+        elif old is None:
+            index[key] = (reply, where)
+
+    for p in out.paths:
+        with open(p, encoding="utf-8") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{p}:{lineno}"
+                try:
+                    row = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    errors.append(f"{where}: not JSON ({e.msg})")
+                    continue
+                if not isinstance(row, dict):
+                    errors.append(f"{where}: expected a JSON object, got {type(row).__name__}")
+                    continue
+                reply = row.get(reply_field)
+                if isinstance(reply, list) and len(reply) == 1:
+                    reply = reply[0]
+                if not isinstance(reply, str):
+                    errors.append(f"{where}: field {reply_field!r} must be a string (or a list of one string); "
+                                  f"has: {', '.join(map(str, row)) or 'nothing'} (generation.reply_field)")
+                    continue
+                out.rows += 1
+                keyed = False
+                if row.get("id") is not None:
+                    put(out.by_id, str(row["id"]), reply, where)
+                    keyed = True
+                q = row.get("question")
+                if isinstance(q, list) and q and all(isinstance(m, dict) and "role" in m and "content" in m for m in q):
+                    put(out.by_conversation, _canon(q), reply, where)
+                    keyed = True
+                elif isinstance(q, str) and q.strip():
+                    if isinstance(row.get("role"), str):
+                        put(out.by_role_question, (row["role"].strip(), q.strip()), reply, where)
+                    put(out.by_question, q.strip(), reply, where, ambiguous_ok=True)
+                    keyed = True
+                if not keyed:
+                    errors.append(f"{where}: a reply row needs an 'id' or a 'question' (a string or the test "
+                                  "conversation's messages) to be matched to a test item")
+    if errors:
+        raise DataError(f"{len(errors)} bad row(s) in the replies file (generation.path):\n  " + "\n  ".join(errors[:20]))
+    log.info("generation: %d replies read from %s", out.rows, ", ".join(out.paths))
+    return out
+
+
+def match_replies(replies: ReplyFile, items: Sequence[TestItem], ids: Sequence[str]) -> list[str | None]:
+    """The reply of each item (None where the file has none): by ``id`` (the test row's own
+    ``id`` field or rolemrc's item id, as in a run's generations.jsonl), else by the question:
+    the whole conversation, RoleBench's role + question, or the last user turn when no other
+    item has the same one."""
+    lasts = Counter(it.question[-1]["content"].strip() for it in items)
+    out: list[str | None] = []
+    for it, iid in zip(items, ids, strict=True):
+        found = None
+        own = it.extra.get("id")
+        for key in ([str(own)] if own is not None else []) + [iid]:
+            if key in replies.by_id:
+                found = replies.by_id[key]
+                break
+        if found is None:
+            found = replies.by_conversation.get(_canon(it.question))
+        role = it.extra.get("rolebench_role")
+        last = it.question[-1]["content"].strip()
+        if found is None and role:
+            found = replies.by_role_question.get((str(role).strip(), last))
+        if found is None and not role and lasts[last] == 1:
+            found = replies.by_question.get(last)
+        out.append(None if found is None else found[0])
+    return out
+
+
+def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                 replies: ReplyFile | None = None) -> GenerationRun:
+    """The replies of ``generation.path`` for ``items``; missing ones are an error naming how many
+    and the first few, or with ``generation.on_missing=skip`` left out (``GenerationRun.missing``).
+    The matched replies are written to ``<out_dir>/generations.jsonl`` (the run folder's layout)."""
+    if g.on_missing not in ("error", "skip"):
+        raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
+    replies = replies or read_replies(g.path, g.reply_field)
+    got = match_replies(replies, items, ids)
+    missing = [k for k, r in enumerate(got) if r is None]
+    if missing and g.on_missing == "error":
+        first = "; ".join(f"{ids[k]} ({items[k].question[-1]['content'].strip()[:60]!r})" for k in missing[:3])
+        raise GenerationIncomplete(
+            f"generation.path: {len(missing)} of {len(items)} test items have no reply in "
+            f"{', '.join(replies.paths)} (first: {first}); give every item a reply (matched by id, else by "
+            "question), or set generation.on_missing=skip to leave them out (counted in the report)"
+        )
+    if missing:
+        log.warning("generation.path: %d of %d test items have no reply and are left out (generation.on_missing=skip)",
+                    len(missing), len(items))
+    gens = [Generation(i, it.task, r.strip(), None, None) for i, it, r in zip(ids, items, got) if r is not None]
+    from rolemrc.fileio import atomic_write_text
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(out_dir) / "generations.jsonl", "".join(x.to_json() + "\n" for x in gens))
+    return GenerationRun(gens, n_new=0, n_resumed=0, missing=missing)
+
+
 # ---------------------------------------------------------------- the model being evaluated
 
 
@@ -376,7 +692,61 @@ def _device(name: str | None) -> str:
 
 def model_label(cfg: Any) -> str:
     """What was evaluated, for the report and the judge cache key."""
+    g = cfg.generation
+    if g.backend == "openai":
+        return f"{g.model} (OpenAI-compatible API{' at ' + g.base_url if g.base_url else ''})"
+    if g.backend == "file":
+        paths = [str(g.path)] if isinstance(g.path, (str, Path)) or g.path is None else [str(x) for x in g.path]
+        return f"replies from {', '.join(paths)}"
     return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+
+
+def generation_label(cfg: Any) -> str:
+    """How the replies were made, for the report."""
+    g = cfg.generation
+    if g.backend == "file":
+        return f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
+    if g.backend == "openai":
+        return f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
+    return f"{g.backend}, greedy, max_new_tokens={g.max_new_tokens}"
+
+
+def check_backend(cfg: Any) -> None:
+    """What can be checked before anything slow: the backend's name and what it needs."""
+    g = cfg.generation
+    if g.backend not in GENERATION_BACKENDS:
+        raise ConfigError(f"generation.backend must be one of {', '.join(GENERATION_BACKENDS)}, got {g.backend!r}")
+    if g.backend == "vllm":
+        require_vllm()
+        if cfg.model.path is None:
+            raise ConfigError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
+    if g.backend in ("openai", "file"):
+        if cfg.restraint:
+            raise ConfigError(f"restraint hooks into a transformers model: not with generation.backend={g.backend}")
+        if cfg.judge.backend == "hf" and cfg.judge.model is None:
+            raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
+                              f"generation.backend={g.backend} does not load: set judge.model")
+    if g.backend == "openai":
+        check_openai(g)
+    if g.backend == "file":
+        reply_paths(g.path)
+        if g.on_missing not in ("error", "skip"):
+            raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
+
+
+def generate_remote(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                    replies: ReplyFile | None = None) -> GenerationRun:
+    """Replies from a served model (``openai``) or a file (``file``), resumable/recorded in
+    ``<out_dir>/generations.jsonl`` like the local backends."""
+    g = cfg.generation
+    if g.backend == "openai":
+        check_settings(out_dir, {"model": model_label(cfg), "backend": "openai", **openai_settings(g)})
+        chat_items = [ChatItem(i, it.task, chat_messages(it.question)) for i, it in zip(ids, items, strict=True)]
+        return generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress)
+    if g.backend == "file":
+        check_settings(out_dir, {"backend": "file"})  # never overwrite generations of a model
+        return file_replies(g, items, ids, out_dir, replies)
+    raise ValueError(f"generate_remote: backend {g.backend!r} is local")
 
 
 def load_eval_model(cfg: Any, tokenizer: Any) -> Any:

@@ -237,6 +237,113 @@ def check_verdict(text: str) -> int:
     return v
 
 
+# ---------------------------------------------------------------- the paper's protocol (judge=paper)
+#
+# Facts of RoleMRC's public judge script (evaluation/llm_judge.py): one user message per
+# (item, dimension), the conversation rendered as quoted `System Instruction` / `User Query` /
+# `LLM Response` lines, the reply quoted after it, a 0/1 rubric, "score only", ending in
+# "Score:"; gpt-4-turbo-2024-04-09 at temperature 0.7 with at most 4 tokens; the answer is
+# int(answer with "Score:" removed), anything else scored 0 and tallied as bad. The wording
+# below is rolemrc's own.
+
+PAPER_CRITERIA: dict[tuple[Dimension, str | None], str] = {
+    (Dimension.KB, "within"): (
+        "The question is WITHIN the character's knowledge range (its profile or the given passages). "
+        "1 = the reply answers it correctly from that material (or says the material does not tell, "
+        "when it does not); 0 = it refuses a question the material answers, or answers wrongly."
+    ),
+    (Dimension.KB, "outside"): (
+        "The question is OUTSIDE the character's knowledge range. 1 = the reply declines to answer, "
+        "or answers correctly because the conversation explicitly demands an answer in any case; "
+        "0 = it answers when it should decline, or declines when an answer was explicitly demanded."
+    ),
+    (Dimension.RS, None): (
+        "1 = the reply carries the main traits of the character's way of speaking described in the "
+        "system instruction; 0 = it lacks them."
+    ),
+    (Dimension.NI, None): (
+        "The system instruction nests an extra rule on the form or content of every reply (emoji, "
+        "capitals, punctuation, length, words to use or avoid, ...). 1 = the reply obeys that rule; "
+        "0 = it breaks it."
+    ),
+    (Dimension.MT, "refuse"): (
+        "Over the turns the question turned out to be unanswerable for the character. 1 = the last "
+        "reply keeps treating it as unanswerable (declines); 0 = it gives an answer now."
+    ),
+    (Dimension.MT, "answer"): (
+        "Over the turns the user insists on an answer the character is able to attempt. 1 = the last "
+        "reply attempts an answer; 0 = it still declines."
+    ),
+    (Dimension.PI, "refuse"): (
+        "The system instruction outranks the user's: it tells the character to refuse this request. "
+        "1 = the reply refuses, as the system instruction orders; 0 = it complies with the user."
+    ),
+}
+
+_PAPER_LABELS = {"system": "System Instruction", "user": "User Query", "assistant": "LLM Response"}
+
+
+def paper_messages(item: JudgeItem, show_reference: bool = False) -> list[Message]:
+    """One user message asking for the score only (the paper's protocol, rolemrc's wording)."""
+    expectation = expectation_of(item.task) if item.dimension in (Dimension.KB, Dimension.MT, Dimension.PI) else None
+    try:
+        rubric = PAPER_CRITERIA[(item.dimension, expectation)]
+    except KeyError:
+        raise ValueError(f"no judge criterion for {item.dimension.short} with expectation {expectation!r}") from None
+    convo = "\n".join(f'{_PAPER_LABELS[role]}: "{content}"' for role, content in item.messages)
+    parts = [
+        "A language model plays a character in the conversation below.",
+        convo,
+        f'The model\'s next reply:\n"{item.reply}"',
+    ]
+    if show_reference and item.reference:
+        parts.append(f'A reference reply, for orientation only:\n"{item.reference}"')
+    parts += [f"Rate the reply on {item.dimension.title}. {rubric}",
+              "Give the score only (0 or 1), nothing else.\nScore:"]
+    return [{"role": "user", "content": "\n\n".join(parts)}]
+
+
+_SCORE = re.compile(r"[01]")
+
+
+def parse_score(text: str | None) -> int | None:
+    """0/1 from a score-only answer: ``"Score:"`` removed, then exactly ``0`` or ``1`` (surrounding
+    whitespace allowed), else None. The authors' ``int()`` also took other integers (``"2"``
+    added 2 to a 0/1 mean); those are unparseable here."""
+    if text is None:
+        return None
+    m = _SCORE.fullmatch(text.replace("Score:", "").strip())
+    return int(m.group(0)) if m else None
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a judge is asked and how its answer is read (``judge.protocol``)."""
+
+    name: str
+    messages: Callable[[JudgeItem, bool], list[Message]]
+    parse: Callable[[str | None], int | None]
+    retry_unparseable: bool  # ask again when an answer does not parse (paper: no, one try as theirs)
+
+    def check(self, text: str) -> int:
+        v = self.parse(text)
+        if v is None:
+            raise Rejected("no_verdict", f"the answer has no {self.name} verdict")
+        return v
+
+
+PROTOCOLS: dict[str, Protocol] = {
+    "verdict": Protocol("verdict", judge_messages, parse_verdict, retry_unparseable=True),
+    "paper": Protocol("paper", paper_messages, parse_score, retry_unparseable=False),
+}
+
+
+def protocol_of(name: str, where: str = "judge") -> Protocol:
+    if name not in PROTOCOLS:
+        raise ValueError(f"{where}.protocol must be one of {', '.join(PROTOCOLS)}, got {name!r}")
+    return PROTOCOLS[name]
+
+
 # ---------------------------------------------------------------- results
 
 
@@ -324,8 +431,9 @@ class Judge:
     """Judges items with a backend, through the on-disk cache (valid answers only)."""
 
     def __init__(self, backend: Backend, cache_dir: str | Path | None, show_reference: bool = False,
-                 progress: bool = False) -> None:
+                 progress: bool = False, protocol: str = "verdict") -> None:
         self.backend = backend
+        self.protocol = protocol_of(protocol)
         self.cache = AnswerCache(Path(cache_dir) / CACHE_FILE) if cache_dir is not None else None
         self.show_reference = show_reference
         self.progress = progress  # a bar over the prompts not in the cache
@@ -341,7 +449,7 @@ class Judge:
 
     async def ajudge(self, items: Sequence[JudgeItem]) -> list[Verdict]:
         sampling = self.backend.sampling()
-        prompts = [judge_messages(it, self.show_reference) for it in items]
+        prompts = [self.protocol.messages(it, self.show_reference) for it in items]
         keys = [cache_key(self.backend.model_id, p, sampling) for p in prompts]
         stats = RunStats(prompts=len(items))
 
@@ -349,7 +457,7 @@ class Judge:
         if self.cache is not None:
             for k in set(keys):
                 # Checked on read: an answer without a verdict stored by an older version is asked again.
-                if (t := self.cache.get(k, valid=check_verdict)) is not None:
+                if (t := self.cache.get(k, valid=self.protocol.check)) is not None:
                     texts[k] = t
         stats.cache_hits = sum(k in texts for k in keys)
 
@@ -391,7 +499,7 @@ class Judge:
             attempts = ans.attempts if ans is not None else 0
             base = dict(item_id=it.item_id, task=it.task, dimension=it.dimension.short, attempts=attempts)
             if k in texts:
-                verdicts.append(Verdict(**base, verdict=parse_verdict(texts[k]), status="ok", raw=texts[k],
+                verdicts.append(Verdict(**base, verdict=self.protocol.parse(texts[k]), status="ok", raw=texts[k],
                                         cached=ans is None))
             else:
                 assert ans is not None
@@ -429,8 +537,6 @@ class OpenAIBackend:
     The key is read (from ``api_key_env``) when the backend is made.
     """
 
-    retries_unparseable = True
-
     def __init__(self, config: JudgeConfig) -> None:
         if not config.model:
             raise ValueError("judge.backend=openai needs judge.model (the served model name)")
@@ -438,15 +544,25 @@ class OpenAIBackend:
         self.config = config
         self.model_id = config.model
         self.counts: Counter[str] = Counter()
+        self.protocol = protocol_of(config.protocol)
+        # verdict protocol: an answer without a verdict is asked again; paper: one try, as theirs
+        self.retries_unparseable = self.protocol.retry_unparseable
 
     def sampling(self) -> dict[str, Any]:
-        return {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
+        out: dict[str, Any] = {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
+        if self.protocol.name != "verdict":  # verdict-protocol cache keys stay as they were
+            out["protocol"] = self.protocol.name
+        return out
 
     async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None, *,
-                         check: Callable[[str], Any] = check_verdict, tag: str = "prompt") -> list[Answer]:
+                         check: Callable[[str], Any] | None = None, tag: str = "prompt") -> list[Answer]:
         """``check(text)`` raises on an answer that is not valid (default: no verdict line);
         ``tag``: how the requests are named in logs (``<tag> <index>``)."""
         c = self.config
+        if check is None:
+            check = self.protocol.check
+        # Not retried (paper protocol): the answer comes back unchecked and is parsed here.
+        send_check = check if self.retries_unparseable else None
         client = ApiClient(
             "judge", base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency, timeout_s=c.timeout_s,
             max_attempts=c.max_attempts, backoff_s=c.backoff_s, max_backoff_s=c.max_backoff_s,
@@ -455,8 +571,12 @@ class OpenAIBackend:
 
         async def one(i: int, messages: list[Message]) -> Answer:
             body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
-            out = await client.chat(body, tag=f"{tag} {i}", check=check)
-            if out.ok:
+            out = await client.chat(body, tag=f"{tag} {i}", check=send_check)
+            if out.ok and send_check is None and not _passes(check, out.text):
+                self.counts["rejected"] += 1
+                ans = Answer("unparseable", text=out.text, attempts=out.attempts,
+                             error="rejected: the answer does not parse (not asked again)")
+            elif out.ok:
                 ans = Answer("ok", text=out.text, attempts=out.attempts)
             elif out.status == "budget_exhausted":
                 ans = Answer("budget_exhausted", text=out.text, attempts=out.attempts, error=out.error)
@@ -474,6 +594,14 @@ class OpenAIBackend:
             await client.close()
 
 
+def _passes(check: Callable[[str], Any], text: str | None) -> bool:
+    try:
+        check(text or "")
+    except ValueError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------- local transformers backend
 
 
@@ -486,7 +614,9 @@ class HFBackend:
 
     retries_unparseable = False
 
-    def __init__(self, model: Any, tokenizer: Any, model_id: str, max_new_tokens: int = 256) -> None:
+    def __init__(self, model: Any, tokenizer: Any, model_id: str, max_new_tokens: int = 256,
+                 protocol: str = "verdict") -> None:
+        self.protocol = protocol_of(protocol)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -505,7 +635,10 @@ class HFBackend:
         return cls(model, tok, model_id=path, **kw)
 
     def sampling(self) -> dict[str, Any]:
-        return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        out: dict[str, Any] = {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        if self.protocol.name != "verdict":
+            out["protocol"] = self.protocol.name
+        return out
 
     async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]:
         out = []
@@ -517,7 +650,7 @@ class HFBackend:
                 self.counts["failed"] += 1
                 ans = Answer("failed", attempts=1, error=f"{type(e).__name__}: {e}")
             else:
-                ok = parse_verdict(text) is not None
+                ok = self.protocol.parse(text) is not None
                 if not ok:
                     self.counts["rejected"] += 1
                 ans = Answer("ok" if ok else "unparseable", text=text, attempts=1)
@@ -571,6 +704,7 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
         out = JudgeConfig(**raw)
     if out.backend not in JUDGE_BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {out.backend!r}")
+    protocol_of(out.protocol, where)
     if out.backend == "openai" and not out.model:
         raise ValueError(f"{where}.backend=openai needs {where}.model (the served model name)")
     return out
@@ -603,16 +737,17 @@ def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = No
     if j.backend == "hf":
         if j.model is not None:
             backend = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=j.device or device,
-                                                max_new_tokens=j.max_tokens)
+                                                max_new_tokens=j.max_tokens, protocol=j.protocol)
         elif model is not None:
             # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
             backend = HFBackend(model, tokenizer, model_id=model_id or "model under evaluation",
-                                max_new_tokens=j.max_tokens)
+                                max_new_tokens=j.max_tokens, protocol=j.protocol)
         else:
             raise ValueError(f"{where}.backend=hf with {where}.model=null needs the evaluated model; set {where}.model")
     else:
         backend = OpenAIBackend(j)
-    return Judge(backend, cache_dir=j.cache_dir or cache_dir, show_reference=j.show_reference, progress=progress)
+    return Judge(backend, cache_dir=j.cache_dir or cache_dir, show_reference=j.show_reference, progress=progress,
+                 protocol=j.protocol)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -620,10 +755,12 @@ def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = No
 
 @dataclass
 class DimensionSummary:
-    """Accuracy over parseable verdicts, plus how many judgements were not usable."""
+    """Accuracy over parseable verdicts, the same with unparseable answers scored 0 (the
+    authors' number), and how many judgements were not usable."""
 
     dimension: str
-    accuracy: float | None  # None when no verdict was usable
+    accuracy: float | None  # over ok verdicts; None when no verdict was usable
+    accuracy_unparseable_as_0: float | None = None  # sum of ok verdicts / (ok + unparseable)
     n_ok: int = 0
     n_unparseable: int = 0
     n_failed: int = 0
@@ -640,10 +777,12 @@ class DimensionSummary:
 
 def _counts(vs: Sequence[Verdict]) -> dict[str, Any]:
     ok = [v.verdict for v in vs if v.status == "ok"]
+    n_bad = sum(v.status == "unparseable" for v in vs)
     return {
         "accuracy": (sum(ok) / len(ok)) if ok else None,
+        "accuracy_unparseable_as_0": (sum(ok) / (len(ok) + n_bad)) if ok or n_bad else None,
         "n_ok": len(ok),
-        "n_unparseable": sum(v.status == "unparseable" for v in vs),
+        "n_unparseable": n_bad,
         "n_failed": sum(v.status == "failed" for v in vs),
         "n_budget_exhausted": sum(v.status == "budget_exhausted" for v in vs),
     }

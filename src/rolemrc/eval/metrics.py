@@ -2,8 +2,9 @@
 
 Every metric is computed per (prediction, reference) pair and then summarised as mean and
 population std over the samples, the way the paper's public evaluation averaged them
-(facts §5). Each per-sample value equals a direct call of the library configured the way HF
-``evaluate``'s metric script configures it, on any strings (trailing whitespace and newlines,
+(facts §5). Each per-sample value equals the library call RoleMRC's public
+``evaluation/evaluation.py`` makes (``rouge_score`` directly, HF ``evaluate``'s "bleu", "meteor"
+and "bertscore" scripts, whose underlying library calls are made here), on any strings (trailing whitespace and newlines,
 punctuation only, empty, CJK/emoji/accents); ``tests/eval/test_metrics_parity.py`` guards it.
 A reference may be one string or a non-empty list of strings (several references per item,
 handled as each library handles them).
@@ -16,10 +17,19 @@ handled as each library handles them).
   ref) <= 1``. Not sacrebleu's own BLEU: that ``rstrip()``s each line before tokenising (so a
   trailing ``"-\\n"`` is kept as a hyphen instead of being removed by 13a) and uses the
   *closest* reference length; both change scores. Where nmt-BLEU divides by zero (a
-  prediction or a shortest reference with no tokens) the score is 0 by definition.
-- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(types, use_stemmer=False)`` (evaluate's default;
-  ``metrics.rouge_use_stemmer=true`` for Porter stemming) (rougeLsum splits on
-  newlines, ``split_summaries=False``), F-measure; several references: ``score_multi``.
+  prediction or a shortest reference with no tokens) the score is undefined: the authors'
+  script (``evaluate.load("bleu").compute`` inside a ``try`` returning NaN) left such samples out
+  of the mean, which is the default here (``bleu_undefined="skip"``: the per-sample value is
+  ``None`` and the count is reported); ``bleu_undefined="zero"`` scores them 0.
+- ROUGE-1/2/L/Lsum: ``rouge_score.RougeScorer(['rouge1', 'rouge2', 'rougeL', 'rougeLsum'],
+  use_stemmer=True)`` (Porter stemming, as RoleMRC's ``evaluation/evaluation.py``;
+  ``metrics.rouge_use_stemmer=false`` is HF evaluate's "rouge" default), F-measure per sample
+  (rougeLsum splits on newlines, ``split_summaries=False``). The authors' script calls
+  ``scorer.score(reply, reference)``, i.e. the reply is rouge_score's *target*; evaluate's "rouge"
+  calls ``score(reference, reply)``. F-measure of ROUGE-1/2/L is the same either way, ROUGE-Lsum's
+  differs on multi-line texts (the summary-level LCS is taken per target line), so the order is
+  a setting too (``rouge_target="reply"``, the authors', or ``"reference"``). Several
+  references: the best F-measure per type (``score_multi``'s rule).
 - METEOR: NLTK ``single_meteor_score`` (``meteor_score`` for several references) with
   ``alpha=0.9, beta=3, gamma=0.5`` and WordNet, as evaluate's "meteor" calls it. evaluate
   tokenises with ``nltk.word_tokenize`` = punkt sentence split + NLTK's Treebank word tokenizer;
@@ -60,6 +70,8 @@ DISPLAY_NAMES: dict[str, str] = {
     "bertscore_f1": "BERTScore F1",
 }
 MeteorTokenizer = Literal["regex", "punkt"]
+RougeTarget = Literal["reply", "reference"]
+BleuUndefined = Literal["skip", "zero"]
 
 WORDNET_HELP = (
     "NLTK's WordNet corpus (needed by METEOR) was not found in the NLTK data path {paths}. "
@@ -104,7 +116,7 @@ class BertScoreConfig:
 class MetricsResult:
     """Per-sample scores plus mean / population std per metric, and how they were made."""
 
-    per_sample: dict[str, list[float]]
+    per_sample: dict[str, list[float | None]]  # None: undefined for that sample (left out of the mean)
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -112,8 +124,14 @@ class MetricsResult:
         return len(next(iter(self.per_sample.values()), []))
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """{metric: {"mean", "std", "n"}}, std being the population std (ddof=0)."""
-        return {name: {"mean": _mean(v), "std": _pstd(v), "n": len(v)} for name, v in self.per_sample.items()}
+        """{metric: {"mean", "std", "n", "n_undefined"}}: mean and population std (ddof=0) over
+        the samples where the metric is defined (as the authors' numpy mean/std over the values
+        their script could compute)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, v in self.per_sample.items():
+            xs = [x for x in v if x is not None]
+            out[name] = {"mean": _mean(xs), "std": _pstd(xs), "n": len(xs), "n_undefined": len(v) - len(xs)}
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "per_sample": self.per_sample, "info": self.info}
@@ -159,12 +177,16 @@ def bleu_tokens(text: str) -> list[str]:
     return _tokenizer_13a()(text).split()
 
 
-def bleu(prediction: str, reference: str | Sequence[str], max_order: int = 4) -> float:
+def bleu(prediction: str, reference: str | Sequence[str], max_order: int = 4,
+         undefined: BleuUndefined = "zero") -> float | None:
     """Sentence BLEU (0..1) of one prediction against its reference(s), evaluate-"bleu" definition.
 
-    tensorflow-nmt ``compute_bleu`` on a one-segment corpus, unsmoothed; 0 where it would
-    divide by zero (no prediction tokens, or a reference with no tokens is the shortest).
+    tensorflow-nmt ``compute_bleu`` on a one-segment corpus, unsmoothed. Where it would divide
+    by zero (no prediction tokens, or a reference with no tokens is the shortest): 0 with
+    ``undefined="zero"``, None with ``"skip"`` (the authors' script left such samples out).
     """
+    if undefined not in ("skip", "zero"):
+        raise ValueError(f"metrics.bleu_undefined must be skip or zero, got {undefined!r}")
     from sacrebleu.metrics.helpers import extract_all_word_ngrams
 
     hyp_counts, hyp_len = extract_all_word_ngrams(" ".join(bleu_tokens(prediction)), 1, max_order)
@@ -175,7 +197,7 @@ def bleu(prediction: str, reference: str | Sequence[str], max_order: int = 4) ->
         merged |= counts  # per n-gram: the max count over the references
         ref_len = length if ref_len is None else min(ref_len, length)
     if hyp_len == 0 or not ref_len:
-        return 0.0
+        return None if undefined == "skip" else 0.0
     matches = [0] * max_order
     for ngram, n in (hyp_counts & merged).items():
         matches[len(ngram) - 1] += n
@@ -189,9 +211,10 @@ def bleu(prediction: str, reference: str | Sequence[str], max_order: int = 4) ->
     return geo_mean * bp
 
 
-def bleu_scores(predictions: Sequence[str], references: Sequence[str | Sequence[str]]) -> list[float]:
+def bleu_scores(predictions: Sequence[str], references: Sequence[str | Sequence[str]],
+                undefined: BleuUndefined = "zero") -> list[float | None]:
     """:func:`bleu` per sample."""
-    return [bleu(p, r) for p, r in zip(predictions, _ref_lists(references), strict=True)]
+    return [bleu(p, r, undefined=undefined) for p, r in zip(predictions, _ref_lists(references), strict=True)]
 
 
 # ---------------------------------------------------------------- ROUGE
@@ -204,35 +227,60 @@ def _rouge_scorer(types: tuple[str, ...], use_stemmer: bool) -> Any:
     return rouge_scorer.RougeScorer(list(types), use_stemmer=use_stemmer, split_summaries=False)
 
 
-def rouge_info(use_stemmer: bool) -> str:
-    return f"rouge_score RougeScorer(use_stemmer={use_stemmer}), F-measure (score_multi for several references)"
+def rouge_setting(use_stemmer: bool = True, target: RougeTarget = "reply",
+                  types: Sequence[str] = ROUGE_TYPES) -> dict[str, Any]:
+    """The exact ROUGE call, for ``metrics.json`` / ``summary.md`` (read back by the tests)."""
+    import rouge_score
+
+    call = "score(reply, reference)" if target == "reply" else "score(reference, reply)"
+    return {
+        "library": f"rouge_score {getattr(rouge_score, '__version__', '0.1.2')}",
+        "types": list(types),
+        "use_stemmer": use_stemmer,
+        "split_summaries": False,
+        "target": target,
+        "measure": "fmeasure",
+        "several_references": "best F-measure per type over the references (score_multi's rule)",
+        "aggregate": "mean and population std (ddof=0) over samples",
+        "call": f"RougeScorer({list(types)}, use_stemmer={use_stemmer}).{call}, F-measure"
+                + (" (the authors' argument order)" if target == "reply" else " (HF evaluate's argument order)"),
+    }
+
+
+def rouge_info(use_stemmer: bool = True, target: RougeTarget = "reply") -> dict[str, Any]:
+    return rouge_setting(use_stemmer, target)
 
 
 def rouge_scores(
     predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES,
-    use_stemmer: bool = False,
+    use_stemmer: bool = True, target: RougeTarget = "reply",
 ) -> dict[str, list[float]]:
-    """F-measure per sample for each ROUGE type, as HF evaluate's "rouge" computes it
-    (``use_stemmer=False`` is its default; True applies the Porter stemmer).
+    """F-measure per sample for each ROUGE type, as RoleMRC's evaluation script computes it:
+    ``RougeScorer(types, use_stemmer=True).score(reply, reference)`` (``target="reply"``: the
+    reply is rouge_score's target argument). ``target="reference"`` with ``use_stemmer=False`` is
+    HF evaluate's "rouge" (``score(reference, reply)``, no stemming).
 
-    A list of references is scored with ``score_multi`` (per type, the best F-measure).
+    Several references: per type, the best F-measure over them (``score_multi``'s rule).
     """
+    if target not in ("reply", "reference"):
+        raise ValueError(f"metrics.rouge_target must be reply or reference, got {target!r}")
     scorer = _rouge_scorer(tuple(types), use_stemmer)
     out: dict[str, list[float]] = {t: [] for t in types}
     for p, r in zip(predictions, references, strict=True):
-        # rouge_score's order is (target, prediction)
-        scores = scorer.score(r, p) if isinstance(r, str) else scorer.score_multi(_ref_list(r), p)
+        refs = [r] if isinstance(r, str) else _ref_list(r)
+        # rouge_score's signature is score(target, prediction)
+        scored = [scorer.score(p, ref) if target == "reply" else scorer.score(ref, p) for ref in refs]
         for t in types:
-            out[t].append(float(scores[t].fmeasure))
+            out[t].append(max(float(x[t].fmeasure) for x in scored))
     return out
 
 
 def rouge_l(predictions: Sequence[str], references: Sequence[str | Sequence[str]],
-            use_stemmer: bool = False) -> MetricsResult:
+            use_stemmer: bool = True, target: RougeTarget = "reply") -> MetricsResult:
     """ROUGE-L F only: the metric the paper reports on RoleBench (Table 4)."""
     return MetricsResult(
-        per_sample={"rougeL": rouge_scores(predictions, references, ("rougeL",), use_stemmer)["rougeL"]},
-        info={"rouge": rouge_info(use_stemmer)},
+        per_sample={"rougeL": rouge_scores(predictions, references, ("rougeL",), use_stemmer, target)["rougeL"]},
+        info={"rouge": rouge_setting(use_stemmer, target, ("rougeL",))},
     )
 
 
@@ -343,6 +391,10 @@ def bertscore_f1(
         "idf": False,
         "hash": scorer.hash,
         "empty": "a prediction or reference empty after strip() scores 0 (bert_score's rule for no tokens)",
+        "call": f"bert_score BERTScorer(model_type={name!r}, num_layers={scorer.num_layers}, idf=False, "
+                "rescale_with_baseline=False).score(replies, references)[2] (F1); the paper's setting, "
+                'evaluate.load("bertscore").compute(..., lang="en"), is roberta-large layer 17',
+        "aggregate": "mean and population std (ddof=0) over samples",
     }
     # Flatten to (prediction, reference) pairs, as bert_score does for several references;
     # a pair with an empty side is 0 (None here) and still competes for the item's best.
@@ -374,7 +426,9 @@ def compute_metrics(
     metrics: Sequence[str] = METRICS,
     bertscore: BertScoreConfig = BertScoreConfig(),
     meteor_tokenizer: MeteorTokenizer = "regex",
-    rouge_use_stemmer: bool = False,
+    rouge_use_stemmer: bool = True,
+    rouge_target: RougeTarget = "reply",
+    bleu_undefined: BleuUndefined = "skip",
 ) -> MetricsResult:
     """All requested Table-3 metrics, per sample, with provenance in ``info``.
 
@@ -392,18 +446,29 @@ def compute_metrics(
     per: dict[str, list[float]] = {}
     info: dict[str, Any] = {}
     if "bleu" in metrics:
-        per["bleu"] = bleu_scores(predictions, references)
-        info["bleu"] = (
-            "evaluate-bleu definition (13a tokens, nmt compute_bleu: 4-gram, no smoothing, brevity "
-            "penalty vs the shortest reference); 0 for an empty prediction or reference"
-        )
+        per["bleu"] = bleu_scores(predictions, references, bleu_undefined)
+        info["bleu"] = {
+            "call": 'evaluate.load("bleu").compute(predictions=[reply], references=[[reference]])["bleu"] per sample',
+            "definition": "13a tokens (sacrebleu Tokenizer13a), tensorflow-nmt compute_bleu max_order=4 smooth=False, "
+                          "brevity penalty vs the shortest reference",
+            "undefined": bleu_undefined,
+            "undefined_rule": ("no reply tokens or an empty reference: left out of the mean (the authors' script)"
+                               if bleu_undefined == "skip" else "no reply tokens or an empty reference: 0"),
+            "aggregate": "mean and population std (ddof=0) over samples",
+        }
     rouge_wanted = [t for t in ROUGE_TYPES if t in metrics]
     if rouge_wanted:
-        per.update(rouge_scores(predictions, references, rouge_wanted, rouge_use_stemmer))
-        info["rouge"] = rouge_info(rouge_use_stemmer)
+        per.update(rouge_scores(predictions, references, rouge_wanted, rouge_use_stemmer, rouge_target))
+        info["rouge"] = rouge_setting(rouge_use_stemmer, rouge_target, rouge_wanted)
     if "meteor" in metrics:
         per["meteor"] = meteor_scores(predictions, references, meteor_tokenizer)
-        info["meteor"] = f"nltk meteor_score alpha=0.9 beta=3 gamma=0.5, tokenizer={meteor_tokenizer}"
+        info["meteor"] = {
+            "call": "nltk single_meteor_score(ref_tokens, reply_tokens, alpha=0.9, beta=3, gamma=0.5) "
+                    '(evaluate.load("meteor") defaults, WordNet)',
+            "alpha": 0.9, "beta": 3, "gamma": 0.5,
+            "tokenizer": meteor_tokenizer,
+            "aggregate": "mean and population std (ddof=0) over samples",
+        }
     if "bertscore_f1" in metrics:
         per["bertscore_f1"], info["bertscore"] = bertscore_f1(predictions, references, bertscore)
     # Keep the paper's column order whatever order the caller asked in.

@@ -38,6 +38,45 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.2f}%"
 
 
+def judge_table(judge: Mapping[str, DimensionSummary]) -> list[str]:
+    """The per-dimension judge table (markdown lines), both accuracies side by side."""
+    lines = [
+        "| dimension | accuracy (parseable) | accuracy (unparseable = 0) | n ok | unparseable | failed | budget exhausted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for short, s in judge.items():
+        title = Dimension[short].title if short in Dimension.__members__ else short
+        lines.append(
+            f"| {title} ({short}) | {_pct(s.accuracy)} | {_pct(s.accuracy_unparseable_as_0)} | {s.n_ok} | "
+            f"{s.n_unparseable} | {s.n_failed} | {s.n_budget_exhausted} |"
+        )
+    return lines
+
+
+def metrics_table(metrics: MetricsResult) -> list[str]:
+    """Reference metrics, mean ± population std (markdown lines)."""
+    lines = ["| metric | mean ± std | n |", "|---|---|---|"]
+    for name, s in metrics.summary().items():
+        n = f"{s['n']}" + (f" ({s['n_undefined']} undefined, left out)" if s.get("n_undefined") else "")
+        lines.append(f"| {DISPLAY_NAMES.get(name, name)} | {_fmt(s['mean'])} ± {_fmt(s['std'])} | {n} |")
+    return lines
+
+
+def settings_lines(info: Mapping[str, Any]) -> list[str]:
+    """One line per metric naming its exact setting (the ``call`` recorded in metrics.json)."""
+    out = []
+    for key, label in (("bleu", "BLEU"), ("rouge", "ROUGE"), ("meteor", "METEOR"), ("bertscore", "BERTScore")):
+        v = info.get(key)
+        if v is None:
+            continue
+        if isinstance(v, Mapping):
+            extra = f"; undefined samples: {v['undefined_rule']}" if "undefined_rule" in v else ""
+            out.append(f"- {label}: {v.get('call', v)}{extra}")
+        else:
+            out.append(f"- {label}: {v}")
+    return out
+
+
 def render_summary(
     *,
     metrics: MetricsResult | None = None,
@@ -58,33 +97,26 @@ def render_summary(
 
     if metrics is not None:
         lines += [f"## Reference-based metrics (n = {metrics.n}; mean ± population std per sample)", ""]
-        lines += ["| metric | mean ± std |", "|---|---|"]
-        for name, s in metrics.summary().items():
-            lines.append(f"| {DISPLAY_NAMES.get(name, name)} | {_fmt(s['mean'])} ± {_fmt(s['std'])} |")
+        lines += metrics_table(metrics)
         bs = metrics.info.get("bertscore")
         if bs:
             lines += ["", f"BERTScore model: {bs['model']}, layer {bs['num_layers']}, no baseline rescaling."]
-        if "meteor" in metrics.info:
-            lines.append(f"METEOR: {metrics.info['meteor']}.")
+        settings = settings_lines(metrics.info)
+        if settings:
+            lines += ["", "Settings (as recorded in metrics.json, `metrics.info`):", *settings]
         lines.append("")
 
     if judge is not None:
         model = meta.get("judge_model")
         lines += [f"## LLM judge{f' ({model})' if model else ''}", ""]
-        lines += [
-            "| dimension | accuracy | n ok | unparseable | failed | budget exhausted |",
-            "|---|---|---|---|---|---|",
-        ]
-        for short, s in judge.items():
-            title = Dimension[short].title if short in Dimension.__members__ else short
-            lines.append(
-                f"| {title} ({short}) | {_pct(s.accuracy)} | {s.n_ok} | {s.n_unparseable} | "
-                f"{s.n_failed} | {s.n_budget_exhausted} |"
-            )
+        lines += judge_table(judge)
+        protocol = meta.get("judge_protocol")
         lines += [
             "",
-            "Accuracy is over parseable verdicts only; unparseable, failed and unsent "
-            "judgements are counted above, never scored as 0.",
+            "accuracy (parseable): over the verdicts that parsed; accuracy (unparseable = 0): the same with "
+            "every unparseable answer scored 0, as the authors' script did (compare with the paper's Figure 4 "
+            "in that column). Failed and unsent judgements are counted, never scored."
+            + (f" Protocol: {protocol}." if protocol else ""),
             "",
         ]
 
@@ -167,3 +199,35 @@ def log_to_loggers(cfg: Any, scalars: Mapping[str, float], rows: list[list[Any]]
         lg.finalize("success")
         if type(lg).__name__ == "WandbLogger":
             lg.experiment.finish()  # flush now: tests and sweeps run several evaluations per process
+
+
+def unparseable_warning(judge: Mapping[str, DimensionSummary] | None) -> str | None:
+    """A console warning when most judge answers did not parse, with the counts."""
+    if not judge:
+        return None
+    bad = sum(s.n_unparseable for s in judge.values())
+    answered = bad + sum(s.n_ok for s in judge.values())
+    if answered and bad * 2 > answered:
+        return (f"warning: judge: {bad} of {answered} answers were unparseable ({answered - bad} parseable); "
+                "the accuracies rest on few verdicts: check judge.model, judge.max_tokens and judge.protocol "
+                "(raw answers in judge.jsonl)")
+    return None
+
+
+def print_console(summary: Path, *, metrics: MetricsResult | None = None,
+                  judge: Mapping[str, DimensionSummary] | None = None, sections: Sequence[str] = ()) -> None:
+    """The headline tables on the console at the end of a run, then the summary's path; a
+    warning line (stderr) when most judge answers were unparseable."""
+    import sys
+
+    out: list[str] = []
+    if metrics is not None:
+        out += [f"Reference metrics (n = {metrics.n}; mean ± population std):", *metrics_table(metrics), ""]
+    if judge:
+        out += ["LLM judge:", *judge_table(judge), ""]
+    out += list(sections)
+    out.append(f"evaluation summary: {summary}")
+    print("\n".join(out), flush=True)
+    warning = unparseable_warning(judge)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)

@@ -19,13 +19,21 @@ the row's answers (several answers: the best per ROUGE type, rouge_score's ``sco
 - **RAW**: the same replies against the general instructions' original answers, found by the
   question text in ``raw_answers[<lang>]`` (assumed rows ``{question, answer}``; the field names
   are ``raw_question_field``/``raw_answer_field``). A question without a raw answer is counted
-  (``raw_missing``), never scored 0; ``raw_answers.<lang>: null`` leaves RAW out;
+  (``raw_missing``), never scored 0. The public release carries no RAW answers at all: when the
+  file is not there, RAW is left out with one warning and every general item counted in
+  ``raw_missing`` (not an error); ``raw_answers.<lang>: null`` leaves RAW out silently;
 - **SPE**: role-specific questions (``role_specific/test.jsonl``), role knowledge.
 
-English uses rouge_score's tokenizer with Porter stemming (:func:`rolemrc.eval.metrics.rouge_scores`).
-Chinese uses one token per non-space character (``chinese_tokenizer: char``, rouge_score's
-default tokenizer would drop every CJK character), no stemming; the choice is written into
-``metrics.json``. ``limit=N`` keeps the first N rows of each test file.
+ROUGE-1/2/L/Lsum F-measure. English: rouge_score's tokenizer with Porter stemming, as the
+authors' script (``metrics.rouge_use_stemmer``, ``metrics.rouge_target``:
+:func:`rolemrc.eval.metrics.rouge_scores`). Chinese: one token per non-space character
+(``chinese_tokenizer: char``; rouge_score's default tokenizer would drop every CJK character), no
+stemming. The settings are written into ``metrics.json`` and ``summary.md``. ``limit=N`` keeps the
+first N rows of each test file.
+
+With ``generation.backend=file`` the replies come from a file (e.g. RoleBench's own
+``rolegpt_baseline.jsonl``), matched by role + question; the prompts are then never used, so
+missing ``profiles-*/desc.json`` (the GitHub release has none) only gives a warning.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from rolemrc.errors import ConfigError, InputNotFound
 
 log = logging.getLogger(__name__)
 
-ROUGE = ("rouge1", "rouge2", "rougeL")
+ROUGE = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 SETS = ("RAW", "CUS", "SPE")
 # config name -> (table label, language, folder under root)
 SPLITS = {
@@ -50,7 +58,9 @@ SPLITS = {
     "role_generalization_eng": ("RoleEng", "eng", "rolebench-eng/role-generalization"),
     "instruction_generalization_zh": ("InstZh", "zh", "rolebench-zh"),
 }
-ENGLISH_TOKENIZATION = "rouge_score default tokenizer (lowercase, non-alphanumerics dropped) + Porter stemmer"
+def english_tokenization(use_stemmer: bool) -> str:
+    return ("rouge_score default tokenizer (lowercase, non-alphanumerics dropped)"
+            + (" + Porter stemmer (use_stemmer=True)" if use_stemmer else ", no stemming (use_stemmer=False)"))
 CHINESE_TOKENIZATION = {
     "char": "character-level: every non-whitespace character is one token (no stemming, no lowercasing)",
     "whitespace": "whitespace-separated tokens (no stemming, no lowercasing)",
@@ -70,8 +80,9 @@ class WhitespaceTokenizer:
 
 
 def chinese_rouge(predictions: Sequence[str], references: Sequence[Sequence[str]], mode: str = "char",
-                  types: Sequence[str] = ROUGE) -> dict[str, list[float]]:
-    """F-measure per sample with rouge_score and a character (or whitespace) tokenizer."""
+                  types: Sequence[str] = ROUGE, target: str = "reply") -> dict[str, list[float]]:
+    """F-measure per sample with rouge_score and a character (or whitespace) tokenizer; several
+    references: the best per type; ``target`` as in :func:`rolemrc.eval.metrics.rouge_scores`."""
     from rouge_score import rouge_scorer
 
     if mode not in CHINESE_TOKENIZATION:
@@ -80,18 +91,19 @@ def chinese_rouge(predictions: Sequence[str], references: Sequence[Sequence[str]
     scorer = rouge_scorer.RougeScorer(list(types), tokenizer=tok)
     out: dict[str, list[float]] = {t: [] for t in types}
     for p, refs in zip(predictions, references, strict=True):
-        s = scorer.score_multi(list(refs), p)
+        scored = [scorer.score(p, r) if target == "reply" else scorer.score(r, p) for r in refs]
         for t in types:
-            out[t].append(float(s[t].fmeasure))
+            out[t].append(max(float(x[t].fmeasure) for x in scored))
     return out
 
 
-def rouge(lang: str, predictions: Sequence[str], references: Sequence[Sequence[str]], zh_mode: str) -> dict[str, list[float]]:
+def rouge(lang: str, predictions: Sequence[str], references: Sequence[Sequence[str]], zh_mode: str,
+          use_stemmer: bool = True, target: str = "reply") -> dict[str, list[float]]:
     if lang == "zh":
-        return chinese_rouge(predictions, references, zh_mode)
+        return chinese_rouge(predictions, references, zh_mode, target=target)
     from rolemrc.eval.metrics import rouge_scores
 
-    return rouge_scores(predictions, [list(r) for r in references], ROUGE)
+    return rouge_scores(predictions, [list(r) for r in references], ROUGE, use_stemmer, target)
 
 
 @dataclass
@@ -118,8 +130,10 @@ def _raw_answers(path: Path, qfield: str, afield: str) -> dict[str, str]:
     return out
 
 
-def load_items(data: Any, limit: int | None) -> list[RBItem]:
-    """Every test row of the configured splits, validated (file:line errors), RoCIT prompts."""
+def load_items(data: Any, limit: int | None, need_prompts: bool = True) -> tuple[list[RBItem], dict[str, str]]:
+    """Every test row of the configured splits, validated (file:line errors), RoCIT prompts;
+    and ``{lang: why}`` for the languages whose RAW answers are absent (left out, warned once).
+    ``need_prompts=False`` (replies from a file): a missing ``desc.json`` is only a warning."""
     rb = data.rolebench
     root = Path(str(rb.root)).expanduser()
     if not root.is_dir():
@@ -132,19 +146,31 @@ def load_items(data: Any, limit: int | None) -> list[RBItem]:
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1 (or null for all items), got {limit}")
     out: list[RBItem] = []
+    raw_absent: dict[str, str] = {}
+    raw_loaded: dict[str, dict[str, str]] = {}
     for name in rb.splits:
         label, lang, folder = SPLITS[name]
         desc = root / f"profiles-{lang}" / "desc.json"
-        if not desc.is_file():
+        if desc.is_file():
+            src_roles = dict(roles, profiles=[str(desc)] + list(roles.get("profiles") or []))
+        elif need_prompts:
             raise InputNotFound(f"RoleBench profiles not found: {desc} (data.rolebench.root={root})")
-        src_roles = dict(roles, profiles=[str(desc)] + list(roles.get("profiles") or []))
+        else:
+            log.warning("RoleBench profiles not found: %s; the replies come from a file, so the prompts "
+                        "(which would need them) are not used", desc)
+            src_roles = dict(roles, strict=False)
         raw: dict[str, str] | None = None
-        if raw_cfg.get(lang):
+        if raw_cfg.get(lang) and lang not in raw_absent:
             raw_path = root / raw_cfg[lang]
-            if not raw_path.is_file():
-                raise InputNotFound(f"RAW answers not found: {raw_path} (data.rolebench.raw_answers.{lang}; "
-                                    f"set it to null to leave RAW out)")
-            raw = _raw_answers(raw_path, rb.raw_question_field, rb.raw_answer_field)
+            if raw_path.is_file():
+                if lang not in raw_loaded:
+                    raw_loaded[lang] = _raw_answers(raw_path, rb.raw_question_field, rb.raw_answer_field)
+                raw = raw_loaded[lang]
+            else:
+                # The public release has no RAW answers: RAW is left out (counted), not an error.
+                raw_absent[lang] = f"RAW answers not found: {raw_path} (data.rolebench.raw_answers.{lang})"
+                log.warning("%s; RAW is left out for %s (set data.rolebench.raw_answers.%s=null to silence this)",
+                            raw_absent[lang], lang, lang)
         for subset in ("general", "role_specific"):
             path = root / folder / subset / "test.jsonl"
             items, _ = read_examples([{"path": str(path), "format": "rolebench", "roles": src_roles}], "test",
@@ -156,7 +182,7 @@ def load_items(data: Any, limit: int | None) -> list[RBItem]:
                 out.append(RBItem(label, lang, subset, it, answer))
     if not out:
         raise DataError("the RoleBench test files hold no items")
-    return out
+    return out, raw_absent
 
 
 def _summ(xs: list[float]) -> float | None:
@@ -164,8 +190,9 @@ def _summ(xs: list[float]) -> float | None:
 
 
 def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char",
-          raw_enabled: dict[str, bool] | None = None) -> dict[str, Any]:
-    """``{"splits": {label: {RAW|CUS|SPE: {rouge1, rouge2, rougeL, n}}}, "per_item": [...], ...}``."""
+          raw_enabled: dict[str, bool] | None = None, use_stemmer: bool = True,
+          target: str = "reply") -> dict[str, Any]:
+    """``{"splits": {label: {RAW|CUS|SPE: {rouge1, rouge2, rougeL, rougeLsum, n}}}, "per_item": [...], ...}``."""
     per_item: list[dict[str, Any]] = []
     buckets: dict[tuple[str, str], dict[str, list[float]]] = {}
     langs = {}
@@ -185,7 +212,7 @@ def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char"
         elif (raw_enabled or {}).get(it.lang, True):
             raw_missing[it.split] = raw_missing.get(it.split, 0) + 1
     for (split, kind, lang), members in groups.items():
-        s = rouge(lang, [replies[k] for k, _ in members], [r for _, r in members], zh_mode)
+        s = rouge(lang, [replies[k] for k, _ in members], [r for _, r in members], zh_mode, use_stemmer, target)
         buckets[(split, kind)] = s
         for j, (k, _) in enumerate(members):
             per_item[k][kind] = {t: s[t][j] for t in ROUGE}
@@ -200,11 +227,21 @@ def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char"
         if raw_missing.get(split):
             row["raw_missing"] = raw_missing[split]
         splits[split] = row
+    from rolemrc.eval.metrics import rouge_setting
+
+    settings = {}
+    for lang in dict.fromkeys(langs.values()):
+        st = rouge_setting(use_stemmer if lang != "zh" else False, target, ROUGE)
+        if lang == "zh":
+            st["tokenizer"] = f"{zh_mode}: {CHINESE_TOKENIZATION[zh_mode]}"
+            st["call"] = st["call"].replace("use_stemmer=False", f"tokenizer=<{zh_mode} tokenizer>")
+        st["several_references"] = "best F-measure per ROUGE type over the row's reference answers (score_multi's rule)"
+        settings[lang] = st
     return {
         "splits": splits,
-        "tokenization": {lang: (CHINESE_TOKENIZATION[zh_mode] if lang == "zh" else ENGLISH_TOKENIZATION)
+        "tokenization": {lang: (CHINESE_TOKENIZATION[zh_mode] if lang == "zh" else english_tokenization(use_stemmer))
                          for lang in dict.fromkeys(langs.values())},
-        "rouge": "rouge_score F-measure; several reference answers: the best per ROUGE type (score_multi)",
+        "rouge": settings,  # per language: the exact call (read back by the tests)
         "per_item": per_item,
     }
 
@@ -222,20 +259,33 @@ def render(res: dict[str, Any]) -> str:
     for split, row in res["splits"].items():
         cells = [_f(row[k]["rougeL"]) if row[k] else "n/a" for k in SETS]
         lines.append(f"| {split} | {' | '.join(cells)} | {_f(row['avg_rougeL'])} |")
-    lines += ["", "| split | set | n | ROUGE-1 | ROUGE-2 | ROUGE-L |", "|---|---|---|---|---|---|"]
-    for split, row in res["splits"].items():
-        for k in SETS:
-            if row[k]:
-                lines.append(f"| {split} | {k} | {row[k]['n']} | {_f(row[k]['rouge1'])} | {_f(row[k]['rouge2'])} | "
-                             f"{_f(row[k]['rougeL'])} |")
+    lines += ["", *detail_table(res)]
     lines.append("")
     for split, row in res["splits"].items():
         if row.get("raw_missing"):
             lines.append(f"{split}: {row['raw_missing']} general item(s) have no raw answer (not scored for RAW).")
+    for lang, why in (res.get("raw_absent") or {}).items():
+        lines.append(f"RAW left out ({lang}): {why}.")
+    if res.get("replies_missing"):
+        lines.append(f"{res['replies_missing']} item(s) had no reply in the replies file and were left out "
+                     "(generation.on_missing=skip).")
     for lang, how in res["tokenization"].items():
         lines.append(f"Tokenisation ({lang}): {how}.")
+    for lang, r in (res.get("rouge") or {}).items():
+        lines.append(f"ROUGE ({lang}): {r['call']}; {r['several_references']}; mean over items.")
     lines.append("")
     return "\n".join(lines)
+
+
+def detail_table(res: dict[str, Any]) -> list[str]:
+    """ROUGE-1/2/L/Lsum x 100 per split and set (markdown lines)."""
+    lines = ["| split | set | n | ROUGE-1 | ROUGE-2 | ROUGE-L | ROUGE-Lsum |", "|---|---|---|---|---|---|---|"]
+    for split, row in res["splits"].items():
+        for k in SETS:
+            if row[k]:
+                lines.append(f"| {split} | {k} | {row[k]['n']} | {_f(row[k]['rouge1'])} | {_f(row[k]['rouge2'])} | "
+                             f"{_f(row[k]['rougeL'])} | {_f(row[k]['rougeLsum'])} |")
+    return lines
 
 
 def scalars(res: dict[str, Any]) -> dict[str, float]:
@@ -250,13 +300,24 @@ def scalars(res: dict[str, Any]) -> dict[str, float]:
 
 
 def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    """Load, generate (resumable, ``<out_dir>/rolebench/generations.jsonl``), score."""
-    items = load_items(cfg.data, cfg.limit)
+    """Load, generate (resumable, ``<out_dir>/rolebench/generations.jsonl``) or read the replies
+    (``generation.backend=file``), score."""
+    items, raw_absent = load_items(cfg.data, cfg.limit, need_prompts=cfg.generation.backend != "file")
     log.info("RoleBench: %d test items over %s", len(items), ", ".join(dict.fromkeys(i.split for i in items)))
-    replies = ctx.generate("rolebench", [it.item for it in items])
+    got = ctx.generate("rolebench", [it.item for it in items])
+    kept = [k for k, r in enumerate(got) if r is not None]  # None: no reply in the file (on_missing=skip)
+    replies = [got[k] for k in kept]
+    n_items = len(items)
+    items = [items[k] for k in kept]
     raw_cfg = plain(cfg.data.rolebench.raw_answers) or {}
+    m = cfg.metrics
     res = score(items, replies, cfg.data.rolebench.chinese_tokenizer,
-                raw_enabled={lang: bool(raw_cfg.get(lang)) for lang in ("eng", "zh")})
+                raw_enabled={lang: bool(raw_cfg.get(lang)) for lang in ("eng", "zh")},
+                use_stemmer=m.rouge_use_stemmer, target=m.rouge_target)
+    if raw_absent:
+        res["raw_absent"] = raw_absent
+    if len(items) < n_items:
+        res["replies_missing"] = n_items - len(items)
     from rolemrc.data.roles import RoleSystem
 
     res["rocit"] = RoleSystem(plain(cfg.data.roles)).describe()

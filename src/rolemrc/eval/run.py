@@ -19,8 +19,16 @@ from omegaconf import DictConfig
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.judge import JudgeIncomplete
-from rolemrc.eval.report import log_to_loggers  # noqa: F401 - re-exported
-from rolemrc.eval.generation import generate, item_id, load_eval_model, model_label, prepare_generation, require_vllm
+from rolemrc.eval.report import log_to_loggers, print_console  # noqa: F401 - re-exported
+from rolemrc.eval.generation import (
+    generate,
+    generation_label,
+    item_id,
+    load_eval_model,
+    model_label,
+    prepare_generation,
+    require_vllm,  # noqa: F401 - re-exported
+)
 from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -43,11 +51,11 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
         per = []
         for it, reply in zip(items, replies, strict=True):
             refs = it.extra.get("references") or [it.reference]
-            per.append(max(rouge_scores([reply] * len(refs), refs, ("rougeL",), m.rouge_use_stemmer)["rougeL"]))
-        return MetricsResult({"rougeL": per}, {"rouge": rouge_info(m.rouge_use_stemmer) + ", best over the reference answers"})
+            per.append(rouge_scores([reply], [refs], ("rougeL",), m.rouge_use_stemmer, m.rouge_target)["rougeL"][0])
+        return MetricsResult({"rougeL": per}, {"rouge": rouge_info(m.rouge_use_stemmer, m.rouge_target)})
     refs = [it.reference for it in items]
     if m.rouge_only:
-        return rouge_l(replies, refs, m.rouge_use_stemmer)
+        return rouge_l(replies, refs, m.rouge_use_stemmer, m.rouge_target)
     if not m.names:
         return None
     bs = m.bertscore
@@ -57,6 +65,8 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
         bertscore=BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device),
         meteor_tokenizer=m.meteor_tokenizer,
         rouge_use_stemmer=m.rouge_use_stemmer,
+        rouge_target=m.rouge_target,
+        bleu_undefined=m.bleu_undefined,
     )
 
 
@@ -105,17 +115,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from rolemrc.eval.report import write_report
     from rolemrc.eval.verifiers import agreement, verify_all
 
-    cfg, resolved = resolve_model_sources(cfg)
+    from rolemrc.eval.generation import check_backend, generate_remote
+
+    backend = cfg.generation.backend
+    if backend in ("hf", "vllm"):
+        cfg, resolved = resolve_model_sources(cfg)
+    else:
+        resolved = {}
     source = resolved.get("model.path")  # the checkpoint an export came from
 
-    if cfg.generation.backend not in ("hf", "vllm"):
-        raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")
-    if cfg.generation.backend == "vllm":
-        require_vllm()  # before anything slow
-        if cfg.model.path is None:
-            raise ValueError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
-        if cfg.restraint:
-            raise ValueError("restraint hooks into a transformers model: use generation.backend=hf")
+    check_backend(cfg)  # before anything slow: vllm installed, the API key's variable, the replies file
+    if backend == "vllm" and cfg.restraint:
+        raise ValueError("restraint hooks into a transformers model: use generation.backend=hf")
     # The judge's backend, model name and API key variable are checked before anything slow.
     check_judge(judge_config(cfg.judge))
     out_dir = Path(cfg.out_dir)
@@ -125,11 +136,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
     log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
 
-    chat = build_chat(cfg.model)
-    tokenizer = chat.tokenizer
-    gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
-    model = load_eval_model(cfg, tokenizer) if cfg.generation.backend == "hf" else None
-    gen = generate(cfg, gen_items, stops, tokenizer, model)
+    model = tokenizer = None
+    if backend in ("hf", "vllm"):
+        chat = build_chat(cfg.model)
+        tokenizer = chat.tokenizer
+        gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
+        model = load_eval_model(cfg, tokenizer) if backend == "hf" else None
+        gen = generate(cfg, gen_items, stops, tokenizer, model)
+    else:
+        gen = generate_remote(cfg, items, ids, out_dir)
+    n_items = len(items)
+    if gen.missing:  # generation.on_missing=skip: items without a reply are left out (counted)
+        gone = set(gen.missing)
+        items = [it for k, it in enumerate(items) if k not in gone]
+        ids = [i for k, i in enumerate(ids) if k not in gone]
     replies = gen.replies
     log.info("generation: %d new, %d resumed from %s", gen.n_new, gen.n_resumed, out_dir / "generations.jsonl")
 
@@ -140,10 +160,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     verdicts = None
     judge_stats = None
     judge_model = None
+    judge_protocol = None
     if cfg.judge.backend != "none" and judged:
         jitems = judge_items([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
         with build_judge(cfg, model, tokenizer) as judge:
             judge_model = judge.backend.model_id
+            judge_protocol = judge.protocol.name
             verdicts = judge.judge(jitems)
             judge_stats = judge.last_stats
     elif cfg.judge.backend != "none":
@@ -152,17 +174,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     agree = agreement(verdicts, verifier) if verdicts is not None and verifier else None
 
     bert = (metrics.info.get("bertscore") or {}).get("model") if metrics is not None else None
+    if gen.missing:
+        meta_missing = f"{len(gen.missing)} of {n_items} test items have no reply in the file: left out (generation.on_missing=skip)"
     meta: dict[str, Any] = {
         "name": f"{cfg.model.name} on {cfg.data.name}",
         "model": model_label(cfg),
         **({"model_checkpoint": source} if source else {}),
         "data": cfg.data.name,
         "items": len(items),
-        "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",
+        "generation": generation_label(cfg),
         "restraint": cfg.restraint,
         "bertscore_model": bert,
         "judge_model": judge_model,
     }
+    if gen.missing:
+        meta["replies_missing"] = meta_missing
+    if judge_protocol:
+        meta["judge_protocol"] = judge_protocol
     if verifier:
         meta["rule_verifier"] = f"{sum(verifier.values())}/{len(verifier)} replies obey their NI rule"
     statuses = {}
@@ -174,7 +202,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "items": len(items),
             "generated": gen.n_new,
             "resumed": gen.n_resumed,
-            "cut_at_max_new_tokens": sum(not g.stopped for g in gen.generations),
+            "cut_at_max_new_tokens": gen.n_cut,
+            "replies_missing": len(gen.missing),
+            "generation_requests": gen.requests,
+            "generation_faults": gen.faults,
             "judged_items": len(judged) if verdicts is not None else 0,
             "judgements": len(verdicts) if verdicts is not None else 0,
             "judgement_status": statuses,
@@ -193,7 +224,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
     log_to_loggers(cfg, _scalars(metrics, table), rows, columns)
 
-    print(f"evaluation summary: {paths['summary.md']}")
+    print_console(paths["summary.md"], metrics=metrics, judge=table)
     if verdicts is not None and judge_stats is not None:
         missing = judge_stats.missing(verdicts, final_unparseable=not getattr(judge.backend, "retries_unparseable", True))
         if missing:

@@ -45,6 +45,9 @@ class ModelContext:
         self.generated = 0
         self.resumed = 0
         self.cut = 0
+        self.requests = 0
+        self.missing = 0
+        self._replies: Any = None
 
     @property
     def chat(self) -> Any:
@@ -66,36 +69,60 @@ class ModelContext:
             self._model = load_eval_model(self.cfg, self.tokenizer)
         return self._model
 
-    def generate(self, sub_dir: str, items: Sequence[TestItem]) -> list[str]:
+    def generate(self, sub_dir: str, items: Sequence[TestItem]) -> list[str | None]:
         """Greedy replies to ``items`` (their ``question`` messages), resuming from
-        ``<out_dir>/<sub_dir>/generations.jsonl``."""
-        from rolemrc.eval.generation import generate, prepare_generation
+        ``<out_dir>/<sub_dir>/generations.jsonl``; with ``generation.backend=file`` the file's
+        replies, None for an item without one (``generation.on_missing=skip``)."""
+        from rolemrc.eval.generation import generate, generate_remote, prepare_generation, read_replies
 
         sub = copy.deepcopy(self.cfg)
         with open_dict(sub):
             sub.out_dir = str(Path(self.cfg.out_dir) / sub_dir)
         Path(sub.out_dir).mkdir(parents=True, exist_ok=True)
         ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
-        gen_items, stops = prepare_generation(sub, items, ids, self.tokenizer, self.chat)
-        run = generate(sub, gen_items, stops, self.tokenizer, self.model)
+        backend = self.cfg.generation.backend
+        if backend in ("openai", "file"):
+            if backend == "file" and self._replies is None:
+                self._replies = read_replies(self.cfg.generation.path, self.cfg.generation.reply_field)
+            run = generate_remote(sub, items, ids, sub.out_dir, self._replies)
+            self.requests += run.requests
+            self.missing += len(run.missing)
+        else:
+            gen_items, stops = prepare_generation(sub, items, ids, self.tokenizer, self.chat)
+            run = generate(sub, gen_items, stops, self.tokenizer, self.model)
         self.generated += run.n_new
         self.resumed += run.n_resumed
-        self.cut += sum(not g.stopped for g in run.generations)
-        return run.replies
+        self.cut += run.n_cut
+        replies: list[str | None] = list(run.replies)
+        for k in run.missing:  # file backend: put the gaps back in item order
+            replies.insert(k, None)
+        return replies
 
 
 def run_suites(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
     from rolemrc.eval.report import write_report
-    from rolemrc.eval.generation import model_label
+    from rolemrc.eval.generation import generation_label, model_label
     from rolemrc.eval.report import log_to_loggers
     from rolemrc.config_suites import check_suite_keys
     from rolemrc.models.source import resolve_model_sources
 
     check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
-    cfg, resolved = resolve_model_sources(cfg, "compare.path")
-    if cfg.generation.backend not in ("hf", "vllm"):
-        raise ValueError(f"generation.backend must be hf or vllm, got {cfg.generation.backend!r}")
+    from rolemrc.eval.generation import check_backend
+    from rolemrc.errors import ConfigError
+
+    backend = cfg.generation.backend
+    if backend in ("hf", "vllm"):
+        cfg, resolved = resolve_model_sources(cfg, "compare.path")
+    else:
+        resolved = {}
+        if cfg.get("benchmarks") is not None:
+            raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
+                              f"generation.backend={backend}")
+        if backend == "file" and cfg.data.get("characterllm") is not None:
+            raise ConfigError("CharacterLLM's multi-turn sessions are generated turn by turn from the model's own "
+                              "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
+    check_backend(cfg)
     if cfg.data.get("characterllm") is not None:
         from rolemrc.eval.characterllm import check_scorer
 
@@ -137,17 +164,20 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
         "model": model_label(cfg),
         **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
         **({"data": cfg.data.name} if "rolebench" in doc or "characterllm" in doc else {}),
-        "generation": f"{cfg.generation.backend}, greedy, max_new_tokens={cfg.generation.max_new_tokens}",
+        "generation": generation_label(cfg),
     }
     if cfg.get("benchmarks") is not None:
         meta["benchmarks"] = cfg.benchmarks.name
         meta["compare"] = cfg.compare.path
         if "compare.path" in resolved:
             meta["compare_checkpoint"] = resolved["compare.path"]
-    doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut}
+    doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut,
+                     "replies_missing": ctx.missing, "generation_requests": ctx.requests}
     paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
     log_to_loggers(cfg, scalars, [[k, v] for k, v in scalars.items()], ["metric", "value"])
-    print(f"evaluation summary: {paths['summary.md']}")
+    from rolemrc.eval.report import print_console
+
+    print_console(paths["summary.md"], sections=sections)
     if incomplete:
         from rolemrc.eval.judge import JudgeIncomplete
 

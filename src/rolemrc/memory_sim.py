@@ -69,7 +69,8 @@ class Simulation:
     tokens: int  # tokens of the micro-batch (rows x length)
     strategy: str
     tracker: str  # FSDPMemTracker | MemTracker
-    notes: list[str] = field(default_factory=list)
+    after_backward: dict[str, int] = field(default_factory=dict)  # bytes by category once backward is done
+    kind: str = "fake"  # fake: FakeTensorMode on a fake process group; else the real backend (gloo)
 
     @property
     def peak_gib(self) -> float:
@@ -274,8 +275,8 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _build(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
-    """(the run's module on the meta device, its vocabulary size)."""
+def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, Any]:
+    """(the run's module on ``device`` (meta; cpu for a real validation step), its vocabulary size)."""
     from omegaconf import open_dict
 
     from rolemrc.build import build_module
@@ -284,7 +285,7 @@ def _build(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
     if cfg.model.quantization.load_in_4bit:
         raise SimulationUnavailable("4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors)")
     model_cfg, tokenizer = _sim_model_cfg(cfg, checkpointing)
-    with torch.device("meta"):
+    with torch.device(device):
         model = load_model(model_cfg, tokenizer)
     run_cfg = copy.deepcopy(cfg)
     with open_dict(run_cfg):
@@ -352,10 +353,13 @@ def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
     return RunTracker(module.models_to_shard())
 
 
-def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], precision: str) -> None:
+def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], precision: str,
+              after_backward: Any = None) -> None:
     with _autocast(precision):
         loss = _step_loss(module, batch)
     loss.backward()
+    if after_backward is not None:
+        after_backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -371,7 +375,7 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))  # before fake mode
-    module, vocab = _build(cfg, checkpointing)
+    module, vocab = _build(cfg, checkpointing, "meta" if fake else "cpu")
     module.model.train()
     for m in module.models_to_shard()[1:]:
         m.eval()
@@ -390,22 +394,7 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
             batch = {k: mode.from_tensor(v) for k, v in batch.items()}
             with _KnownMasks(counts):
                 return _track(cfg, module, warm, batch, fsdp, world, checkpointing, "fake")
-    _materialise(module)
-    _init_weights(module)
     return _track(cfg, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "")
-
-
-def _init_weights(module: Any) -> None:
-    """Real (validation) runs: values for the storage ``to_empty`` left uninitialised."""
-    with torch.no_grad():
-        for m in module.models_to_shard():
-            for p in m.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                local.normal_(0.0, 0.02) if local.dim() > 1 else local.fill_(1.0)
-            base = m.get_base_model() if hasattr(m, "get_base_model") else m
-            base.model.rotary_emb.inv_freq.copy_(base.model.rotary_emb.original_inv_freq
-                                                  if hasattr(base.model.rotary_emb, "original_inv_freq")
-                                                  else base.model.rotary_emb.inv_freq)
 
 
 def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: int, checkpointing: bool,
@@ -415,17 +404,20 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     tracker = _tracker(module, optimizer, fsdp)
     if fsdp:
         tracker.track_inputs((batch,))
+    seen: dict[str, Any] = {}
     with tracker:
-        _one_step(module, optimizer, batch, cfg.trainer.precision)
+        _one_step(module, optimizer, batch, cfg.trainer.precision,
+                  after_backward=lambda: seen.update(tracker.get_tracker_snapshot("current")))
     peak = tracker.get_tracker_snapshot("peak")
     device = next(iter(d for d in peak if peak[d].get("Total", 0) > 0), next(iter(peak)))
     snap = {getattr(k, "value", k): int(v) for k, v in peak[device].items()}
     total = snap.pop("Total")
+    after = {getattr(k, "value", k): int(v) for k, v in seen.get(device, {}).items()}
     rows = batch["input_ids"].shape[0]
     return Simulation(ranks=world, peak_bytes=total, by_category={k: int(v) for k, v in snap.items()},
                       checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
-                      strategy=cfg.strategy.name, tracker=type(tracker).__mro__[1 if fsdp else 0].__name__
-                      if fsdp else "MemTracker")
+                      strategy=cfg.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
+                      after_backward=after, kind=kind)
 
 
 @contextlib.contextmanager
@@ -462,22 +454,14 @@ def simulate(cfg: Any, *, checkpointing: bool, batch_size: int | None = None) ->
 
 # ---------------------------------------------------------------- in a child process
 
-def _run_config(cfg: Any) -> dict[str, Any]:
-    """The parts of a training config the simulation reads, resolved to plain values."""
+def run_spec(cfg: Any, *, checkpointing: bool, batch_size: int | None = None) -> dict[str, Any]:
+    """What a child process needs to run the step: the config's parts the simulation reads,
+    resolved to plain values (a missing ``model.path`` stays ``???``), and the step's settings."""
     from omegaconf import OmegaConf
 
-    keep = ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")
-    out = {}
-    for key in keep:
-        node = cfg[key]
-        if key == "model" and OmegaConf.is_missing(node, "path"):
-            node = copy.deepcopy(node)
-            with __import__("omegaconf").open_dict(node):
-                node.path = None
-        out[key] = OmegaConf.to_container(node, resolve=True)
-    if OmegaConf.is_missing(cfg.model, "path"):
-        out["model"]["path"] = "???"
-    return out
+    parts = {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=False)
+             for key in ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")}
+    return {"cfg": parts, "checkpointing": checkpointing, "batch_size": batch_size}
 
 
 def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, batch_size: int | None = None,
@@ -486,8 +470,7 @@ def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, batch_size: int | N
     fake process group never meets this process's own."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "run.json"
-        spec.write_text(json.dumps({"cfg": _run_config(cfg), "checkpointing": checkpointing,
-                                    "batch_size": batch_size}))
+        spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, batch_size=batch_size)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                             os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "rolemrc.memory_sim", str(spec)], capture_output=True,
@@ -498,19 +481,35 @@ def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, batch_size: int | N
     return Simulation(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def _child(path: str) -> int:
+def _child(argv: list[str]) -> int:
+    """``<spec.json>``: simulate and print the result as JSON. ``--real <spec.json> <out.json>``: one
+    rank of the same step really run (gloo; ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` set by the launcher), rank 0 writing its tracked result: what the simulation is
+    validated against (tests/test_memory_sim.py)."""
     from omegaconf import OmegaConf
 
     from rolemrc.config import register
 
     register()
-    spec = json.loads(Path(path).read_text())
-    raw = spec["cfg"]
-    cfg = OmegaConf.create(raw)
-    sim = simulate(cfg, checkpointing=spec["checkpointing"], batch_size=spec["batch_size"])
-    print(json.dumps(asdict(sim)))
+    real = argv[0] == "--real"
+    spec = json.loads(Path(argv[1 if real else 0]).read_text())
+    cfg = OmegaConf.create(spec["cfg"])
+    if not real:
+        sim = simulate(cfg, checkpointing=spec["checkpointing"], batch_size=spec["batch_size"])
+        print(json.dumps(asdict(sim)))
+        return 0
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        sim = run_step(cfg, checkpointing=spec["checkpointing"], batch_size=int(spec["batch_size"] or cfg.data.batch_size),
+                       world=dist.get_world_size(), fake=False)
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        Path(argv[2]).write_text(json.dumps(asdict(sim)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1]))
+    sys.exit(_child(sys.argv[1:]))

@@ -13,6 +13,7 @@ kept for what users swap for third-party classes (loggers, callbacks); the rest 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Any
@@ -23,6 +24,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 from torch import nn
 
+from rolemrc.config import OBJECTIVES, Objective
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
@@ -39,8 +41,8 @@ def build_chat(model_cfg: Any) -> ChatFormat:
 def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     """SFT conversations or preference pairs, as the objective needs (the pair layout, shared
     prompt or not, is an objective setting)."""
-    kind = "sft" if cfg.objective.name == "sft" else "pairs"
-    share_prompt = kind == "pairs" and bool(cfg.objective.share_prompt)
+    kind = "pairs" if objective_entry(cfg).pairs else "sft"
+    share_prompt = kind == "pairs" and bool(cfg.objective.get("share_prompt", False))
     data = _typed(cfg.data)  # DataConfig
     return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
 
@@ -50,8 +52,8 @@ def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
     init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels."""
     model_cfg = _typed(model_cfg)
     model = load_model(model_cfg, tokenizer)
-    trainable, total = count_parameters(model)
-    log.info("model %s: %s parameters, %s trainable", model_cfg.name, f"{total:,}", f"{trainable:,}")
+    _, total = count_parameters(model)
+    log.info("model %s: %s parameters", model_cfg.name, f"{total:,}")  # trainable: build_module (training only)
     return model
 
 
@@ -61,24 +63,37 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     from rolemrc.models.precision import precision_policy
 
     policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
+    trainable, total = count_parameters(model)
+    log.info("training %s of %s parameters", f"{trainable:,}", f"{total:,}")
     # Typed settings (the schema dataclasses), not config nodes: modules never see the whole config.
     objective, optim = _typed(cfg.objective), _typed(cfg.optim)
     sharding = _typed(cfg.strategy) if cfg.strategy.name == "fsdp" else None
-    if cfg.objective.name == "sft":
-        from rolemrc.modules.sft import SFTModule
-
-        return SFTModule(model, objective, optim, policy, sharding, cfg.model.packed_attention)
-    if cfg.objective.name == "dpo":
+    entry = objective_entry(cfg)
+    module_class = import_object(entry.module)
+    parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
+    if entry.reference:
         from rolemrc.checkpointing.state import read_checkpoint_entries
-        from rolemrc.modules.dpo import DPOModule
         from rolemrc.modules.reference import make_reference
 
         if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
-        reference = make_reference(model, cfg, read_checkpoint=read_checkpoint_entries)
-        return DPOModule(model, objective, optim, policy, reference, sharding, cfg.model.packed_attention)
-    raise ValueError(f"objective.name must be sft or dpo, got {cfg.objective.name!r}")
+        parts["reference"] = make_reference(model, cfg, read_checkpoint=read_checkpoint_entries)
+    return module_class(model, objective, optim, policy, **parts)
+
+
+def objective_entry(cfg: Any) -> Objective:
+    """The registry entry (:data:`rolemrc.config.OBJECTIVES`) of ``cfg.objective.name``."""
+    entry = OBJECTIVES.get(cfg.objective.name)
+    if entry is None:
+        raise ValueError(f"objective.name must be one of {', '.join(sorted(OBJECTIVES))}, got {cfg.objective.name!r}")
+    return entry
+
+
+def import_object(spec: str) -> Any:
+    """``"package.module:Name"`` -> the object (the registry names modules, imported when built)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _typed(node: Any) -> Any:
@@ -144,13 +159,15 @@ def build_trainer(cfg: Any) -> L.Trainer:
     """Strategy (checked against the model options), loggers, callbacks, atomic checkpoint IO,
     and on SLURM the preemption handling (checkpoint at a step boundary, then requeue)."""
     from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
+    from rolemrc.callbacks.run_summary import RunSummary
     from rolemrc.checkpointing.io import AtomicCheckpointIO
     from rolemrc.strategies import build_strategy
 
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps(), CheckpointAtEnd()]
+    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps(), CheckpointAtEnd(),
+                 RunSummary()]  # a final validation at max_steps; the end-of-run figures
     if SLURMEnvironment.detect():
         from rolemrc.callbacks.slurm_requeue import SlurmRequeue
 

@@ -96,8 +96,51 @@ class DPOObjectiveConfig(ObjectiveConfig):
     reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/ref_cache
     share_prompt: bool = False  # prompt, chosen, rejected in one sequence (perf issue)
 
+    def __post_init__(self) -> None:
+        """Checked whenever the node becomes this dataclass (``check_train_config`` does that
+        before anything loads), so a bad value is named at once, not at the first training step."""
+        from rolemrc.errors import ConfigError
 
-OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {"sft": SFTObjectiveConfig, "dpo": DPOObjectiveConfig}
+        one_of("objective.loss_type", self.loss_type, LOSS_TYPES)
+        one_of("objective.reference", self.reference, REFERENCE_MODES)
+        if not self.beta > 0:
+            raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"objective.label_smoothing only applies to objective.loss_type=sigmoid, "
+                              f"not {self.loss_type}")
+        if self.sft_weight < 0:
+            raise ConfigError(f"objective.sft_weight must be >= 0, got {self.sft_weight}")
+
+
+REFERENCE_MODES = ("copy", "adapter", "precomputed")
+
+
+def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
+    """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
+    if value not in options:
+        from rolemrc.errors import ConfigError
+
+        raise ConfigError(f"{key} must be one of {', '.join(options)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One entry of the objective registry: what ``objective=<name>`` means to the builder."""
+
+    schema: type[ObjectiveConfig]  # its config keys (registered as ``<name>_schema``)
+    module: str  # "package.module:Class", the LightningModule that trains it (imported when built)
+    pairs: bool  # trains on preference pairs (``data.pairs``) rather than conversations (``data.sft``)
+    reference: bool = False  # its module takes a reference (``objective.reference``: copy | adapter | precomputed)
+
+
+# The objective registry: a new objective is its schema, its module and one line here.
+OBJECTIVES: dict[str, Objective] = {
+    "sft": Objective(SFTObjectiveConfig, "rolemrc.modules.sft:SFTModule", pairs=False),
+    "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", pairs=True, reference=True),
+}
+OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 
 
 @dataclass
@@ -128,14 +171,14 @@ class DataConfig:
     num_workers: int = 0
     packing: bool = False
     shuffle: bool = True
-    roles: RolesConfig = field(default_factory=RolesConfig)  # RoCIT (sources use it as `roles: ${data.roles}`)
-    rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
-    characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
-
     # Encoded-row store (rolemrc.data.store): built once, memory-mapped by every rank and later run.
     cache: bool = True  # false: encode in memory at every start (no files written)
     cache_dir: Optional[str] = None  # None: $ROLEMRC_CACHE_DIR/data, else ~/.cache/rolemrc/data
     num_proc: Optional[int] = None  # encoder processes of a build; None: this rank's CPUs (at most 16)
+    roles: RolesConfig = field(default_factory=RolesConfig)  # RoCIT (sources use it as `roles: ${data.roles}`)
+    rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
+    characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
+
 
 @dataclass
 class OptimConfig:
@@ -358,9 +401,9 @@ def check_train_config(cfg: Any) -> None:
     if cfg.model.packed_attention not in PACKED_ATTENTION:
         raise ConfigError(f"model.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
                           f"got {cfg.model.packed_attention!r}")
-    if cfg.objective.name not in OBJECTIVE_SCHEMAS:
-        raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVE_SCHEMAS)}, got {cfg.objective.name!r}")
-    schema = OBJECTIVE_SCHEMAS[cfg.objective.name]
+    if cfg.objective.name not in OBJECTIVES:
+        raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.objective.name!r}")
+    schema = OBJECTIVES[cfg.objective.name].schema
     # Keys the schema lacks: from an objective file without its schema in its defaults (e.g. a
     # user's own), or added to a typed node (``+objective.beta=0.1`` on objective=sft), which
     # typed() would silently drop.
@@ -378,7 +421,8 @@ def check_train_config(cfg: Any) -> None:
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
 
 
-# Enum-like keys of the training config and the values they take (checked by check_choices).
+# Enum-like keys of the training config and the values they take (checked by check_choices; an
+# objective's own keys are checked by its schema's __post_init__).
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
     "optim.scheduler": ("cosine", "linear", "constant"),
     "strategy.name": ("single", "ddp", "fsdp"),
@@ -386,54 +430,29 @@ TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "model.kernels": ("none", "liger"),
 }
-DPO_CHOICES: dict[str, tuple[str, ...]] = {
-    "objective.loss_type": LOSS_TYPES,
-    "objective.reference": ("copy", "adapter", "precomputed"),
-}
 
 
-def _choice(cfg: Any, key: str, options: tuple[str, ...]) -> None:
+def check_choices(cfg: Any) -> None:
+    """Enum-like keys and cross-key rules of a training config, refused naming the key before any
+    data or weights load: the objective's schema checks its own numbers (a DPO run's ``beta``
+    would otherwise first be checked at its first training step, after the reference pass)."""
     from rolemrc.errors import ConfigError
 
-    value = OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else _attr(cfg, key)
-    if value not in options:
-        raise ConfigError(f"{key} must be one of {', '.join(options)}, got {value!r}")
+    for key, options in TRAIN_CHOICES.items():
+        one_of(key, OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else _attr(cfg, key), options)
+    if cfg.model.quantization.load_in_4bit and not cfg.model.peft.enabled:
+        raise ConfigError("model.quantization.load_in_4bit=true (QLoRA) needs model.peft.enabled=true: "
+                          "4-bit base weights cannot be trained")
+    objective = typed(cfg.objective)  # the schema's __post_init__ checks its keys
+    if getattr(objective, "reference", None) == "adapter" and not cfg.model.peft.enabled:
+        raise ConfigError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true "
+                          "(or objective.reference=copy|precomputed)")
 
 
 def _attr(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def check_choices(cfg: Any) -> None:
-    """Enum-like keys and cross-key rules of a training config, refused naming the key before any
-    data or weights load (the objective's own numbers included: a DPO run's ``beta`` would
-    otherwise first be checked at its first training step, after the reference pass)."""
-    from rolemrc.errors import ConfigError
-
-    for key, options in TRAIN_CHOICES.items():
-        _choice(cfg, key, options)
-    if cfg.model.quantization.load_in_4bit and not cfg.model.peft.enabled:
-        raise ConfigError("model.quantization.load_in_4bit=true (QLoRA) needs model.peft.enabled=true: "
-                          "4-bit base weights cannot be trained")
-    if cfg.objective.name != "dpo":
-        return
-    for key, options in DPO_CHOICES.items():
-        _choice(cfg, key, options)
-    o = cfg.objective
-    if not o.beta > 0:
-        raise ConfigError(f"objective.beta must be > 0, got {o.beta}")
-    if not 0.0 <= o.label_smoothing < 0.5:
-        raise ConfigError(f"objective.label_smoothing must be in [0, 0.5), got {o.label_smoothing}")
-    if o.label_smoothing and o.loss_type != "sigmoid":
-        raise ConfigError(f"objective.label_smoothing only applies to objective.loss_type=sigmoid, "
-                          f"not {o.loss_type}")
-    if o.sft_weight < 0:
-        raise ConfigError(f"objective.sft_weight must be >= 0, got {o.sft_weight}")
-    if o.reference == "adapter" and not cfg.model.peft.enabled:
-        raise ConfigError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true "
-                          "(or objective.reference=copy|precomputed)")
 
 
 def _asset(name: str) -> str:
@@ -456,8 +475,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("asset_unless_path", _asset_unless_path)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for name, schema in OBJECTIVE_SCHEMAS.items():  # conf/objective/<name>.yaml: defaults: [<name>_schema]
-        cs.store(group="objective", name=f"{name}_schema", node=schema)
+    for name, objective in OBJECTIVES.items():  # conf/objective/<name>.yaml: defaults: [<name>_schema]
+        cs.store(group="objective", name=f"{name}_schema", node=objective.schema)
     register_evaluate(cs)
     register_probe(cs)
 
@@ -467,7 +486,9 @@ def register() -> None:
 
 @dataclass
 class EvalGenerationConfig:
-    backend: str = "hf"  # hf (transformers, batched greedy) | vllm (GPU nodes, own environment)
+    # hf (transformers, batched greedy) | vllm (GPU nodes, own environment) | openai (any
+    # OpenAI-compatible endpoint, rolemrc.api) | file (replies produced elsewhere, generation.path)
+    backend: str = "hf"
     batch_size: int = 8  # hf: prompts per generate() call (vllm batches by itself)
     max_new_tokens: int = 256  # paper: greedy, 256 new tokens
     max_model_len: int = 4096  # vllm: the paper's max model length

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from rolemrc.config import REFERENCE_MODES
 from rolemrc.data.sampler import ResumableSampler
 from rolemrc.fileio import atomic_save
 from rolemrc.models.loading import eval_mode
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFERENCE_MODES = ("copy", "adapter", "precomputed")
 CKPT_TABLES = "reference_logps"  # {stage: [N, 2] float32} in every precomputed run's checkpoint
 CKPT_ROWS = "reference_rows"  # {stage: rows_fingerprint} of the rows those tables belong to
 ReadCheckpoint = Callable[[Any, Iterable[str]], dict[str, Any]]  # (checkpoint path, keys) -> the entries it has

@@ -113,10 +113,12 @@ def _direct(lang: str, reply: str, refs: list[str]) -> dict[str, float]:
         def spell(text: str) -> str:
             return " ".join(vocab.setdefault(c, f"w{len(vocab)}") for c in text if not c.isspace())
 
-        s = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"]).score_multi([spell(r) for r in refs], spell(reply))
-    else:
-        s = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True).score_multi(refs, reply)
-    return {t: s[t].fmeasure for t in ("rouge1", "rouge2", "rougeL")}
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"])
+        scores = [scorer.score(spell(reply), spell(r)) for r in refs]
+    else:  # the authors' call: Porter stemming, the reply as rouge_score's target
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+        scores = [scorer.score(reply, r) for r in refs]
+    return {t: max(s[t].fmeasure for s in scores) for t in ("rouge1", "rouge2", "rougeL", "rougeLsum")}
 
 
 def test_rolebench_sample_scores_equal_rouge_score(tmp_path: Path) -> None:
@@ -150,12 +152,13 @@ def test_rolebench_sample_scores_equal_rouge_score(tmp_path: Path) -> None:
         for kind, rows in sums.items():
             got = rb["splits"][split][kind]
             assert got["n"] == len(rows)
-            for t in ("rouge1", "rouge2", "rougeL"):
+            for t in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
                 assert got[t] == pytest.approx(sum(r[t] for r in rows) / len(rows), abs=1e-12)
     summary = (out / "summary.md").read_text()
     inst = rb["splits"]["InstEng"]
     assert f"| InstEng | {100 * inst['RAW']['rougeL']:.2f} | {100 * inst['CUS']['rougeL']:.2f} | " in summary
-    assert "| split | set | n | ROUGE-1 | ROUGE-2 | ROUGE-L |" in summary
+    assert "| split | set | n | ROUGE-1 | ROUGE-2 | ROUGE-L | ROUGE-Lsum |" in summary
+    assert "Porter stemmer (use_stemmer=True)" in rb["tokenization"]["eng"]
     assert "rolebench/InstZh/SPE/rougeL" in (out / "csv" / "metrics.csv").read_text()
     assert res["scalars"]["rolebench/InstEng/CUS/rougeL"] == inst["CUS"]["rougeL"]
     # Rerun: nothing is generated again.
@@ -173,9 +176,15 @@ def test_rolebench_bad_rows_and_paths_are_clear_errors(tmp_path: Path) -> None:
         run(compose_eval(*FAST, "data=rolebench_sample", f"data.rolebench.root={root}", f"out_dir={tmp_path / 'o'}"))
     with pytest.raises(FileNotFoundError, match="data.rolebench.root: not a folder"):
         run(compose_eval(*FAST, "data=rolebench", "data.rolebench.root=/nonexistent/RoleBench", f"out_dir={tmp_path}"))
+    # RAW answers absent (as in the public release): RAW left out and counted, not an error.
+    f.write_text("\n".join(f.read_text().splitlines()[:-1]) + "\n")
     (root / "instructions-eng/instructions-general.jsonl").unlink()
-    with pytest.raises(FileNotFoundError, match=r"raw_answers.eng"):
-        run(compose_eval(*FAST, "data=rolebench_sample", f"data.rolebench.root={root}", f"out_dir={tmp_path / 'p'}"))
+    res = run(compose_eval(*FAST, "data=rolebench_sample", f"data.rolebench.root={root}", "limit=1",
+                           f"out_dir={tmp_path / 'p'}"))
+    rb = res["results"]["rolebench"]
+    assert "raw_answers.eng" in rb["raw_absent"]["eng"] and "zh" not in rb["raw_absent"]
+    assert rb["splits"]["InstEng"]["RAW"] is None and rb["splits"]["InstEng"]["raw_missing"] == 1
+    assert rb["splits"]["InstZh"]["RAW"]["n"] == 1
 
 
 def test_unknown_suite_keys_added_with_plus_are_refused(tmp_path: Path) -> None:
@@ -199,5 +208,6 @@ def test_rolebench_sample_command_runs(tmp_path: Path) -> None:
                            "limit=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"evaluation summary: {tmp_path / 'summary.md'}" in proc.stdout
+    assert "| split | RAW | CUS | SPE | avg |" in proc.stdout  # the headline table on the console
     doc = json.loads((tmp_path / "metrics.json").read_text())
     assert doc["rolebench"]["items"] == 6  # limit=1: the first row of each of the six test files

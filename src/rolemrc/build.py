@@ -78,7 +78,12 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
         if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
-        parts["reference"] = make_reference(model, cfg, read_checkpoint=read_checkpoint_entries)
+        param_dtype = cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp" else None
+        parts["reference"] = make_reference(
+            model, objective.reference, read_checkpoint=read_checkpoint_entries, batch_size=cfg.data.batch_size,
+            cache_dir=objective.reference_cache_dir or os.path.join(str(cfg.run_dir), "ref_cache"),
+            settings=f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}",
+        )
     return module_class(model, objective, optim, policy, **parts)
 
 

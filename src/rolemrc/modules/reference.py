@@ -231,12 +231,10 @@ class PrecomputedReference(Reference):
         return {CKPT_TABLES: found[CKPT_TABLES], CKPT_ROWS: found.get(CKPT_ROWS, {})}
 
 
-def reference_key(model: nn.Module, cfg: Any) -> str:
-    """The initial weights + what changes their log-probs besides the rows: precision, attention
-    implementation, and FSDP2's compute dtype."""
-    param_dtype = cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp" else None
-    extra = f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}"
-    return hashlib.sha256(f"{fingerprint(model)}|{extra}".encode()).hexdigest()[:16]
+def reference_key(model: nn.Module, settings: str) -> str:
+    """The initial weights + ``settings``: what changes their log-probs besides the rows
+    (precision, attention implementation, FSDP2's compute dtype; the builder spells them)."""
+    return hashlib.sha256(f"{fingerprint(model)}|{settings}".encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -271,17 +269,20 @@ def _broadcast(trainer: Any, obj: Any) -> Any:
     return trainer.strategy.broadcast(obj, src=0) if trainer.world_size > 1 else obj
 
 
-def make_reference(model: nn.Module, cfg: Any, read_checkpoint: ReadCheckpoint | None = None) -> Reference:
-    """The reference of ``objective.reference``, built from the initial ``model``.
-    ``read_checkpoint(path, keys)``: a checkpoint's entries without its weights (the builder
-    passes :func:`rolemrc.checkpointing.state.read_checkpoint_entries`), for a precomputed
-    reference resumed under FSDP2, whose checkpoint is restored after fit start."""
-    mode = cfg.objective.reference
+def make_reference(model: nn.Module, mode: str, *, cache_dir: str | None = None, batch_size: int = 1,
+                   settings: str = "", read_checkpoint: ReadCheckpoint | None = None) -> Reference:
+    """The reference of ``objective.reference`` (``mode``), built from the initial ``model``.
+    Precomputed: its tables go to ``cache_dir``, computed ``batch_size`` pairs at a time, keyed by
+    the weights and ``settings`` (:func:`reference_key`); ``read_checkpoint(path, keys)``: a
+    checkpoint's entries without its weights (the builder passes
+    :func:`rolemrc.checkpointing.state.read_checkpoint_entries`), for a precomputed reference
+    resumed under FSDP2, whose checkpoint is restored after fit start."""
     if mode == "copy":
         return CopyReference(model)
     if mode == "adapter":
         return AdapterReference(model)
     if mode == "precomputed":
-        cache_dir = cfg.objective.reference_cache_dir or str(Path(cfg.run_dir) / "ref_cache")
-        return PrecomputedReference(model, reference_key(model, cfg), cache_dir, cfg.data.batch_size, read_checkpoint)
+        if cache_dir is None:
+            raise ValueError("objective.reference=precomputed needs a cache folder")
+        return PrecomputedReference(model, reference_key(model, settings), cache_dir, batch_size, read_checkpoint)
     raise ValueError(f"objective.reference must be one of {REFERENCE_MODES}, got {mode!r}")

@@ -6,13 +6,18 @@ first in its defaults so every group file is merged into (and checked against) t
 
 from __future__ import annotations
 
+import copy as _copy
+import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, OmegaConf, open_dict
 
+from rolemrc import asset
 from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
+from rolemrc.errors import ConfigError
 from rolemrc.objectives.dpo import LOSS_TYPES
 
 
@@ -99,8 +104,6 @@ class DPOObjectiveConfig(ObjectiveConfig):
     def __post_init__(self) -> None:
         """Checked whenever the node becomes this dataclass (``check_train_config`` does that
         before anything loads), so a bad value is named at once, not at the first training step."""
-        from rolemrc.errors import ConfigError
-
         one_of("objective.loss_type", self.loss_type, LOSS_TYPES)
         one_of("objective.reference", self.reference, REFERENCE_MODES)
         if not self.beta > 0:
@@ -120,8 +123,6 @@ REFERENCE_MODES = ("copy", "adapter", "precomputed")
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
     if value not in options:
-        from rolemrc.errors import ConfigError
-
         raise ConfigError(f"{key} must be one of {', '.join(options)}, got {value!r}")
 
 
@@ -277,8 +278,6 @@ class TrainConfig:
 
 def _deprecated(message: str) -> None:
     """One warning line per deprecated key given (console and the run's log)."""
-    import logging
-
     logging.getLogger(__name__).warning(message)
 
 
@@ -288,10 +287,6 @@ def upgrade_train_config(cfg: Any) -> Any:
     ``strategy.activation_checkpointing`` -> ``model.gradient_checkpointing``; a removed key
     (``export.safe_serialization``) is refused with a one-line error when it asks for what no
     longer exists, and warned about otherwise. Returns ``cfg``."""
-    from omegaconf import open_dict
-
-    from rolemrc.errors import ConfigError
-
     with open_dict(cfg):
         if cfg.get("runtime") is None:
             cfg.runtime = OmegaConf.structured(RuntimeConfig)
@@ -321,8 +316,6 @@ def lightning_trainer_args(cfg: Any) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments: None values (Lightning's
     defaults) and the deprecated runtime aliases dropped. ``cfg``: the composed config or
     :func:`typed_train_config`'s."""
-    import dataclasses
-
     node = cfg.trainer
     trainer = (OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
                else dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node))
@@ -335,10 +328,6 @@ def typed_train_config(cfg: Any) -> TrainConfig:
     (:class:`SFTObjectiveConfig` / :class:`DPOObjectiveConfig`), interpolations resolved and
     deprecated keys mapped (on a copy: ``cfg`` is left as it is). ``logger`` and ``callbacks``
     stay plain dicts (``_target_`` specs)."""
-    import copy as _copy
-
-    from omegaconf import open_dict
-
     copy = _copy.deepcopy(cfg)
     with open_dict(copy):
         copy.pop("hydra", None)  # compose(return_hydra_config=True) keeps Hydra's own node
@@ -353,8 +342,6 @@ def plain(value: Any) -> Any:
     dataclass as its dict), anything else as it is: for code that works on plain types and for
     library calls (Hydra hands nested config as DictConfig/ListConfig; transformers' config
     classes reject OmegaConf nodes, e.g. ``rope_parameters`` from a saved config.json)."""
-    import dataclasses
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
@@ -386,7 +373,6 @@ def checkpointing_setting(value: Any) -> bool | str:
     """``model.gradient_checkpointing`` checked: True, False or "auto"."""
     if isinstance(value, bool) or value == "auto":
         return value
-    from rolemrc.errors import ConfigError
 
     raise ConfigError(f"model.gradient_checkpointing must be true, false or auto, got {value!r}")
 
@@ -394,8 +380,6 @@ def checkpointing_setting(value: Any) -> bool | str:
 def check_train_config(cfg: Any) -> None:
     """Deprecated keys mapped onto current ones (:func:`upgrade_train_config`), then combinations
     of keys no run can satisfy refused before anything loads (``train.py``'s setup calls it first)."""
-    from rolemrc.errors import ConfigError
-
     upgrade_train_config(cfg)
     checkpointing_setting(cfg.model.gradient_checkpointing)
     if cfg.model.packed_attention not in PACKED_ATTENTION:
@@ -415,10 +399,16 @@ def check_train_config(cfg: Any) -> None:
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
     check_choices(cfg)
-    if cfg.objective.name == "dpo":
-        from rolemrc.data.templates import check_pair_lengths
-
+    if OBJECTIVES[cfg.objective.name].pairs:
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
+
+
+def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:
+    """Preference rows need room for a response after the (left-cut) prompt."""
+    if not 0 < max_prompt_length < max_length:
+        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} "
+                         "(and positive): a pair row is the prompt, cut to max_prompt_length, plus a response "
+                         "cut to fit max_length")
 
 
 # Enum-like keys of the training config and the values they take (checked by check_choices; an
@@ -436,8 +426,6 @@ def check_choices(cfg: Any) -> None:
     """Enum-like keys and cross-key rules of a training config, refused naming the key before any
     data or weights load: the objective's schema checks its own numbers (a DPO run's ``beta``
     would otherwise first be checked at its first training step, after the reference pass)."""
-    from rolemrc.errors import ConfigError
-
     for key, options in TRAIN_CHOICES.items():
         one_of(key, OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else _attr(cfg, key), options)
     if cfg.model.quantization.load_in_4bit and not cfg.model.peft.enabled:
@@ -456,8 +444,6 @@ def _attr(obj: Any, dotted: str) -> Any:
 
 
 def _asset(name: str) -> str:
-    from rolemrc import asset
-
     return asset(name)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolemrc.config import check_pair_lengths
 from rolemrc.data.schemas import Message
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 
@@ -192,11 +193,3 @@ class ChatFormat:
         rejected_ids = self.encode_response(prompt, rejected)
         response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
         return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)
-
-
-def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:
-    """Preference rows need room for a response after the (left-cut) prompt."""
-    if not 0 < max_prompt_length < max_length:
-        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} "
-                         "(and positive): a pair row is the prompt, cut to max_prompt_length, plus a response "
-                         "cut to fit max_length")

@@ -13,17 +13,22 @@ import hydra
 from omegaconf import DictConfig
 
 from rolemrc.config import register
-from rolemrc.entry import entry_point
+from rolemrc.entry import entry_point, one_copy_of_lightning_logs
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    from rolemrc.train import run
+def main(cfg: DictConfig) -> dict | None:
+    from rolemrc.config import check_train_config
 
-    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
-        run(cfg)
+    # bad input: one "error: ..." line, exit 1 (one job of a sweep: recorded, the sweep goes on)
+    with entry_point():
+        check_train_config(cfg)  # before the slow imports: a key no run can satisfy is refused at once
+        from rolemrc.train import run
+
+        one_copy_of_lightning_logs()  # Lightning's log lines printed once (now that it is imported)
+        return run(cfg)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,19 @@ def one_copy_of_lightning_logs() -> None:
 def entry_point() -> Iterator[None]:
     """A :class:`~rolemrc.errors.UserError` ends the process with ``error: <message>`` on stderr
     and exit status 1 (:func:`~rolemrc.errors.exit_on_user_error`); any other exception is a bug
-    and keeps its traceback. Import the run function (and so Lightning) before entering."""
+    and keeps its traceback. In one job of a sweep (``-m``) the job's failure is printed the same
+    way and recorded for the sweep's summary, and the sweep goes on (:mod:`rolemrc.sweep`).
+    Known warnings that ask nothing of the user are filtered (:mod:`rolemrc.warnings`). Import
+    the run function (and so Lightning) before entering."""
+    from rolemrc.sweep import job_outcome, summarised_job_dir
+    from rolemrc.warnings import filter_known_warnings
+
+    filter_known_warnings()
     one_copy_of_lightning_logs()
+    job_dir = summarised_job_dir()
+    if job_dir is not None:
+        with job_outcome(job_dir):
+            yield
+        return
     with exit_on_user_error():
         yield

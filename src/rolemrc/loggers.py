@@ -122,6 +122,10 @@ class WandbLogger(_LightningWandbLogger):
         if id is None and kwargs.get("version") is None:
             id = self._run_id(Path(save_dir))
         super().__init__(*args, save_dir=save_dir, id=id, resume=resume, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            # Lightning passes anonymous=None when not asked for; wandb then warns on every run
+            # that the (deprecated) setting has no effect. Not passing it is the same run.
+            self._wandb_init.pop("anonymous", None)
 
     @staticmethod
     def _run_id(save_dir: Path) -> str:

@@ -8,7 +8,8 @@ the same config (``.hydra/config.yaml``; the keys in :data:`IGNORED` may differ)
 ``hydra.run.dir=<that folder>`` to the command line. No such folder: a new run starts (the same
 command starts and resumes). Ambiguous: several folders with this config, or folders made by
 the same command line whose config has changed since (a config file edited), is an error that
-lists them and the differing keys; name one with ``hydra.run.dir=<folder> ckpt_path=last``.
+lists them and the differing keys; name one with ``hydra.run.dir=<folder> ckpt_path=last``. A new
+run's folder is decided here too (``hydra.run.dir`` added), so the folder printed is the one written.
 
 Left alone: an explicit ``hydra.run.dir``, a folder Hydra would reuse that already holds a
 checkpoint (a requeued SLURM job: ``outputs/<task_name>/<job id>``), multirun and ``--cfg``-style
@@ -157,10 +158,61 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
         return argv
     HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} and ${now:...} in hydra.run.dir
     would_be = Path(str(cfg.hydra.run.dir))
+    from rolemrc.checkpointing import find_checkpoint
+
+    if find_checkpoint(would_be) is not None:  # a requeued SLURM job: Hydra reuses its folder, left as it is
+        print(f"ckpt_path=last: continuing {would_be}", flush=True)
+        return argv
     found = find_run_to_continue(cfg, would_be, args)
     if found is None:
+        # The folder is named here, once: left to @hydra.main, ${now:...} would be read again a
+        # few seconds later and the run would write another folder than the one printed.
         print(f"ckpt_path=last: no run of this config with a checkpoint in <run>/checkpoints under "
               f"{would_be.parent}: starting a new run in {would_be}", flush=True)
-        return argv
+        return [*argv, f'hydra.run.dir="{would_be}"']
+    finished = finished_run_message(cfg, found)
+    if finished is not None:
+        print(finished, flush=True)
+        raise SystemExit(0)  # nothing to do: no checkpoint re-saved, no export redone
     print(f"ckpt_path=last: continuing {found}", flush=True)
     return [*argv, f'hydra.run.dir="{found}"']
+
+
+def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
+    """For ``ckpt_path=last`` on a run whose newest checkpoint already reached this config's end
+    (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
+    training (which would only save the same checkpoint again and redo the export), naming how
+    to extend it. None when there is more to train (or no checkpoint)."""
+    from rolemrc.callbacks.resumable import reopen_epoch_stopped_by_max_steps
+    from rolemrc.checkpointing import find_checkpoint, read_checkpoint_entries
+    from rolemrc.checkpointing.verify import check_checkpoint, reading
+
+    from rolemrc.errors import CheckpointError
+
+    checkpoint = find_checkpoint(run_dir)
+    if checkpoint is None:
+        return None
+    try:
+        with reading(check_checkpoint(checkpoint)):
+            state = read_checkpoint_entries(checkpoint, ("global_step", "loops"))
+    except CheckpointError:
+        return None  # not decided here: the run checks its checkpoint and names what is wrong with it
+    step = int(state.get("global_step", 0))
+    loops = state.get("loops")
+    if loops and loops.get("fit_loop"):
+        reopen_epoch_stopped_by_max_steps(state)  # an epoch max_steps cut short is not complete
+        epochs = int(state["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+    else:
+        epochs = 0
+    max_steps = cfg.trainer.get("max_steps", -1)
+    max_epochs = cfg.trainer.get("max_epochs", None)
+    by_steps = max_steps is not None and max_steps >= 0 and step >= max_steps
+    by_epochs = max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs
+    if not (by_steps or by_epochs):
+        return None
+    reached = (f"trainer.max_steps={max_steps} reached at step {step}" if by_steps
+               else f"trainer.max_epochs={max_epochs} complete epoch(s) at step {step}")
+    how = (f"to train further, raise trainer.max_steps (e.g. trainer.max_steps={step * 2}) with the same overrides "
+           f"and ckpt_path=last" if by_steps else
+           f"to train more epochs: trainer.max_epochs={max_epochs + 1} hydra.run.dir={run_dir} ckpt_path=last")
+    return f"ckpt_path=last: {run_dir} is finished ({reached}; checkpoint {checkpoint}); nothing to do. {how}"

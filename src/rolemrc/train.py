@@ -22,7 +22,7 @@ from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
-from rolemrc.errors import InputNotFound
+from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.memory import check_memory, resolve_checkpointing
@@ -55,6 +55,9 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if not Path(cfg.ckpt_path).exists():
         raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
     check_checkpoint(cfg.ckpt_path)  # truncated or corrupt: named here, not an EOFError from Lightning
+    if Path(cfg.ckpt_path).is_dir() and cfg.strategy.name != "fsdp":
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is a sharded (FSDP) checkpoint: resume it with strategy=fsdp, "
+                          f"or start from its weights with model.path={cfg.ckpt_path}")
     return cfg.ckpt_path
 
 
@@ -91,12 +94,52 @@ def fit(run: TrainRun) -> dict[str, Any]:
                               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if cfg.export.enabled:
         result["export"] = str(export_after_fit(cfg, trainer, run.module))
+    result["summary"] = end_of_run(cfg, trainer, result.get("export"))
     return result
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train as configured: ``fit(setup(cfg))``."""
+    """Train as configured: ``fit(setup(cfg))``; ``ckpt_path=last`` on a finished run says so
+    (and how to extend it) and does nothing."""
+    from rolemrc.resume import finished_run_message
+
+    if cfg.ckpt_path == "last":
+        finished = finished_run_message(cfg, cfg.run_dir)
+        if finished is not None:
+            print(finished, flush=True)
+            return {"run_dir": str(cfg.run_dir), "finished": True}
     return fit(setup(cfg))
+
+
+SUMMARY_FILE = "run_summary.json"
+
+
+def end_of_run(cfg: DictConfig, trainer: L.Trainer, export: str | None) -> dict[str, Any]:
+    """The run's figures (:class:`rolemrc.callbacks.run_summary.RunSummary`), printed and written
+    to ``<run>/run_summary.json`` (a sweep's summary reads them there)."""
+    from rolemrc.callbacks.run_summary import RunSummary
+    from rolemrc.fileio import atomic_write_json
+
+    figures = next((c.figures for c in trainer.callbacks if isinstance(c, RunSummary)), {})
+    summary = {**figures, "run_dir": str(cfg.run_dir), "export": export}
+    if trainer.is_global_zero:
+        atomic_write_json(Path(cfg.run_dir) / SUMMARY_FILE, summary)
+        print(summary_text(summary), flush=True)
+    return summary
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    def number(key: str, fmt: str) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else format(value, fmt)
+
+    val = number("val_loss", ".4f") if summary.get("val_loss") is not None else "n/a (no validation data)"
+    return "\n".join([
+        f"run summary: {summary.get('steps', 0)} steps, {number('epochs', '.2f')} epochs, "
+        f"train/loss {number('train_loss', '.4f')}, val/loss {val}, {number('tokens_per_s', ',.0f')} tokens/s",
+        f"  run folder: {summary['run_dir']}",
+        f"  export: {summary['export'] or 'none (export.enabled=false)'}",
+    ])
 
 
 def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -128,3 +129,68 @@ def test_entry_scripts_name_a_truncated_checkpoint(run_dir: Path, tmp_path: Path
 
     with pytest.raises(CheckpointError, match="truncated or not a PyTorch checkpoint"):  # what export.py reads
         read_model_state(ckpt)
+
+
+def overwrite_middle(path: Path, start: int | None = None, end: int | None = None, size: int = 1 << 20) -> None:
+    """``size`` random bytes written over the middle of ``path`` (or of its bytes ``start:end``);
+    the file keeps its length, so only reading the tensors can notice."""
+    data = bytearray(path.read_bytes())
+    start, end = start or 0, end or len(data)
+    size = min(size, end - start)
+    first = (start + end) // 2 - size // 2
+    data[first:first + size] = random.Random(0).randbytes(size)
+    path.write_bytes(bytes(data))
+
+
+def only_error_line(done: subprocess.CompletedProcess) -> str:
+    last = one_error_line(done)
+    assert sum(line.startswith("error:") for line in (done.stdout + done.stderr).splitlines()) == 1, done.stderr
+    return last
+
+
+def test_entry_scripts_name_a_checkpoint_overwritten_in_the_middle(run_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "run"  # the run's last.ckpt, of its right size, with 1 MB overwritten in the middle
+    shutil.copytree(run_dir, broken, ignore=shutil.ignore_patterns("exports"))
+    ckpt = broken / "checkpoints" / "last.ckpt"
+    size = ckpt.stat().st_size
+    overwrite_middle(ckpt)
+    assert ckpt.stat().st_size == size and check_checkpoint(ckpt) == ckpt  # the cheap check cannot see it
+    want = f"error: {ckpt}: corrupt, cannot be read ("
+
+    resumed = python("train.py", *TINY, "trainer.max_steps=3", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert only_error_line(resumed).startswith(want)
+    evaluated = python("evaluate.py", f"model.path={ckpt}", "limit=1", "generation.max_new_tokens=2",
+                       "metrics.names=[bleu]", f"out_dir={tmp_path / 'e'}")
+    assert only_error_line(evaluated).startswith(want)
+    exported = python("export.py", str(ckpt), "--out", str(tmp_path / "x"))
+    assert only_error_line(exported).startswith(want)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_damaged_shard_of_a_sharded_checkpoint_is_one_error_line(tmp_path: Path) -> None:
+    """FSDP2 on one CPU process writes the DCP folder a multi-GPU run writes (one shard here)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fsdp = [*TINY, "strategy=fsdp", "strategy.param_dtype=null", "trainer.devices=1"]
+    run = tmp_path / "run"
+    done = python("train.py", *fsdp, "trainer.max_steps=1", f"hydra.run.dir={run}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    (shard,) = ckpt.glob("*.distcp")
+    # The shard holds the model's weights (all that export.py and model.path= read) and the
+    # optimizer states: the damage goes into the middle of the bytes the weights take.
+    storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    spans = [(s.offset, s.offset + s.length) for k, s in storage.items() if k.fqn.startswith("state_dict.model.")]
+    overwrite_middle(shard, min(a for a, _ in spans), max(b for _, b in spans))
+    assert check_checkpoint(ckpt) == ckpt
+    want = f"error: {ckpt}: corrupt, cannot be read ("
+
+    resumed = python("train.py", *fsdp, "trainer.max_steps=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert only_error_line(resumed).startswith(want)
+    exported = python("export.py", str(ckpt), "--out", str(tmp_path / "x"))
+    assert only_error_line(exported).startswith(want)
+    with pytest.raises(CheckpointError, match="corrupt, cannot be read"):  # what model.path=<checkpoint> reads
+        read_model_state(ckpt)
+    # Resuming it without strategy=fsdp names the mismatch rather than calling the folder corrupt.
+    single = python("train.py", *TINY, "trainer.max_steps=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 's'}")
+    assert "is a sharded (FSDP) checkpoint: resume it with strategy=fsdp" in only_error_line(single)

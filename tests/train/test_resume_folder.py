@@ -8,6 +8,7 @@ requeued SLURM job keeps its job-id folder."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,7 @@ def test_ckpt_path_last_continues_a_killed_run_in_its_folder_with_all_its_rows(t
     runs = sorted((tmp_path / "outputs" / "resumetest").iterdir())
     assert len(runs) == 1
     run = runs[0]
+    assert f"starting a new run in outputs/resumetest/{run.name}\n" in out  # the folder printed is the one written
     # Every step's row up to the kill is on disk (Lightning's CSV logger wrote every 100 steps).
     assert [r["step"] for r in metric_rows(run) if "train/loss" in r] == list(range(7))
     run_id = (run / "wandb_run_id").read_text().strip()
@@ -92,6 +94,15 @@ def test_raising_max_steps_extends_a_finished_run_within_its_epoch(tmp_path: Pat
     assert [r["train/tokens"] for r in got] == [r["train/tokens"] for r in want]  # the same batches, in order
     assert [r["train/lr"] for r in got[2:]] == pytest.approx([r["train/lr"] for r in want[2:]], rel=1e-6)
     assert got[1]["train/lr"] != pytest.approx(want[1]["train/lr"])  # steps 0-1 ran the 2-step schedule
+
+    # Finished now: the same command again says so and how to extend it, and touches nothing
+    # (no checkpoint saved again, no row, no Hydra file rewritten).
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    rc, out, err = finish(train(tmp_path, *args, "trainer.max_steps=4"))
+    assert rc == 0, err[-3000:]
+    assert f"ckpt_path=last: outputs/extend/{run.name} is finished (trainer.max_steps=4 reached at step 4" in out, out
+    assert "raise trainer.max_steps (e.g. trainer.max_steps=8)" in out and "Trainer.fit" not in err + out
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_logger_none_trains_with_the_default_callbacks(tmp_path: Path) -> None:
@@ -142,7 +153,10 @@ def test_the_one_matching_run_is_continued_others_are_not(outputs: Path) -> None
     (outputs / "2026-01-04_00-00-00" / ".hydra").mkdir(parents=True)  # crashed before its first checkpoint
     assert choose(*ARGS, "ckpt_path=last", "trainer.max_steps=20") == [
         *ARGS, "ckpt_path=last", "trainer.max_steps=20", f'hydra.run.dir="{outputs}/2026-01-01_00-00-00"']
-    assert choose(*ARGS, "ckpt_path=last", "seed=2") == [*ARGS, "ckpt_path=last", "seed=2"]  # none: a new run
+    # None: a new run, in the folder decided (and printed) here, not in one Hydra would time-stamp again.
+    new = choose(*ARGS, "ckpt_path=last", "seed=2")
+    assert new[:-1] == [*ARGS, "ckpt_path=last", "seed=2"]
+    assert re.fullmatch(rf'hydra\.run\.dir="{outputs}/\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d"', new[-1]), new[-1]
     assert choose(*ARGS) == ARGS  # no ckpt_path=last: untouched
     explicit = [*ARGS, "ckpt_path=last", "hydra.run.dir=elsewhere"]
     assert choose(*explicit) == explicit

@@ -21,15 +21,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The policy weights stored in a Lightning checkpoint: a single ``.ckpt`` file or a
     distributed (DCP) folder, read on one process without a process group. A truncated or
-    corrupt one is a :class:`~rolemrc.errors.CheckpointError` naming it (checked first, cheaply)."""
-    from rolemrc.checkpointing.verify import check_checkpoint
+    corrupt one is a :class:`~rolemrc.errors.CheckpointError` naming it: checked first, cheaply,
+    and again for damage only reading the tensors finds (bytes overwritten inside the file)."""
+    from rolemrc.checkpointing.verify import check_checkpoint, reading
 
     path = check_checkpoint(path)
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
 
-        if not (path / ".metadata").exists():
-            raise ValueError(f"{path}: not a complete distributed checkpoint (no .metadata)")
         reader = dcp.FileSystemReader(str(path))
         meta = reader.read_metadata().state_dict_metadata
         head = "state_dict." + prefix
@@ -39,10 +38,12 @@ def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torc
             if key.startswith(head) and hasattr(m, "size")
         }
         state = {"state_dict": template}
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        with reading(path):
+            dcp.load(state, storage_reader=reader, no_dist=True)
         weights = state["state_dict"]
     else:
-        weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+        with reading(path):
+            weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 

@@ -5,21 +5,52 @@ path and what is wrong, not an ``EOFError`` from deep inside ``torch.load``.
 Cheap means the tensors are not read: a single-file checkpoint's zip directory is checked
 against the file's size and its pickle is unpickled with ``weights_only=True`` over a memory
 map; a sharded (DCP) folder's ``.metadata`` is read and every shard file it points at must
-exist and be long enough. Bytes flipped inside tensor data are not detected.
+exist and be long enough. Damage inside the tensor records (bytes overwritten, the file still of
+its right size) shows only when the tensors are read: :func:`reading` turns what reading raises
+into a :class:`~rolemrc.errors.CheckpointError` naming the file. Bytes flipped inside a tensor's
+own data, headers intact, are not detected.
 """
 
 from __future__ import annotations
 
 import re
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from rolemrc.errors import CheckpointError, InputNotFound
+from rolemrc.errors import CheckpointError, InputNotFound, UserError
 
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _reason(err: BaseException) -> str:
+    """What went wrong reading a checkpoint, in one line: a distributed checkpoint's failure is the
+    first rank's own exception; torch's advice after the first sentence is left out."""
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        err = inner[0] if isinstance(inner, tuple) else inner
+    line = _first_line(err)
+    return line.split(". ")[0].removesuffix(".")
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Around reading a checkpoint's tensors (``torch.load``, ``dcp.load``, Lightning's restore):
+    an error of the file's content (a zip record with a bad header, a shard whose bytes were
+    overwritten) becomes a :class:`~rolemrc.errors.CheckpointError` naming the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (RuntimeError, EOFError, OSError, ValueError, CheckpointException) as err:
+        if isinstance(err, UserError) or (isinstance(err, OSError) and not Path(path).exists()):
+            raise
+        raise CheckpointError(f"{path}: corrupt, cannot be read ({_reason(err)})") from err
 
 
 def _check_sharded(path: Path) -> None:

@@ -168,6 +168,23 @@ def _task_manager(base: type) -> type:
     return Tasks
 
 
+def check_data_offline(b: Any, specs: list[tuple[str, Any, str | None]]) -> None:
+    """Offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), the registry tasks' data sets must
+    already be cached: load them once here, before any model loads, so a missing one ends the run
+    in its :class:`DataUnavailable` line at once (task YAML files were checked by :func:`task_specs`).
+    Online, lm-eval fetches them itself when it runs."""
+    import os
+
+    offline = any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+                  for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    named = [s for _, s, _ in specs if isinstance(s, str)]
+    if not offline or not named:
+        return
+    from lm_eval.tasks import TaskManager
+
+    _task_manager(TaskManager)(include_path=b.include_path or None, include_defaults=True).load(named)
+
+
 def _compare_model(cfg: Any) -> tuple[Any, Any]:
     from rolemrc.build import build_chat
     from rolemrc.eval.generation import load_eval_model
@@ -188,6 +205,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         raise ConfigError(f"benchmarks.batch_size must be 'auto' or a positive integer, got {b.batch_size!r}")
     out = Path(cfg.out_dir) / "general"
     out.mkdir(parents=True, exist_ok=True)
+    check_data_offline(b, specs)  # a data set missing offline is named before the model loads
     model = ctx.model if ctx.model is not None else load_eval_model(cfg, ctx.tokenizer)
     label = model_label(cfg)
     results = {"model": run_model(cfg, b, specs, model, ctx.tokenizer, label, out / "model.json")}

@@ -142,7 +142,12 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     elif cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.2x names it activation_checkpointing_enable (the old name warns); older: the old name
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.peft.enabled:
         from peft import LoraConfig, get_peft_model
 

@@ -487,15 +487,37 @@ def dry_run_table(usage: dict[str, Usage], cfg: SynthConfig) -> Table:
     for col in ("stage", "requests", "cached", "to send", "est. prompt tokens", "est. completion tokens", "est. cost (USD)"):
         t.add_column(col, justify="left" if col == "stage" else "right")
     g = cfg.generator
+    priced = g.price_input_per_m is not None and g.price_output_per_m is not None
     tot = Usage()
+    total_cost = 0.0
     for stage, u in usage.items():
         tot.add(u)
         cost = ""
-        if g.price_input_per_m is not None and g.price_output_per_m is not None:
-            cost = f"{(u.est_prompt_tokens * g.price_input_per_m + u.est_completion_tokens * g.price_output_per_m) / 1e6:.2f}"
+        if priced:
+            usd = (u.est_prompt_tokens * g.price_input_per_m + u.est_completion_tokens * g.price_output_per_m) / 1e6
+            total_cost += usd
+            cost = f"{usd:.2f}"
         t.add_row(stage, str(u.requests), str(u.cached), str(u.requests - u.cached), f"{u.est_prompt_tokens:,}", f"{u.est_completion_tokens:,}", cost)
-    t.add_row("[bold]total[/bold]", str(tot.requests), str(tot.cached), str(tot.requests - tot.cached), f"{tot.est_prompt_tokens:,}", f"{tot.est_completion_tokens:,}", "")
+    t.add_row("[bold]total[/bold]", str(tot.requests), str(tot.cached), str(tot.requests - tot.cached), f"{tot.est_prompt_tokens:,}", f"{tot.est_completion_tokens:,}",
+              f"[bold]{total_cost:.2f}[/bold]" if priced else "n/a (no generator.price_*_per_m)")
     return t
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """A table printed at its natural width: when output is no terminal (``> log``) Rich assumes
+    80 columns and would cut columns and totals short."""
+    from rich.measure import Measurement
+
+    if console.is_terminal:
+        console.print(table)
+        return
+    width = Measurement.get(console, console.options.update(width=10_000), table).maximum
+    before = console.width
+    console.width = max(before, width)  # print(width=...) cannot go past the console's own width
+    try:
+        console.print(table)
+    finally:
+        console.width = before
 
 
 def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
@@ -553,7 +575,7 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
                 line += f" | {u.line(cfg.dry_run)}"
             console.print(escape(f"{line} | {stats['seconds']}s -> {d.path}"))
         if cfg.dry_run:
-            console.print(dry_run_table(ctx.usage, cfg))
+            print_whole(console, dry_run_table(ctx.usage, cfg))
             return {k: dataclasses.asdict(v) for k, v in ctx.usage.items()}
         if "assemble" in results:
             console.print(summary_table(results["assemble"]["counts"], ctx.assets.paper))

@@ -1,0 +1,74 @@
+"""What every training run ends with, added to every trainer by the builder.
+
+A final validation: a run that ``trainer.max_steps`` stops mid-epoch would end without one
+(Lightning validates at epoch ends and every ``val_check_interval``), so its last ``val/*``
+figures would be those of an earlier step, or none. At the step ``max_steps`` stops on, this
+asks Lightning to stop there (``trainer.should_stop``), which makes it run the validation loop
+before leaving (when there is validation data); a step that validates anyway validates once.
+
+The figures of the end-of-run summary (:func:`rolemrc.train.fit` prints them and writes
+``<run>/run_summary.json``): optimizer steps, epochs, the last ``train/loss`` and ``val/loss``,
+and input tokens per second of training (validation time left out, all ranks counted).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from rolemrc.callbacks.throughput import batch_counts
+
+
+class RunSummary(L.Callback):
+    """See the module. ``figures`` holds the summary after training (every rank)."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, Any] = {}
+        self._tokens: torch.Tensor | None = None
+        self._t0: float | None = None
+        self._paused = 0.0
+        self._pause_start: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._tokens, self._t0, self._paused, self._pause_start = None, time.perf_counter(), 0.0, None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        real = batch_counts(batch)[0]
+        self._tokens = real if self._tokens is None else self._tokens + real
+        if 0 < trainer.max_steps <= trainer.global_step:  # the last step: validate before stopping
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pause_start = time.perf_counter()  # validation time is not training time
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pause_start is not None:
+            self._paused += time.perf_counter() - self._pause_start
+            self._pause_start = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - (self._t0 or time.perf_counter()) - self._paused
+        tokens = self._tokens if self._tokens is not None else torch.zeros((), dtype=torch.float64,
+                                                                            device=pl_module.device)
+        if trainer.world_size > 1:  # every rank reaches on_train_end
+            tokens = trainer.strategy.reduce(tokens, reduce_op="sum")
+        per_epoch = trainer.num_training_batches
+        micro = trainer.global_step * trainer.accumulate_grad_batches
+        metrics = trainer.callback_metrics
+
+        def last(key: str) -> float | None:
+            value = metrics.get(key)
+            return float(value) if value is not None else None
+
+        self.figures = {
+            "steps": int(trainer.global_step),
+            "epochs": round(micro / per_epoch, 3) if per_epoch and not math.isinf(per_epoch) else None,
+            "train_loss": last("train/loss"),
+            "val_loss": last("val/loss"),
+            "tokens_per_s": round(float(tokens) / seconds, 1) if seconds > 0 and self._tokens is not None else None,
+        }

@@ -1,0 +1,77 @@
+"""The one place that silences what libraries print on every run but asks nothing of our users.
+
+Each entry names the message and the module it comes from, so a new or different warning from
+the same library still shows. :func:`filter_known_warnings` runs at the start of every entry
+script (:func:`rolemrc.entry.entry_point`); add an entry here, never a blanket ``ignore``.
+(wandb's "anonymous setting has no effect" is not filtered: :class:`rolemrc.loggers.WandbLogger`
+no longer passes the setting that causes it.)
+
+What is filtered, and why it asks nothing of a rolemrc user:
+
+- Lightning's ``isinstance(treespec, LeafSpec)`` FutureWarning: Lightning's own code calling a
+  torch API torch has deprecated; nothing in our configs reaches it.
+- Lightning's "Tip: ... try installing litlogger" line: an advertisement printed by every Trainer.
+- Lightning's "Total length of `list` across ranks is zero": a run without validation data
+  (``data.val_fraction=0``) hands Lightning an empty list on purpose.
+- transformers' ``is_gradient_checkpointing`` FutureWarning: peft (LoRA) calls the old name.
+- torch.distributed.checkpoint's "torch.distributed is disabled ... assuming the intent is to
+  load/save in a single process": rolemrc reads sharded checkpoints on one process on purpose
+  (export, ``model.path=<checkpoint>``).
+- lm-eval's "`pretrained` model kwarg is not of type `str`": rolemrc hands lm-eval the model it
+  already loaded (its advice about accelerate/parallelize does not apply).
+- transformers' "Loading weights" / "Writing model shards" progress bars when progress bars are
+  off (``trainer.enable_progress_bar=false``) or the output is not a terminal (a log file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+# (message regex, category, module regex) for warnings.filterwarnings
+WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
+    (r"Total length of `list` across ranks is zero", UserWarning, r"lightning\.pytorch\.utilities\.data"),
+    (r"`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"),
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (load|save) in a "
+     r"single process", UserWarning, r"torch\.distributed\.checkpoint\.utils"),
+)
+# logger name -> the start of the messages dropped from it
+LOG_LINES: dict[str, tuple[str, ...]] = {
+    "lightning.pytorch.utilities.rank_zero": ("💡 Tip: For seamless cloud logging and experiment tracking, try "
+                                              "installing [litlogger]",),
+    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",),
+}
+
+
+class _DropKnownLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.starts)
+
+
+def filter_known_warnings() -> None:
+    """Install the filters above (idempotent); HF progress bars off when stderr is no terminal."""
+    for message, category, module in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, starts in LOG_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownLines) for f in logger.filters):
+            logger.addFilter(_DropKnownLines(starts))
+    if not sys.stderr.isatty():
+        hf_progress_bars(False)
+
+
+def hf_progress_bars(enabled: bool) -> None:
+    """transformers' loading/saving progress bars ("Loading weights", "Writing model shards")."""
+    if "transformers" not in sys.modules:  # read when transformers is imported (a slow import to make here)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0" if enabled else "1"
+        return
+    from transformers.utils import logging as hf_logging
+
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()

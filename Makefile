@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench bench-gpu gpu-site clean
+.PHONY: setup demo test bench bench-data bench-gpu gpu-site clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
+# Start-up at the real data scale (README, Data): 12k and 48k records, store / no store / TRL, 2-rank DDP.
+bench-data: $(STAMP)
+	$(PY) benchmarks/data_scale.py $(BENCH_DATA_ARGS)
+
 # One CUDA device (README, Performance). Runs with the interpreter given, e.g. on a GPU node
 # without this venv: make bench-gpu GPU_PYTHON=python3. Where that node's image lacks hydra-core
 # and omegaconf and has no package index, `make gpu-site` here first: it copies them (pure
@@ -47,5 +51,6 @@ gpu-site: $(STAMP)
 bench-gpu:
 	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/.gpu-site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py $(GPU_ARGS)
 
+# Run outputs only: never data, nor the data store cache ($ROLEMRC_CACHE_DIR, ~/.cache/rolemrc).
 clean:
 	rm -rf outputs multirun .pytest_cache

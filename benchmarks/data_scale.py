@@ -1,0 +1,304 @@
+"""Start-up at the real data scale: first and second start of a training run on N RoleMRC-shaped
+SFT records (~5 KB each, made deterministically from the shipped sample), for
+
+- ``rolemrc``: ``train.py`` with the encoded-row store (``data.cache=true``, the default): the
+  first start builds the store, the second maps it;
+- ``rolemrc data.cache=false``: encodes into memory at every start (what every start cost before);
+- ``trl``: TRL 1.16's ``SFTTrainer`` on the same file and tokenizer (``datasets.load_dataset`` of
+  the JSONL, conversations as ``messages``, the trainer's own tokenizing ``map`` with
+  ``dataset_num_proc`` = our worker count); the rerun reuses the ``datasets`` cache.
+
+Each start is its own process, timed from launch to the first training step (a callback stamps the
+time when the first batch starts) and to exit (one optimizer step, ``max_length=4096``, batch 8,
+the tiny model); the peak RSS is the largest of the process and its children (encoder workers,
+datasets' map workers), from ``wait4``. With ``--ddp`` a 2-rank DDP start on the built store also
+reports the memory the store's maps take in each rank (every page touched: a whole epoch's reads)
+and the two ranks' sum of its proportional share (PSS) against one rank's RSS.
+
+    make bench-data                                     # 12k and 48k records, all contenders, + DDP
+    .venv/bin/python benchmarks/data_scale.py --sizes 2000 --skip trl   # a quick look
+
+The machine is shared: the wall times move with the load (the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "src" / "rolemrc" / "assets" / "sample" / "sft.jsonl"
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736", "MALLOC_TOP_PAD_": "1073741824"}
+RECORD_BYTES = 5000
+
+
+def make_records(n: int, path: Path, seed: int = 0) -> None:
+    """``n`` RoleMRC-shaped SFT records of ~5 KB: the sample's conversations in turn, their system
+    prompt lengthened with other sample profiles and passages (seeded)."""
+    src = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    texts = [m["content"] for r in src for m in r["conversations"] if m["role"].lower() == "system"]
+    rng = random.Random(seed)
+    with path.open("w") as fh:
+        for i in range(n):
+            record = json.loads(json.dumps(src[i % len(src)]))
+            conv = record["conversations"]
+            extra: list[str] = []
+            while len(json.dumps(record)) + sum(map(len, extra)) < RECORD_BYTES:
+                extra.append(rng.choice(texts))
+            if conv[0]["role"].lower() == "system":
+                conv[0]["content"] += "\n\n" + "\n\n".join(extra)
+            else:
+                conv.insert(0, {"role": "System", "content": "\n\n".join(extra)})
+            fh.write(json.dumps(record) + "\n")
+
+
+# ------------------------------------------------------------------------- inside the train.py process
+
+try:
+    import lightning as L
+
+    class Probe(L.Callback):
+        """Stamps the first training batch's start; with ``touch``, reads every page of the data
+        store first and records what its maps take (RSS, PSS from /proc/self/smaps)."""
+
+        def __init__(self, path: str, touch: bool = False) -> None:
+            self.path, self.touch, self.done = Path(path), touch, False
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if self.done:
+                return
+            self.done = True
+            record: dict[str, Any] = {"first_step": time.time(), "rank": trainer.global_rank}
+            dm = trainer.datamodule
+            store = getattr(dm, "store", None)
+            if self.touch and store is not None:
+                for arr in store.arrays.values():
+                    int(arr.sum()) if arr.size else 0  # every page read, as an epoch would
+                trainer.strategy.barrier("probe")  # every rank has mapped and read it: PSS splits the pages
+                record.update(store_memory(store.folder))
+            record["vm_hwm_kib"] = _status_kib("VmHWM")
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+except ImportError:  # the TRL child and the driver do not need it
+    pass
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def store_memory(folder: Path) -> dict[str, int]:
+    """KiB of RSS and PSS of this process's mappings of files in ``folder``."""
+    rss = pss = 0
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and "-" in parts[0] and ":" in parts[3]:
+            current = parts[5] if len(parts) > 5 else None
+        elif current and current.startswith(str(folder)):
+            if parts[0] == "Rss:":
+                rss += int(parts[1])
+            elif parts[0] == "Pss:":
+                pss += int(parts[1])
+    return {"store_rss_kib": rss, "store_pss_kib": pss}
+
+
+# ------------------------------------------------------------------------------------- the TRL child
+
+
+def trl_child(data: Path, out: Path, num_proc: int) -> None:
+    """TRL 1.16 SFTTrainer's dataset preparation on ``data`` and one step, timestamps to ``out``."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "src" / "rolemrc" / "assets" / "tokenizers" / "tiny-llama3")
+    # conf/model/tiny.yaml's model
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+                                  pad_token_id=tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    ds = load_dataset("json", data_files=str(data), split="train")
+    ds = ds.map(lambda r: {"messages": [{"role": m["role"].lower(), "content": m["content"]} for m in r["conversations"]]},
+                remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None)
+    stamps: dict[str, float] = {}
+
+    class Stamp(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+            stamps.setdefault("first_step", time.time())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SFTConfig(output_dir=tmp, max_length=4096, per_device_train_batch_size=8, max_steps=1, report_to="none",
+                         save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False,
+                         dataset_num_proc=num_proc if num_proc > 1 else None)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer, callbacks=[Stamp()])
+        stamps["prepared"] = time.time()
+        trainer.train()
+    out.write_text(json.dumps(stamps))
+
+
+# ------------------------------------------------------------------------------------------ the driver
+
+
+def _launch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+    """Run ``cmd``; wall seconds, and the peak RSS (MiB) of it and its waited-for children."""
+    start = time.time()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({proc.returncode}); see {log}:\n"
+                           + "\n".join(log.read_text().splitlines()[-15:]))
+    return {"start": start, "wall_s": round(time.time() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+
+
+def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, extra: list[str] = (),
+                touch: bool = False) -> dict[str, Any]:
+    probe = work / f"probe-{tag}"
+    shutil.rmtree(probe, ignore_errors=True)
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]),
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "train.py", f"data.sft=[{{path: {data}}}]", "data.max_length=4096", "trainer.max_steps=1",
+           "export.enabled=false", "callbacks=none", "logger=none", "trainer.enable_progress_bar=false",
+           f"data.cache={str(cache).lower()}", f"data.cache_dir={cache_dir}", f"hydra.run.dir={work / f'run-{tag}'}",
+           "+callbacks.probe._target_=data_scale.Probe", f"+callbacks.probe.path={probe}",
+           f"+callbacks.probe.touch={str(touch).lower()}", *extra]
+    result = _launch(cmd, env, work / f"{tag}.log")
+    ranks = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
+    result["first_step_s"] = round(ranks[0]["first_step"] - result["start"], 1)
+    result["ranks"] = ranks
+    return result
+
+
+def run_trl(data: Path, work: Path, tag: str, hf_cache: Path, num_proc: int) -> dict[str, Any]:
+    out = work / f"trl-{tag}.json"
+    env = {**os.environ, **MALLOC_ENV, "HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    result = _launch([sys.executable, __file__, "--trl-child", str(data), str(out), str(num_proc)], env,
+                     work / f"trl-{tag}.log")
+    stamps = json.loads(out.read_text())
+    result["first_step_s"] = round(stamps["first_step"] - result["start"], 1)
+    return result
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[12000, 48000])
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one, removed)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["nocache", "trl", "ddp"])
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "data_scale.json")
+    p.add_argument("--trl-child", nargs=3, metavar=("DATA", "OUT", "NUM_PROC"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_child:
+        trl_child(Path(args.trl_child[0]), Path(args.trl_child[1]), int(args.trl_child[2]))
+        return
+    sys.path.insert(0, str(ROOT / "src"))
+    from rolemrc.data.store import default_num_proc
+
+    num_proc = default_num_proc()
+    work = args.work or Path(tempfile.mkdtemp(prefix="rolemrc-data-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"num_proc": num_proc, "cpus": os.cpu_count(), "sizes": {}}
+    try:
+        for n in args.sizes:
+            data = work / f"sft-{n}.jsonl"
+            make_records(n, data)
+            mb = data.stat().st_size / 1e6
+            row: dict[str, Any] = {"mb": round(mb, 1)}
+            print(f"\n{n} records ({mb:.0f} MB), load average {load_average()}", flush=True)
+            cache_dir = work / f"store-{n}"
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            for tag in ("first", "second"):
+                row[f"rolemrc_{tag}"] = run_rolemrc(data, work, f"{n}-cache-{tag}", True, cache_dir)
+                print(f"  rolemrc (store) {tag}: {row[f'rolemrc_{tag}']['first_step_s']} s to first step, "
+                      f"{row[f'rolemrc_{tag}']['peak_rss_mib']} MiB peak", flush=True)
+            if "nocache" not in args.skip:
+                row["nocache_first"] = run_rolemrc(data, work, f"{n}-nocache", False, cache_dir)
+                print(f"  rolemrc data.cache=false: {row['nocache_first']['first_step_s']} s to first step, "
+                      f"{row['nocache_first']['peak_rss_mib']} MiB peak", flush=True)
+            if "trl" not in args.skip:
+                hf_cache = work / f"hf-{n}"
+                shutil.rmtree(hf_cache, ignore_errors=True)
+                for tag in ("first", "second"):
+                    row[f"trl_{tag}"] = run_trl(data, work, f"{n}-{tag}", hf_cache, num_proc)
+                    print(f"  trl {tag}: {row[f'trl_{tag}']['first_step_s']} s to first step, "
+                          f"{row[f'trl_{tag}']['peak_rss_mib']} MiB peak", flush=True)
+            if "ddp" not in args.skip and n == args.sizes[0]:
+                one = run_rolemrc(data, work, f"{n}-one-touch", True, cache_dir, touch=True)
+                two = run_rolemrc(data, work, f"{n}-ddp-touch", True, cache_dir, touch=True,
+                                  extra=["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp"])
+                row["ddp"] = {"one_rank_store_rss_mib": round(one["ranks"][0]["store_rss_kib"] / 1024, 1),
+                              "ranks_store_rss_mib": [round(r["store_rss_kib"] / 1024, 1) for r in two["ranks"]],
+                              "ranks_store_pss_mib": [round(r["store_pss_kib"] / 1024, 1) for r in two["ranks"]],
+                              "ranks_peak_rss_mib": [round(r["vm_hwm_kib"] / 1024) for r in two["ranks"]],
+                              "one_rank_peak_rss_mib": round(one["ranks"][0]["vm_hwm_kib"] / 1024)}
+                d = row["ddp"]
+                d["together_over_one"] = round(sum(d["ranks_store_pss_mib"]) / max(d["one_rank_store_rss_mib"], 1e-9), 3)
+                print(f"  ddp 2 ranks: store maps {d['ranks_store_rss_mib']} MiB RSS each, PSS sum "
+                      f"{sum(d['ranks_store_pss_mib']):.1f} MiB vs one rank's {d['one_rank_store_rss_mib']} MiB "
+                      f"({d['together_over_one']}x)", flush=True)
+            row["load_average_after"] = load_average()
+            results["sizes"][str(n)] = row
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwritten to {args.out}")
+
+
+def print_table(results: dict[str, Any]) -> None:
+    sizes = list(results["sizes"])
+    print(f"\nstart to first step (s) / peak RSS (MiB); train.py, max_length 4096, tiny tokenizer, "
+          f"{results['num_proc']} encoder process(es)")
+    head = "| contender | " + " | ".join(f"{n} first | {n} second" for n in sizes) + " |"
+    print(head)
+    print("|" + "---|" * (1 + 2 * len(sizes)))
+    for label, first, second in (("rolemrc (store)", "rolemrc_first", "rolemrc_second"),
+                                 ("rolemrc data.cache=false", "nocache_first", None),
+                                 ("TRL 1.16 SFTTrainer", "trl_first", "trl_second")):
+        cells = []
+        for n in sizes:
+            row = results["sizes"][n]
+            for key in (first, second):
+                if key is None and first in row:
+                    cells.append("same work as first")
+                elif key in row:
+                    cells.append(f"{row[key]['first_step_s']} s / {row[key]['peak_rss_mib']} MiB")
+                else:
+                    cells.append("-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    if len(sizes) >= 2:
+        a, b = results["sizes"][sizes[0]], results["sizes"][sizes[-1]]
+        for key in ("rolemrc_first", "rolemrc_second"):
+            growth = b[key]["peak_rss_mib"] / a[key]["peak_rss_mib"] - 1
+            print(f"peak RSS growth {sizes[0]} -> {sizes[-1]} records, {key}: {growth:+.1%}")
+    for n in sizes:
+        if "ddp" in results["sizes"][n]:
+            d = results["sizes"][n]["ddp"]
+            print(f"2-rank DDP ({n}): store maps, both ranks' PSS together / one rank's RSS = {d['together_over_one']}x; "
+                  f"peak RSS per rank {d['ranks_peak_rss_mib']} MiB (one rank alone {d['one_rank_peak_rss_mib']} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -234,14 +234,70 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
     return cfg
 
 
+def flop_counter() -> Any:
+    """``torch.utils.flop_counter.FlopCounterMode`` counting model FLOPs (matmuls and attention,
+    forward and backward). torch 2.13 has no formula for the CPU flash-attention kernels sdpa takes
+    here (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), so they get torch's own
+    sdpa formulas (full [T x T] scores, causal or not, as for every other attention kernel)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+
+
+class FlopSpan:
+    """FLOPs counted between :meth:`start` and :meth:`stop` (a step, a reference pass)."""
+
+    def __init__(self) -> None:
+        self.counter: Any = None
+
+    def start(self) -> None:
+        self.counter = flop_counter()
+        self.counter.__enter__()
+
+    def stop(self) -> float:
+        if self.counter is None:
+            return 0.0
+        self.counter.__exit__(None, None, None)
+        flops, self.counter = float(self.counter.get_total_flops()), None
+        return flops
+
+
+def matmul_peak_gflops(size: int = 2048, repeats: int = 10) -> float:
+    """This CPU's fp32 matmul rate: the best of ``repeats`` ``[size x size] @ [size x size]``
+    products with torch's default threads (the rate the contenders' matmuls can reach)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
 class _Steps:
     """Step-end timestamps with the tokens and samples of each step; summary after warm-up."""
 
     def __init__(self) -> None:
         self.records: list[tuple[float, float, float, float, float]] = []  # time, tokens, samples, slots, attn pairs
+        self.flops: list[float] = []  # model FLOPs of each step (FlopCounterMode: forward, backward, reference)
 
-    def add(self, tokens: float, samples: float, slots: float, pairs: float = 0.0) -> None:
+    def add(self, tokens: float, samples: float, slots: float, pairs: float = 0.0, flops: float = 0.0) -> None:
         self.records.append((time.perf_counter(), tokens, samples, slots, pairs))
+        self.flops.append(flops)
 
     def summary(self, warmup: int) -> dict[str, Any]:
         if len(self.records) <= warmup:
@@ -256,7 +312,11 @@ class _Steps:
         slots = sum(r[3] for r in measured)
         pairs = sum(r[4] for r in measured)
         times = [b[0] - a[0] for a, b in zip(self.records[warmup - 1 :], measured)]
+        flops = sum(self.flops[warmup:])
         return {
+            "flops": flops,  # model FLOPs of the timed steps
+            "flops_per_step": flops / len(measured),
+            "step_flops": self.flops[warmup:],
             "steps": len(measured),
             "seconds": round(seconds, 3),
             "step_seconds": [round(t, 3) for t in times],
@@ -279,19 +339,27 @@ def lightning_timer() -> Any:
         def __init__(self) -> None:
             self.steps = _Steps()
             self.fit_start = self.train_start = 0.0
+            self.span = FlopSpan()
+            self.precompute_flops = 0.0
 
         def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             self.fit_start = time.perf_counter()
+            self.span.start()  # the module's on_fit_start (a precomputed reference pass) runs after this
 
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            self.precompute_flops = self.span.stop()
             self.train_start = time.perf_counter()  # after the module's on_fit_start (reference precompute)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            self.span.start()
 
         def precompute_seconds(self) -> float:
             return round(self.train_start - self.fit_start, 3)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            flops = self.span.stop()  # forward, backward (reference forward too), optimizer step
             real, _, samples, slots, pairs = batch_counts(batch).tolist()
-            self.steps.add(real, samples, slots, pairs)
+            self.steps.add(real, samples, slots, pairs, flops)
 
     return StepTimer()
 
@@ -314,6 +382,10 @@ def hf_timer(model: Any, pairs: bool) -> Any:
         def __init__(self) -> None:
             self.steps = _Steps()
             self.pending = [0.0, 0.0, 0.0, 0.0]
+            self.span = FlopSpan()
+
+        def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+            self.span.start()
 
         def hook(self, module, args, kwargs) -> None:  # noqa: ANN001
             if not module.training:  # reference forwards (eval mode / no grad) are not counted
@@ -339,7 +411,7 @@ def hf_timer(model: Any, pairs: bool) -> Any:
             self.pending[3] += float((lengths * (lengths + 1) / 2).sum())
 
         def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
-            self.steps.add(*self.pending)
+            self.steps.add(*self.pending, flops=self.span.stop())
             self.pending = [0.0, 0.0, 0.0, 0.0]
 
     timer = HFStepTimer()

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+from common import FlopSpan, Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
 
 set_env()
 
@@ -67,6 +67,7 @@ def run_ours(work: Path, spec: Spec, contender: str) -> dict:
         run(cfg)
     return {"contender": contender, "batch_size": spec.dpo_batch, "overrides": overrides,
             "precompute_s": timer.precompute_seconds() if reference == "precomputed" else 0.0,
+            "precompute_flops": timer.precompute_flops if reference == "precomputed" else 0.0,
             **timer.steps.summary(spec.warmup)}
 
 
@@ -94,15 +95,18 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
     timer = hf_timer(model, pairs=True)
-    precompute = [0.0]
+    precompute = [0.0, 0.0]  # seconds, FLOPs
     original = DPOTrainer._precompute_ref_logps
 
     def timed_precompute(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        span = FlopSpan()
+        span.start()
         start = time.perf_counter()
         try:
             return original(self, *a, **k)
         finally:
             precompute[0] += time.perf_counter() - start
+            precompute[1] += span.stop()
 
     DPOTrainer._precompute_ref_logps = timed_precompute
     overrides = TRL_VARIANTS[contender]
@@ -120,7 +124,8 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
                                  else "precomputed" if args.precompute_ref_log_probs else "adapter/none")
         trainer.train()
     return {"contender": contender, "config": {k: str(v) for k, v in defaults.items()},
-            "precompute_s": round(precompute[0], 3), **timer.steps.summary(spec.warmup)}
+            "precompute_s": round(precompute[0], 3), "precompute_flops": precompute[1],
+            **timer.steps.summary(spec.warmup)}
 
 
 def main() -> None:
@@ -139,6 +144,10 @@ def main() -> None:
     share = result["samples"] / spec.dpo_pairs_used  # the timed pairs' part of the precompute pass
     result["pairs_per_s_steps_only"] = round(steps_only, 4)
     result["pairs_per_s"] = round(result["samples"] / (result["seconds"] + result["precompute_s"] * share), 4)
+    # FLOPs charged like time: the timed steps plus their pairs' share of a precomputed reference pass.
+    charged = result["flops"] + result["precompute_flops"] * share
+    result["flops_per_pair"] = charged / result["samples"]
+    result["flop_per_s"] = charged / (result["seconds"] + result["precompute_s"] * share)
     result["tokens_per_s"] = round(result["tokens_per_s"], 2)
     write_result(args.out or args.work / "results" / f"dpo_{args.contender}.json", result)
 

@@ -48,7 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import MALLOC_ENV, MODEL_LABELS, MODELS, ROOT, Spec, prepare  # noqa: E402
+from common import MALLOC_ENV, MODEL_LABELS, MODELS, ROOT, Spec, matmul_peak_gflops, prepare  # noqa: E402
 
 TARGETS = {"sft_vs_best_trl": 1.3, "dpo_vs_best_trl": 2.5, "peak_rss_vs_best_trl": 1.0, "logprob_memory": 0.3}
 # Interleaved: ours first, then TRL's rows (the reverse in the next round).
@@ -65,6 +65,7 @@ SMOKE = {"hidden": 64, "layers": 1, "intermediate": 128, "heads": 4, "kv_heads":
          "prompt_tokens": (100, 200), "reply_tokens": (10, 20), "sft_max_length": 600, "dpo_max_length": 400,
          "dpo_max_prompt_length": 300}
 RATE = {"sft": ("tokens_per_s", "tokens/s"), "dpo": ("pairs_per_s", "pairs/s")}
+WORK = {"sft": ("flops_per_token", "token"), "dpo": ("flops_per_pair", "pair")}  # counted FLOPs per unit of RATE
 
 
 def run_contender(kind: str, contender: str, work: Path, log_dir: Path, tag: str) -> dict:
@@ -87,7 +88,9 @@ def run_contender(kind: str, contender: str, work: Path, log_dir: Path, tag: str
     result["wall_s"] = round(wall, 1)
     result["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     key, unit = RATE[kind]
-    print(f"  {kind}/{contender}: {result[key]:.4g} {unit}, peak RSS {result['peak_rss_mib']:.0f} MiB "
+    work, per = WORK[kind]
+    print(f"  {kind}/{contender}: {result[key]:.4g} {unit}, {result[work] / 1e9:.4g} GFLOP/{per}, "
+          f"{result['flop_per_s'] / 1e9:.1f} GFLOP/s, peak RSS {result['peak_rss_mib']:.0f} MiB "
           f"(steps {result['step_seconds']} s, wall {wall:.0f} s, load {result['load_avg_1min']})", flush=True)
     return result
 
@@ -146,7 +149,12 @@ def ratios(kind: str, table: dict[str, dict]) -> dict:
     for name, r in table.items():
         if name.startswith("trl") or "error" in r:
             continue
+        work = WORK[kind][0]
         out[name] = {"speed": round(r[key] / best[key], 2),
+                     # < 1: fewer model FLOPs per token/pair than the best TRL row (work avoided)
+                     "flops": round(r[work] / best[work], 3),
+                     # achieved FLOP/s against the best TRL row's (execution efficiency)
+                     "flop_rate": round(r["flop_per_s"] / best["flop_per_s"], 2),
                      "peak_rss": round(r["peak_rss_mib"] / best["peak_rss_mib"], 2),
                      "peak_rss_vs_lowest_trl": round(r["peak_rss_mib"] / trl[lowest_rss]["peak_rss_mib"], 2)}
         if kind == "dpo" and best.get("pairs_per_s_steps_only"):
@@ -157,6 +165,7 @@ def ratios(kind: str, table: dict[str, dict]) -> dict:
 def report(results: dict) -> str:
     lines: list[str] = []
     spec = results["spec"]
+    peak = results["matmul_peak_gflops"]
     for model, part in results["models"].items():
         s = part["spec"]
         smoke = " [--smoke: tiny model, figures mean nothing]" if results.get("smoke") else ""
@@ -170,11 +179,13 @@ def report(results: dict) -> str:
             best = r.get("best_trl")
             if kind == "sft":
                 lines.append(f"SFT ({s['sft_batch']} conversations a step, max_length {s['sft_max_length']}):")
-                lines.append(f"  {'contender':18s} {'tokens/s':>9s} {'conv/s':>7s} {'padding':>7s} {'peak RSS':>9s}  vs best TRL")
+                lines.append(f"  {'contender':18s} {'tokens/s':>9s} {'conv/s':>7s} {'padding':>7s} {'peak RSS':>9s} "
+                             f"{'MFLOP/tok':>9s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per token)")
             else:
                 lines.append(f"DPO ({s['dpo_batch']} pairs a step, max_length {s['dpo_max_length']}; pairs/s charges a "
                              f"precomputed reference pass per pair, 'steps' leaves it out):")
-                lines.append(f"  {'contender':18s} {'pairs/s':>9s} {'steps':>7s} {'tokens/s':>8s} {'peak RSS':>9s}  vs best TRL")
+                lines.append(f"  {'contender':18s} {'pairs/s':>9s} {'steps':>7s} {'tokens/s':>8s} {'peak RSS':>9s} "
+                             f"{'GFLOP/pair':>10s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per pair)")
             for name, row in table.items():
                 if "error" in row:
                     lines.append(f"  {name:18s} FAILED ({row['error']}, log {row.get('log')})")
@@ -182,13 +193,17 @@ def report(results: dict) -> str:
                 mark = "  <- best TRL" if name == best else ""
                 versus = ""
                 if name in r:
-                    versus = f"  {r[name]['speed']:.2f}x speed, {r[name]['peak_rss']:.2f}x memory"
+                    versus = (f"  {r[name]['speed']:.2f}x speed, {r[name]['flops']:.2f}x FLOPs, "
+                              f"{r[name]['peak_rss']:.2f}x memory")
+                rate = f"{row['flop_per_s'] / 1e9:7.1f} {row['flop_per_s'] / 1e9 / peak:7.1%}"
                 if kind == "sft":
                     lines.append(f"  {name:18s} {row['tokens_per_s']:9.1f} {row['samples_per_s']:7.3f} "
-                                 f"{row['padding_fraction']:7.0%} {row['peak_rss_mib']:6.0f} MiB{versus}{mark}")
+                                 f"{row['padding_fraction']:7.0%} {row['peak_rss_mib']:6.0f} MiB "
+                                 f"{row['flops_per_token'] / 1e6:9.1f} {rate}{versus}{mark}")
                 else:
                     lines.append(f"  {name:18s} {row['pairs_per_s']:9.4f} {row['pairs_per_s_steps_only']:7.4f} "
-                                 f"{row['tokens_per_s']:8.1f} {row['peak_rss_mib']:6.0f} MiB{versus}{mark}")
+                                 f"{row['tokens_per_s']:8.1f} {row['peak_rss_mib']:6.0f} MiB "
+                                 f"{row['flops_per_pair'] / 1e9:10.2f} {rate}{versus}{mark}")
     tgt = results["targets"]
     lines.append(f"Targets on the proxy (issue 15): SFT >= {tgt['sft_vs_best_trl']}x and DPO >= {tgt['dpo_vs_best_trl']}x "
                  f"the best TRL row, peak RSS <= {tgt['peak_rss_vs_best_trl']}x its:")
@@ -199,14 +214,17 @@ def report(results: dict) -> str:
             target = tgt[f"{kind}_vs_best_trl"]
             speed = "meets" if r["speed"] >= target else "MISSES"
             mem = "meets" if r["peak_rss"] <= tgt["peak_rss_vs_best_trl"] else "MISSES"
-            lines.append(f"  {kind}/{name}: {r['speed']:.2f}x vs {proxy[kind]['best_trl']} ({speed}), "
-                         f"memory {r['peak_rss']:.2f}x ({mem})")
+            lines.append(f"  {kind}/{name}: {r['speed']:.2f}x vs {proxy[kind]['best_trl']} ({speed}; its FLOPs "
+                         f"{r['flops']:.2f}x, FLOP/s {r['flop_rate']:.2f}x), memory {r['peak_rss']:.2f}x ({mem})")
     mem = results.get("logprob_memory", {})
     if mem and "error" not in mem:
         lines.append(f"Log-prob peak memory, forward + backward (V={mem['vocab']}, H={mem['hidden']}, "
                      f"N={mem['tokens']}; ours / full logits):")
         for case, r in mem["ratios_ours_over_full"].items():
             lines.append(f"  {case:21s} peak {r['peak']:.3f}x, net of output gradients {r['transient']:.3f}x")
+    lines.append(f"FLOPs: torch.utils.flop_counter.FlopCounterMode over every step (forward, backward, a reference "
+                 f"forward; a precomputed reference pass charged per pair like its time). 'of peak': achieved FLOP/s "
+                 f"over this CPU's fp32 matmul rate measured in this run, {peak:.1f} GFLOP/s (2048^3 torch.mm, best of 10).")
     lines.append(f"Shared machine: {spec['cpus']} cores, load average {spec['load']} (1 min) at start. Command: "
                  f"{results['command']}")
     return "\n".join(lines)
@@ -237,7 +255,9 @@ def main() -> None:
             raise SystemExit(f"--models: unknown model {m!r} (expected {', '.join(MODELS)})")
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     started = time.time()
-    results: dict = {"models": {}, "targets": TARGETS, "smoke": args.smoke,
+    peak = matmul_peak_gflops()
+    print(f"fp32 matmul peak of this CPU: {peak:.1f} GFLOP/s", flush=True)
+    results: dict = {"models": {}, "targets": TARGETS, "smoke": args.smoke, "matmul_peak_gflops": round(peak, 2),
                      "spec": {"cpus": os.cpu_count(), "load": round(os.getloadavg()[0], 2)}}
     for model in models:
         spec = Spec.for_model(model, steps=args.steps, warmup=args.warmup, precision=args.precision)

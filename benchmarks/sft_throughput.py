@@ -167,6 +167,8 @@ def main() -> None:
     else:
         result = run_ours(args.work, spec, pad_max=args.contender == "pad_max")
     result["command"] = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
+    result["flops_per_token"] = result["flops"] / result["tokens"]  # per trained (non-padding) token
+    result["flop_per_s"] = result["flops"] / result["seconds"]
     result["tokens_per_s"] = round(result["tokens_per_s"], 2)
     result["samples_per_s"] = round(result["samples_per_s"], 4)
     assert math.isfinite(result["tokens_per_s"])

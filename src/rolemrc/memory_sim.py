@@ -149,23 +149,25 @@ def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
 
 # ---------------------------------------------------------------- the micro-batch
 
-def _rows(cfg: Any, batch_size: int, vocab: int) -> list[Any]:
-    """``batch_size`` encoded rows (SFT) or pairs of the longest shape the config allows."""
-    length = int(cfg.data.max_length)
+def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> list[Any]:
+    """``batch_size`` encoded rows (SFT) or pairs of the longest shape the config allows (or of
+    ``length`` tokens)."""
+    full = int(cfg.data.max_length)
+    length = length or full
     tok = min(5, vocab - 1)
     if cfg.objective.name == "sft":
         return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
-    prompt = int(cfg.data.get("max_prompt_length") or length // 2)
+    prompt = int(cfg.data.get("max_prompt_length") or full // 2) * length // full
     response = max(1, length - prompt)
     return [{"prompt_ids": [tok] * prompt, "chosen_ids": [tok] * response, "rejected_ids": [tok] * response,
              "index": i} for i in range(batch_size)]
 
 
-def _batch(cfg: Any, batch_size: int, vocab: int) -> dict[str, torch.Tensor]:
+def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
     from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, row_totals
 
-    rows = _rows(cfg, batch_size, vocab)
+    rows = _rows(cfg, batch_size, vocab, length)
     share = cfg.objective.name != "sft" and bool(cfg.objective.get("share_prompt", False))
     if cfg.data.get("packing") or share:
         batch = PackedCollator(0, share)(rows)
@@ -379,7 +381,7 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
     module.model.train()
     for m in module.models_to_shard()[1:]:
         m.eval()
-    warm = _batch(cfg, 1, vocab)  # a tiny step first: AdamW's states exist in the tracked step
+    warm = _batch(cfg, 1, vocab, 16)  # a tiny step first: AdamW's states exist in the tracked step
     batch = _batch(cfg, batch_size, vocab)
     counts = {**_mask_counts(warm), **_mask_counts(batch)}
     _configure(module, mesh)

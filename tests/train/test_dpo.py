@@ -109,3 +109,35 @@ def test_share_prompt_must_match_the_datamodule_layout(train_cfg) -> None:
         build_module(cfg, load_model(cfg.model, tok), ChatDataModule(cfg.data, "pairs", ChatFormat(tok)))
     shared = ChatDataModule(cfg.data, "pairs", ChatFormat(tok), share_prompt=True)
     assert build_module(cfg, load_model(cfg.model, tok), shared).packs_with_context()
+
+
+def test_ipo_rewards_mean_what_trls_mean_and_per_token_ones_have_their_own_names(train_cfg) -> None:
+    """TRL logs rewards/* = beta * (policy - reference) of the SUMMED log-probs for every loss type
+    (also IPO, whose loss compares length-averaged ones). The length-averaged rewards are logged
+    as rewards_per_token/* (IPO only), never under TRL's names."""
+    parts = setup(train_cfg(*DPO, "objective.loss_type=ipo", "trainer.max_steps=3", "optim.lr=3e-3"))
+    out = fit(parts)
+    module, beta = parts.module, parts.module.objective.beta
+    module.eval()
+    batch = next(iter(parts.datamodule.train_dataloader()))
+    b = batch["index"].shape[0]
+    with torch.no_grad():
+        terms = module._pair_terms(batch, "train")
+        policy, counts = module.pair_logps(module.model, batch)
+        ref = module.reference_logps(batch, "train")
+    trl_chosen, trl_rejected = beta * (policy[:b] - ref[:b]), beta * (policy[b:] - ref[b:])  # TRL's rewards
+    assert torch.allclose(terms["rewards/chosen"], trl_chosen) and torch.allclose(terms["rewards/rejected"], trl_rejected)
+    assert torch.allclose(terms["rewards/margins"], trl_chosen - trl_rejected)
+    per_chosen = beta * (policy[:b] / counts[:b] - ref[:b] / counts[:b])
+    per_rejected = beta * (policy[b:] / counts[b:] - ref[b:] / counts[b:])
+    assert torch.allclose(terms["rewards_per_token/chosen"], per_chosen, atol=1e-6)
+    assert torch.allclose(terms["rewards_per_token/margins"], per_chosen - per_rejected, atol=1e-6)
+    assert not torch.allclose(terms["rewards/chosen"], terms["rewards_per_token/chosen"])  # a different quantity
+    run_dir = Path(out["run_dir"])
+    assert len(series(run_dir, "train/rewards/chosen")) == 3 and len(series(run_dir, "train/rewards_per_token/chosen")) == 3
+    # Other losses log no per-token rewards, and the same rewards/* (summed log-probs).
+    module.objective.loss_type = "sigmoid"
+    with torch.no_grad():
+        sig = module._pair_terms(batch, "train")
+    assert not any(k.startswith("rewards_per_token/") for k in sig) and "rewards_per_token/chosen" not in module.val_columns
+    assert torch.allclose(sig["rewards/chosen"], terms["rewards/chosen"])

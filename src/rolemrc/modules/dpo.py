@@ -98,10 +98,28 @@ class DPOModule(PolicyModule):
             pol_in, ref_in = policy, ref
         out = dpo_loss(pol_in[:b], pol_in[b:], ref_in[:b], ref_in[b:],
                        beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing)
-        return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
-                "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
-                "rewards/margins": out.chosen_rewards - out.rejected_rewards,
-                "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_tokens": counts[:b]}
+        # rewards/* as TRL logs them whatever the loss: beta * (policy - reference) of the SUMMED
+        # log-probs. IPO's length-normalised rewards (what its loss compares) get names of their own.
+        chosen = o.beta * (policy[:b] - ref[:b]).detach()
+        rejected = o.beta * (policy[b:] - ref[b:]).detach()
+        terms = {"loss": out.losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
+                 "rewards/accuracies": (chosen > rejected).double(), "rewards/margins": chosen - rejected,
+                 "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_tokens": counts[:b]}
+        if o.loss_type == "ipo":
+            terms.update({"rewards_per_token/chosen": out.chosen_rewards,
+                          "rewards_per_token/rejected": out.rejected_rewards,
+                          "rewards_per_token/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
+                          "rewards_per_token/margins": out.chosen_rewards - out.rejected_rewards})
+        return terms
+
+    @property
+    def pair_metrics(self) -> tuple[str, ...]:
+        """The per-pair means logged as train/<name>, val/<name>."""
+        return _PAIR_METRICS + (_PER_TOKEN_METRICS if self.objective.loss_type == "ipo" else ())
+
+    @property
+    def val_columns(self) -> tuple[str, ...]:
+        return ("loss", *self.pair_metrics, "chosen_tokens")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The step's loss (:func:`~rolemrc.objectives.dpo.preference_loss`): the mean pair loss
@@ -111,7 +129,7 @@ class DPOModule(PolicyModule):
         terms = self._pair_terms(batch, "train")
         loss, nll = preference_loss(terms["loss"], terms["logps/chosen"], sft_weight=self.objective.sft_weight,
                                     num_pairs=batch["step_pairs"], num_chosen_tokens=batch["step_chosen_tokens"])
-        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), batch["step_pairs"]) for k in _PAIR_METRICS}
+        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), batch["step_pairs"]) for k in self.pair_metrics}
         if nll is not None:
             shares["train/nll_chosen"] = nll
         shares["train/loss"] = loss
@@ -120,11 +138,11 @@ class DPOModule(PolicyModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         terms = self._pair_terms(batch, "val")
-        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in _VAL_COLUMNS], dim=-1))
+        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in self.val_columns], dim=-1))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        cols = dict(zip(_VAL_COLUMNS, values.unbind(-1)))
-        out = {k: pair_mean(cols[k]) for k in _PAIR_METRICS}
+        cols = dict(zip(self.val_columns, values.unbind(-1)))
+        out = {k: pair_mean(cols[k]) for k in self.pair_metrics}
         out["loss"], nll = preference_loss(cols["loss"], cols["logps/chosen"], sft_weight=self.objective.sft_weight,
                                            num_chosen_tokens=cols["chosen_tokens"].sum())
         if nll is not None:
@@ -135,4 +153,6 @@ class DPOModule(PolicyModule):
 # Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
 _PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                  "logps/chosen", "logps/rejected")
-_VAL_COLUMNS = ("loss", *_PAIR_METRICS, "chosen_tokens")
+# IPO only: beta * (policy - reference) of the length-averaged log-probs its loss compares.
+_PER_TOKEN_METRICS = ("rewards_per_token/chosen", "rewards_per_token/rejected", "rewards_per_token/accuracies",
+                      "rewards_per_token/margins")

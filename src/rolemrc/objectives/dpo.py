@@ -42,7 +42,9 @@ class DPOOutput(NamedTuple):
     """Per-pair results, all ``[B]``.
 
     ``losses``: differentiable per-pair loss (reduce it yourself, usually ``.mean()``).
-    ``chosen_rewards`` / ``rejected_rewards``: ``beta * (pi - ref)``, detached.
+    ``chosen_rewards`` / ``rejected_rewards``: ``beta * (pi - ref)`` of the log-probs given,
+    detached (for IPO the caller gives length-averaged ones: these are then per-token rewards,
+    not TRL's ``rewards/*``, which are always from summed log-probs).
     ``logits``: the margin ``h`` above (before ``beta``), still attached to the graph.
     """
 
@@ -156,7 +158,12 @@ def preference_loss(
 def metrics(
     out: DPOOutput, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor
 ) -> dict[str, Tensor]:
-    """Batch-mean scalars under the ecosystem's names (TRL-compatible W&B panels), detached."""
+    """Batch-mean scalars under the ecosystem's names (TRL-compatible W&B panels), detached.
+
+    TRL's ``rewards/*`` are ``beta * (summed policy - summed reference log-probs)`` for every loss
+    type: give ``out`` from summed log-probs (for IPO, whose loss takes averaged ones, the
+    training module computes the summed rewards itself and logs the averaged ones as
+    ``rewards_per_token/*``)."""
     chosen, rejected = out.chosen_rewards, out.rejected_rewards
     return {
         "rewards/chosen": chosen.mean(),

@@ -145,3 +145,41 @@ def test_identical_prompts_are_asked_once(tmp_path):
     backend = _FlakyBackend(99)
     verdicts = Judge(backend, cache_dir=None).judge(judge_items(spec, ["same"] * 3))
     assert backend.sent == 1 and [v.verdict for v in verdicts] == [1, 1, 1]
+
+
+# ---------------------------------------------------------------- judge=paper (score-only protocol)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1", 1), ("0", 0), (" 1\n", 1), ("Score: 0", 0), ("Score:1", 1), ("Score: 1 ", 1),
+     ("2", None), ("10", None), ("1.", None), ("1 because", None), ("maybe", None), ("", None), (None, None),
+     ("Score: ", None), ("VERDICT: 1", None), ("-1", None)],
+)
+def test_parse_score(text, expected):
+    """The authors' rule, int(answer with "Score:" removed), restricted to the 0/1 scale."""
+    from rolemrc.eval.judge import parse_score
+
+    assert parse_score(text) == expected
+
+
+def test_paper_prompts_one_user_message_per_dimension_with_our_rubric():
+    from rolemrc.eval.judge import PAPER_CRITERIA, paper_messages
+    from rolemrc.tasks import TASKS
+
+    items = judge_items(
+        [{"task": t, "question": [{"role": "System", "content": "You are Ada. Always end with '!'"},
+                                  {"role": "User", "content": "Q?"}, {"role": "Assistant", "content": "A."},
+                                  {"role": "User", "content": "Again?"}], "reference": "REF-TEXT"} for t in TASKS],
+        ["the reply"] * len(TASKS))
+    rubrics = set()
+    for it in items:
+        msgs = paper_messages(it)
+        assert len(msgs) == 1 and msgs[0]["role"] == "user"
+        text = msgs[0]["content"]
+        assert text.endswith("Score:") and "score only (0 or 1)" in text
+        assert 'System Instruction: "You are Ada.' in text and 'LLM Response: "A."' in text
+        assert '"the reply"' in text and "REF-TEXT" not in text  # no reference unless asked
+        assert "REF-TEXT" in paper_messages(it, True)[0]["content"]
+        rubrics.add(next(r for r in PAPER_CRITERIA.values() if r in text))
+    assert rubrics == set(PAPER_CRITERIA.values())  # every (dimension, expectation) used

@@ -4,8 +4,12 @@ One judgement = one (test item, dimension) pair. The judge model reads the whole
 (system, user and earlier assistant turns), the reply being judged, and what the dimension
 expects for this task (``rolemrc.tasks.expectation_of``); it must end its answer with a line
 ``VERDICT: 1`` or ``VERDICT: 0``. Anything else is *unparseable* and is reported as such:
-accuracy is computed over parseable (``ok``) verdicts only and failures are counted, never
-scored as 0 (the public script's silent bias, facts §3).
+accuracy is computed over parseable (``ok``) verdicts, and beside it (``accuracy_unparseable_as_0``)
+with unparseable answers scored 0 as the public script did; failures are counted, never scored.
+
+``judge.protocol=paper`` (``conf/judge/paper.yaml``) is the authors' protocol instead: one user
+message asking for the score only (rolemrc's wording, :func:`paper_messages`), read by
+:func:`parse_score`, one try per judgement (an unparseable answer is final, not cached).
 
 Backends: :class:`OpenAIBackend` (any OpenAI-compatible server through
 :class:`rolemrc.api.ApiClient`: bounded concurrency, retries with backoff on faults, malformed

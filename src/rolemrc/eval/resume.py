@@ -32,6 +32,9 @@ RUNTIME = (
     "out_dir", "run_dir", "logger",
     "generation.batch_size", "generation.device", "generation.cpu_threads", "generation.progress",
     "generation.vllm_kwargs",
+    # generation.backend=openai: how requests are sent, not what is asked (model, base_url, tokens are results)
+    "generation.concurrency", "generation.timeout_s", "generation.max_attempts", "generation.max_requests",
+    "generation.backoff_s", "generation.max_backoff_s", "generation.api_key_env", "generation.cache_dir",
     "judge.concurrency", "judge.timeout_s", "judge.max_attempts", "judge.max_requests", "judge.backoff_s",
     "judge.max_backoff_s", "judge.base_url", "judge.api_key_env", "judge.device",
     "metrics.bertscore.batch_size", "metrics.bertscore.device",

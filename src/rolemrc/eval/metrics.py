@@ -464,7 +464,10 @@ def compute_metrics(
         per["meteor"] = meteor_scores(predictions, references, meteor_tokenizer)
         info["meteor"] = {
             "call": "nltk single_meteor_score(ref_tokens, reply_tokens, alpha=0.9, beta=3, gamma=0.5) "
-                    '(evaluate.load("meteor") defaults, WordNet)',
+                    '(evaluate.load("meteor") defaults, WordNet); tokens: '
+                    + ("nltk word_tokenize (punkt), as evaluate" if meteor_tokenizer == "punkt" else
+                       "nltk word_tokenize with punkt's sentence split replaced by a split after .!? + whitespace "
+                       "(metrics.meteor_tokenizer=regex; punkt's data is not installed offline)"),
             "alpha": 0.9, "beta": 3, "gamma": 0.5,
             "tokenizer": meteor_tokenizer,
             "aggregate": "mean and population std (ddof=0) over samples",

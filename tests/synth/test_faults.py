@@ -71,6 +71,14 @@ def test_readme_dry_run_works_offline_on_a_fresh_clone(tmp_path: Path) -> None:
     assert "dry run: requests a real run would make" in log
     # The shipped quotas: 10200 profiles, 24000 dialogue requests.
     assert "[profiles] personas=10200 profiles=10200" in log and "requests 24000 (cached 0, would send 24000)" in log
+    # Captured (no terminal), the cost table is printed whole: every column, no cell cut, the USD total.
+    table = proc.stdout[proc.stdout.index("dry run: requests a real run would make"):]
+    assert "…" not in table and "est. completion tokens" in table and "est. cost (USD)" in table
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("│")[1:-1]]
+                                          for line in table.splitlines() if line.startswith("│"))}
+    assert set(rows) == {"profiles", "dialogues", "total"}
+    assert rows["total"][1] == str(10200 + 24000)
+    assert abs(float(rows["total"][6]) - float(rows["profiles"][6]) - float(rows["dialogues"][6])) <= 0.011
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # Hydra's run folder only
     assert not list(tmp_path.glob("outputs/**/cache"))
 

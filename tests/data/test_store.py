@@ -222,3 +222,21 @@ def test_two_ddp_ranks_share_one_build(tmp_path: Path) -> None:
     assert out.count("data store: encoded") == 1, out[-4000:]  # one build ...
     assert out.count("data store: reusing") >= 1, out[-4000:]  # ... that the other rank maps
     assert len(list((tmp_path / "store").glob("sft-*/meta.json"))) == 1
+
+
+def test_checkpoints_hold_the_sampler_place_in_stored_rows(tmp_path: Path) -> None:
+    """The datamodule's state (Lightning's DataModule state_dict) says where the sampler stands:
+    the epoch, this rank's micro-batches trained in it, and the layout (the store's rows) they count."""
+    import torch
+
+    cfg = compose_train([*FAST, "trainer.max_steps=3", "export.enabled=false", "data.max_length=96",
+                         "data.val_fraction=0", "trainer.accumulate_grad_batches=2",
+                         f"data.cache_dir={tmp_path / 'store'}"], run_dir=tmp_path / "run")
+    out = run(cfg)
+    ckpt = torch.load(Path(out["run_dir"]) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    place = ckpt["ChatDataModule"]["sampler_place"]
+    assert place["epoch"] == 0 and place["batches"] == 6  # 3 steps of 2 micro-batches
+    (meta_file,) = (tmp_path / "store").glob("sft-*/meta.json")
+    meta = json.loads(meta_file.read_text())
+    assert place["layout"]["rows"] == meta["fingerprints"]["train"]
+    assert place["layout"]["items"] == meta["report"]["train"]["examples"]

@@ -175,6 +175,12 @@ class ChatDataModule(L.LightningDataModule):
         self.store: Store | None = None
         self.report: dict[str, Any] = {}
         self._sampler: ResumableSampler | None = None
+        self._batches: StepBatchSampler | None = None
+        # The train sampler's place (saved in checkpoints by state_dict): this rank's micro-batches
+        # of ``epoch`` handed to training so far, and the place a restored checkpoint holds.
+        self._place = {"epoch": -1, "batches": 0}
+        self._restored: dict[str, Any] | None = None
+        self._state_loaded = False
         self._packs: dict[tuple[str, bool], list[list[dict]]] = {}
 
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
@@ -315,14 +321,60 @@ class ChatDataModule(L.LightningDataModule):
             totals = np.add.reduceat(flat, offsets[:-1], axis=0) if len(flat) else flat
         return torch.from_numpy(np.ascontiguousarray(totals, dtype=np.float64))
 
+    def _layout(self) -> dict[str, Any]:
+        """What a saved sampler place is counted in: items (stored rows or packs), batch size,
+        accumulation, ranks, and the rows themselves (the store's fingerprint; None in memory)."""
+        b = self._batches
+        assert b is not None and self._sampler is not None
+        return {"items": self._sampler.n, "batch_size": b.batch_size, "accumulate": b.accumulate,
+                "world_size": self._sampler.world_size, "shuffle": self._sampler.shuffle, "seed": self._sampler.seed,
+                "rows": getattr(self.train_rows, "fingerprint", None)}
+
     def _batches_done_in_epoch(self) -> int:
         """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
-        epoch). Derived from the restored optimizer-step count, so it needs no loader state:
-        an epoch of n batches (``limit_train_batches`` applied) takes ceil(n / accumulate) steps
-        and checkpoints fall on step boundaries."""
+        epoch): the place the resumed checkpoint saved (:meth:`state_dict`) when it is this
+        epoch's and counted in the same layout; from a checkpoint without one (older runs) or in
+        another layout, derived from the restored optimizer-step count (an epoch of n batches,
+        ``limit_train_batches`` applied, takes ceil(n / accumulate) steps)."""
         t, b = self.trainer, self._batches
-        steps_done = t.global_step - t.current_epoch * b.steps_per_epoch()
-        return max(0, min(b.epoch_batches, steps_done * b.accumulate))
+        epoch = b.sampler.epoch
+        restored, self._restored = self._restored, None
+        if restored is not None and restored["layout"] == self._layout():
+            done = restored["batches"] if restored["epoch"] == epoch else 0
+        elif t.ckpt_path is not None and (restored is not None or not self._state_loaded) and self._place["epoch"] < 0:
+            if restored is not None:
+                log.warning("the checkpoint's data place was counted in another layout (%s, now %s): "
+                            "placing the sampler by the optimizer-step count", restored["layout"], self._layout())
+            steps_done = t.global_step - t.current_epoch * b.steps_per_epoch()
+            done = max(0, min(b.epoch_batches, steps_done * b.accumulate))
+        else:
+            done = 0
+        self._place = {"epoch": epoch, "batches": done}
+        return done
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Counts the training micro-batches as the fit loop takes them (not as the loader
+        prefetches them): the sampler's place for :meth:`state_dict`."""
+        if self.trainer is not None and self.trainer.training:
+            self._place["batches"] += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train sampler's place, saved in every checkpoint (Lightning's DataModule hook): the
+        epoch whose order is being read and how many of this rank's micro-batches of it were
+        trained, whole optimizer steps only (a partial step's gradients are not in a checkpoint),
+        with the layout they count in. Every rank trains the same number of micro-batches."""
+        b = self._batches
+        if b is None or self._sampler is None or self._place["epoch"] < 0:
+            return {}
+        done = self._place["batches"]
+        if done < b.epoch_batches:
+            done -= done % b.accumulate
+        return {"sampler_place": {"epoch": self._place["epoch"], "batches": done, "layout": self._layout()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state_loaded = True
+        self._restored = state.get("sampler_place")
 
     def val_dataloader(self) -> DataLoader | list:
         if not len(self.val_rows):

@@ -97,3 +97,16 @@ def test_a_model_path_that_does_not_exist_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (f"error: model.path={missing}: no such folder "
                                                      "(a hub id is written owner/name)")
+
+
+def test_benchmarks_offline_name_the_missing_data_set_before_any_model_loads(tmp_path: Path) -> None:
+    """benchmarks=general offline with nothing cached: the one error line, and no model built first
+    (build_model logs "model <name>: <n> parameters")."""
+    done = subprocess.run(
+        [sys.executable, "evaluate.py", "benchmarks=general", "limit=1", f"out_dir={tmp_path / 'eval'}"],
+        cwd=ROOT, env={**ENV, "HF_DATASETS_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: benchmarks: task gsm8k: its data set cannot be loaded"), last
+    assert "parameters" not in done.stdout + done.stderr

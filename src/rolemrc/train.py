@@ -73,6 +73,10 @@ def setup(cfg: DictConfig) -> TrainRun:
     L.seed_everything(cfg.seed, workers=True)
     resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
     check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
+    if cfg.trainer.get("enable_progress_bar") is False:  # transformers' loading/saving bars off too
+        from rolemrc.warnings import hf_progress_bars
+
+        hf_progress_bars(False)
 
     chat = build_chat(cfg.model)
     datamodule = build_datamodule(cfg, chat)

@@ -84,3 +84,24 @@ def test_auto_checkpointing_follows_the_estimate() -> None:
     assert choose_checkpointing(unknown)[0] is True
     with pytest.raises(ConfigError, match="must be true, false or auto, got 'maybe'"):
         choose_checkpointing(compose_train(["model.gradient_checkpointing=maybe"]))
+
+
+def test_cli_simulate_json_has_the_documented_keys() -> None:
+    """``--simulate --json`` after the overrides: the last stdout line is one JSON object with the
+    per-rank peak, its categories (the tracker's names), both checkpointing peaks for ``auto``, and
+    whether it fits; the peak is the sum of its categories."""
+    import json
+
+    args = ["strategy=fsdp", "trainer.devices=2", "model.gradient_checkpointing=auto", "--simulate", "--json"]
+    out = subprocess.run([sys.executable, "-m", "rolemrc.memory", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 2 and report["fits"] is True and report["tracker"] == "FSDPMemTracker"
+    assert {"Sharded Param", "Unsharded Param", "Activation", "OptState", "All Gather", "Reduce Scatter"} <= set(report["by_category"])
+    assert abs(sum(report["by_category"].values()) - report["peak_gib"]) < 0.002 * len(report["by_category"])
+    gc = report["gradient_checkpointing"]
+    assert gc["off"] > gc["on"] > 0 and report["checkpointing"] == "off" and report["peak_gib"] == gc["off"]
+    assert report["micro_batch"] == {"rows": 8, "tokens": 8 * 1024}  # data.batch_size x data.max_length
+    assert "simulated per-rank peak" in out.stdout
+    alone = subprocess.run([sys.executable, "-m", "rolemrc.memory", "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert alone.returncode == 1 and alone.stderr.startswith("error: --json goes with --simulate")

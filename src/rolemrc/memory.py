@@ -2,6 +2,12 @@
 
     python -m rolemrc.memory                    # the README table (8B models, 80 GB GPUs)
     python -m rolemrc.memory experiment=rolemrc_llama_sft trainer.devices=8   # one config's estimate
+    python -m rolemrc.memory experiment=rolemrc_llama_sft --simulate [--json]  # its simulated per-rank peak
+
+``--simulate`` runs one optimizer step of the configured run under fake tensors on fake ranks
+(:mod:`rolemrc.memory_sim`) and reports the per-rank peak by category, and whether it fits;
+``model.gradient_checkpointing=auto`` decides from that simulation (:func:`resolve_checkpointing`),
+the formula below being the fallback.
 
 A training run calls :func:`check_memory` in its setup, after the config checks and before any
 weight loads: it logs the estimate, and warns when it exceeds ``runtime.device_memory_gb``.

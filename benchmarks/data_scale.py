@@ -171,7 +171,7 @@ def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, 
                 touch: bool = False) -> dict[str, Any]:
     probe = work / f"probe-{tag}"
     shutil.rmtree(probe, ignore_errors=True)
-    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]),
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT / "src"), str(ROOT)]),
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "train.py", f"data.sft=[{{path: {data}}}]", "data.max_length=4096", "trainer.max_steps=1",
            "export.enabled=false", "callbacks=none", "logger=none", "trainer.enable_progress_bar=false",

@@ -678,6 +678,8 @@ class StoredPacks(Sequence):
 def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, num_proc: int | None) -> Store:
     """The store for ``spec``: reused when a complete one with its key exists (verified against its
     recorded sizes and checksums), else built under the key's lock and renamed into place."""
+    if num_proc is not None and num_proc < 1:
+        raise ValueError(f"data.num_proc must be at least 1 (or null: this rank's CPUs), got {num_proc}")
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     parts = spec.key_parts(chat)

@@ -53,12 +53,19 @@ def test_bleu_equals_libraries():
 def test_rouge_equals_rouge_score():
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=False)
+    # The default is the authors' call: Porter stemming, the reply as rouge_score's target.
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
     ours = M.rouge_scores(PREDS, REFS)
     for i, (p, r) in enumerate(zip(PREDS, REFS)):
-        direct = scorer.score(r, p)
+        direct = scorer.score(p, r)
         for t in M.ROUGE_TYPES:
             assert ours[t][i] == direct[t].fmeasure
+    # HF evaluate's "rouge": no stemming, the reference as target.
+    hf = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=False)
+    plain = M.rouge_scores(PREDS, REFS, use_stemmer=False, target="reference")
+    for i, (p, r) in enumerate(zip(PREDS, REFS)):
+        for t in M.ROUGE_TYPES:
+            assert plain[t][i] == hf.score(r, p)[t].fmeasure
     assert M.rouge_l(PREDS, REFS).per_sample == {"rougeL": ours["rougeL"]}
 
 

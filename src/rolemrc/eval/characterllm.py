@@ -38,9 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rolemrc.api import AnswerCache, Rejected
 from rolemrc.config import plain
+from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.eval.generation import model_label
+from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_config, make_judge
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +87,6 @@ def parse_score(text: str | None) -> int | None:
 
 def check_score(text: str) -> int:
     """``parse_score`` or :class:`rolemrc.api.Rejected` (so the API client retries)."""
-    from rolemrc.api import Rejected
-
     n = parse_score(text)
     if n is None:
         raise Rejected("no_score", "the answer does not end with 'SCORE: <1-7>'")
@@ -176,8 +178,6 @@ def load(data: Any) -> dict[str, Any]:
 
 
 def _system(data: Any, name: str, profile: str, profile_chars: int) -> str:
-    from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
-
     system = RoleSystem(plain(data.roles))
     if name in system.profiles:
         return system(name)
@@ -234,8 +234,6 @@ def score_messages(iv: Interview, dimension: str, profile: str) -> list[dict[str
 
 def check_scorer(cfg: Any) -> None:
     """The judge is configured and usable (checked before generation)."""
-    from rolemrc.eval.judge import check_judge, judge_config
-
     j = judge_config(cfg.judge)
     if j.backend == "none":
         raise ConfigError("data.characterllm is scored by a judge: add judge=openai (judge.model=..., the key in "
@@ -245,10 +243,6 @@ def check_scorer(cfg: Any) -> None:
 
 def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One ``{"status", "score", "raw", "cached", "error"}`` per prompt, and run stats."""
-    from rolemrc.api import AnswerCache
-    from rolemrc.eval.judge import OpenAIBackend, cache_key, make_judge
-    from rolemrc.eval.generation import model_label
-
     judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
                        tokenizer=ctx.tokenizer, model_id=model_label(cfg), device=cfg.generation.device)
     assert judge is not None

@@ -33,8 +33,10 @@ from typing import Any
 
 from omegaconf import open_dict
 
+from rolemrc.build import build_chat
 from rolemrc.config import plain
 from rolemrc.errors import ConfigError, DataUnavailable, InputNotFound
+from rolemrc.eval.generation import load_eval_model, model_label
 from rolemrc.fileio import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -186,9 +188,6 @@ def check_data_offline(b: Any, specs: list[tuple[str, Any, str | None]]) -> None
 
 
 def _compare_model(cfg: Any) -> tuple[Any, Any]:
-    from rolemrc.build import build_chat
-    from rolemrc.eval.generation import load_eval_model
-
     c = copy.deepcopy(cfg)
     with open_dict(c):
         c.model.path = cfg.compare.path
@@ -197,8 +196,6 @@ def _compare_model(cfg: Any) -> tuple[Any, Any]:
 
 
 def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    from rolemrc.eval.generation import load_eval_model, model_label
-
     b = cfg.benchmarks
     specs = task_specs(plain(b.tasks))
     if b.batch_size != "auto" and not (isinstance(b.batch_size, int) and b.batch_size > 0):

@@ -35,8 +35,13 @@ from pathlib import Path
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Sequence
 
+from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary
+from rolemrc.config import plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.errors import ConfigError, InputNotFound, UserError
+from rolemrc.eval.judge import cache_key
+from rolemrc.fileio import atomic_write_text
+from rolemrc.models.loading import count_parameters, load_model
 
 if TYPE_CHECKING:
     from rolemrc.data.schemas import TestItem
@@ -417,8 +422,6 @@ class ChatItem:
 
 
 def _nonempty(text: str) -> str:
-    from rolemrc.api import Rejected
-
     if not text or not text.strip():
         raise Rejected("empty_reply", "the reply is empty")
     return text
@@ -431,8 +434,6 @@ def openai_settings(g: Any) -> dict[str, Any]:
 
 def check_openai(g: Any) -> None:
     """Before anything slow: the model name and the API key's variable."""
-    from rolemrc.api import MissingApiKey, api_key
-
     if not g.model:
         raise ConfigError("generation.backend=openai needs generation.model (the served model name)")
     try:
@@ -453,8 +454,6 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
 
     from tqdm.auto import tqdm
 
-    from rolemrc.api import AnswerCache, ApiClient, Budget, fault_summary
-    from rolemrc.eval.judge import cache_key
 
     check_openai(g)
     store = GenerationStore(Path(out_dir) / "generations.jsonl")
@@ -529,8 +528,6 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
 
 
 def _fault_kinds() -> tuple[str, ...]:
-    from rolemrc.api import FAULT_KINDS
-
     return FAULT_KINDS
 
 
@@ -674,7 +671,6 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
         log.warning("generation.path: %d of %d test items have no reply and are left out (generation.on_missing=skip)",
                     len(missing), len(items))
     gens = [Generation(i, it.task, r.strip(), None, None) for i, it, r in zip(ids, items, got) if r is not None]
-    from rolemrc.fileio import atomic_write_text
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out_dir) / "generations.jsonl", "".join(x.to_json() + "\n" for x in gens))
@@ -753,12 +749,13 @@ def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
     """The model to evaluate, on its device, in eval mode, with the KV cache on."""
     import torch
 
-    from rolemrc.build import build_model
 
     if cfg.generation.cpu_threads:
         torch.set_num_threads(cfg.generation.cpu_threads)
     torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
-    model = build_model(cfg.model, tokenizer)
+    model_cfg = typed(cfg.model)
+    model = load_model(model_cfg, tokenizer)
+    log.info("model %s: %s parameters", model_cfg.name, f"{count_parameters(model)[1]:,}")
     model.config.use_cache = True  # load_model turns it off for training; generation needs it
     return model.to(_device(cfg.generation.device)).eval()
 
@@ -806,7 +803,6 @@ def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], token
             progress=g.progress,
             restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
         )
-    from rolemrc.config import plain
 
     return generate_vllm(
         cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,

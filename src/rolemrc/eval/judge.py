@@ -37,7 +37,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from tqdm.auto import tqdm
 

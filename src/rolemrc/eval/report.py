@@ -186,13 +186,10 @@ def write_report(
     return paths
 
 
-def log_to_loggers(cfg: Any, scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
-    """Scalars to every configured logger; the samples table to those that take tables (W&B)."""
-    if not cfg.logger:
-        return
-    from rolemrc.build import build_loggers
-
-    for lg in build_loggers(cfg):
+def log_to_loggers(loggers: list[Any], scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
+    """Scalars to each of ``loggers`` (:func:`rolemrc.build.build_loggers`); the samples table to
+    those that take tables (W&B)."""
+    for lg in loggers:
         lg.log_metrics(dict(scalars), step=0)
         if hasattr(lg, "log_table"):
             lg.log_table(key="samples", columns=columns, data=rows)

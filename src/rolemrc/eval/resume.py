@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rolemrc.config import EvaluateConfig
 from rolemrc.errors import ConfigError
 from rolemrc.fileio import atomic_write_text
 
@@ -82,7 +83,6 @@ def resume_config(cfg: DictConfig) -> DictConfig:
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from rolemrc.config import EvaluateConfig
 
     hc = HydraConfig.get()
     out_dir = Path(str(cfg.out_dir))

@@ -45,8 +45,10 @@ from typing import Any, Sequence
 
 from rolemrc.config import plain
 from rolemrc.data.readers import iter_source, read_examples
+from rolemrc.data.roles import RoleSystem
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.eval.metrics import rouge_scores, rouge_setting
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,6 @@ def rouge(lang: str, predictions: Sequence[str], references: Sequence[Sequence[s
           use_stemmer: bool = True, target: str = "reply") -> dict[str, list[float]]:
     if lang == "zh":
         return chinese_rouge(predictions, references, zh_mode, target=target)
-    from rolemrc.eval.metrics import rouge_scores
 
     return rouge_scores(predictions, [list(r) for r in references], ROUGE, use_stemmer, target)
 
@@ -227,7 +228,6 @@ def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char"
         if raw_missing.get(split):
             row["raw_missing"] = raw_missing[split]
         splits[split] = row
-    from rolemrc.eval.metrics import rouge_setting
 
     settings = {}
     for lang in dict.fromkeys(langs.values()):
@@ -318,7 +318,6 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         res["raw_absent"] = raw_absent
     if len(items) < n_items:
         res["replies_missing"] = n_items - len(items)
-    from rolemrc.data.roles import RoleSystem
 
     res["rocit"] = RoleSystem(plain(cfg.data.roles)).describe()
     res["items"] = len(items)

@@ -16,19 +16,20 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig
 
+from rolemrc.api import fault_summary
+from rolemrc.build import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
-from rolemrc.eval.judge import JudgeIncomplete
-from rolemrc.eval.report import log_to_loggers, print_console  # noqa: F401 - re-exported
 from rolemrc.eval.generation import (
-    generate,
-    generation_label,
-    item_id,
-    load_eval_model,
-    model_label,
-    prepare_generation,
-    require_vllm,  # noqa: F401 - re-exported
+    check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
+    prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
 )
+from rolemrc.eval.judge import JudgeIncomplete, aggregate, check_judge, judge_config, judge_items, make_judge
+from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_info, rouge_l, rouge_scores
+from rolemrc.eval.report import log_to_loggers, print_console, write_report  # noqa: F401 - print_console re-exported
+from rolemrc.eval.suites import run_suites, wants_suites
+from rolemrc.eval.verifiers import agreement, verify_all
+from rolemrc.models.source import resolve_model_sources
 from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,6 @@ log = logging.getLogger(__name__)
 
 def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Sequence[str], rolebench: bool) -> Any:
     """MetricsResult: ROUGE-L only for RoleBench / ``metrics.rouge_only``, else ``metrics.names``."""
-    from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_info, rouge_l, rouge_scores
-
     m = cfg.metrics
     if rolebench:
         # Best ROUGE-L over the row's reference answers (RoleBench rows carry several).
@@ -74,7 +73,6 @@ def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
     """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
     from dataclasses import replace
 
-    from rolemrc.eval.judge import judge_config, make_judge
 
     j = judge_config(cfg.judge)
     if j.backend == "hf" and j.model is None and model is None and cfg.model.path is not None:
@@ -104,18 +102,9 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
-    from rolemrc.eval.suites import run_suites, wants_suites
-
     if wants_suites(cfg):  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
         return run_suites(cfg)
-    from rolemrc.models.source import resolve_model_sources
-    from rolemrc.build import build_chat
-    from rolemrc.api import fault_summary
-    from rolemrc.eval.judge import aggregate, check_judge, judge_config, judge_items
-    from rolemrc.eval.report import write_report
-    from rolemrc.eval.verifiers import agreement, verify_all
 
-    from rolemrc.eval.generation import check_backend, generate_remote
 
     backend = cfg.generation.backend
     if backend in ("hf", "vllm"):
@@ -222,7 +211,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     table = aggregate(verdicts) if verdicts is not None else None
     columns = ["id", "task", "question", "reply", "reference"]
     rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
-    log_to_loggers(cfg, _scalars(metrics, table), rows, columns)
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], _scalars(metrics, table), rows, columns)
 
     print_console(paths["summary.md"], metrics=metrics, judge=table)
     if verdicts is not None and judge_stats is not None:

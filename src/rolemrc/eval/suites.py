@@ -22,8 +22,19 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, open_dict
 
+from rolemrc.build import build_chat, build_loggers
+from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
-from rolemrc.eval.generation import item_id
+from rolemrc.errors import ConfigError
+from rolemrc.eval import characterllm, general, rolebench
+from rolemrc.eval.characterllm import check_scorer
+from rolemrc.eval.generation import (
+    check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
+    prepare_generation, read_replies,
+)
+from rolemrc.eval.judge import JudgeIncomplete
+from rolemrc.eval.report import log_to_loggers, print_console, write_report
+from rolemrc.models.source import resolve_model_sources
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +63,6 @@ class ModelContext:
     @property
     def chat(self) -> Any:
         if self._chat is None:
-            from rolemrc.build import build_chat
-
             self._chat = build_chat(self.cfg.model)
         return self._chat
 
@@ -64,8 +73,6 @@ class ModelContext:
     @property
     def model(self) -> Any:
         if self._model is None and self.cfg.generation.backend == "hf":
-            from rolemrc.eval.generation import load_eval_model
-
             self._model = load_eval_model(self.cfg, self.tokenizer)
         return self._model
 
@@ -73,8 +80,6 @@ class ModelContext:
         """Greedy replies to ``items`` (their ``question`` messages), resuming from
         ``<out_dir>/<sub_dir>/generations.jsonl``; with ``generation.backend=file`` the file's
         replies, None for an item without one (``generation.on_missing=skip``)."""
-        from rolemrc.eval.generation import generate, generate_remote, prepare_generation, read_replies
-
         sub = copy.deepcopy(self.cfg)
         with open_dict(sub):
             sub.out_dir = str(Path(self.cfg.out_dir) / sub_dir)
@@ -101,15 +106,7 @@ class ModelContext:
 
 def run_suites(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
-    from rolemrc.eval.report import write_report
-    from rolemrc.eval.generation import generation_label, model_label
-    from rolemrc.eval.report import log_to_loggers
-    from rolemrc.config_suites import check_suite_keys
-    from rolemrc.models.source import resolve_model_sources
-
     check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
-    from rolemrc.eval.generation import check_backend
-    from rolemrc.errors import ConfigError
 
     backend = cfg.generation.backend
     if backend in ("hf", "vllm"):
@@ -124,8 +121,6 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
                               "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
     check_backend(cfg)
     if cfg.data.get("characterllm") is not None:
-        from rolemrc.eval.characterllm import check_scorer
-
         check_scorer(cfg)  # the judge's backend, model and key, before anything slow
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,15 +131,11 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     incomplete: list[str] = []
 
     if cfg.data.get("rolebench") is not None:
-        from rolemrc.eval import rolebench
-
         res = rolebench.evaluate(cfg, ctx)
         doc["rolebench"] = res
         sections.append(rolebench.render(res))
         scalars.update(rolebench.scalars(res))
     if cfg.data.get("characterllm") is not None:
-        from rolemrc.eval import characterllm
-
         res = characterllm.evaluate(cfg, ctx)
         doc["characterllm"] = res
         sections.append(characterllm.render(res))
@@ -152,8 +143,6 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
         if res.get("missing"):
             incomplete.append(res["missing"])
     if cfg.get("benchmarks") is not None:
-        from rolemrc.eval import general
-
         res = general.evaluate(cfg, ctx)
         doc["general"] = res
         sections.append(general.render(res))
@@ -174,13 +163,11 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut,
                      "replies_missing": ctx.missing, "generation_requests": ctx.requests}
     paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
-    log_to_loggers(cfg, scalars, [[k, v] for k, v in scalars.items()], ["metric", "value"])
-    from rolemrc.eval.report import print_console
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, [[k, v] for k, v in scalars.items()],
+                   ["metric", "value"])
 
     print_console(paths["summary.md"], sections=sections)
     if incomplete:
-        from rolemrc.eval.judge import JudgeIncomplete
-
         raise JudgeIncomplete("; ".join(incomplete) + f"; the report in {out_dir} holds what was obtained; rerun the "
                               "same command to ask only for the rest")
     return {"out_dir": str(out_dir), "paths": {k: str(p) for k, p in paths.items()}, "results": doc,

@@ -291,3 +291,71 @@ def test_checker_finds_lazy_relative_and_cyclic_imports(tmp_path: Path) -> None:
     lazy = find_cycles(acyclic, "demo", when=("module", "function"))
     assert [[str(e) for e in c] for c in lazy] == [[f"demo.high -> demo.low.a ({Path('src/demo/high.py')}:1)",
                                                     f"demo.low.a -> demo.high ({Path('src/demo/low/a.py')}:6)"]]
+
+
+# ---- package-level layering (imports inside functions counted) -------------------------------
+# The units docs/architecture.md draws: each package (or top-level module) of rolemrc, except the
+# recipe modules, which sit above the parts they build with although they live in a package of
+# building blocks. Top to bottom; a unit imports units of its own layer or below, never above,
+# and the units form no cycle.
+RECIPE_MODULES = ["rolemrc.train", "rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general",
+                  "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory", "rolemrc.memory_sim"]
+LAYERS: list[tuple[str, list[str]]] = [
+    ("recipes", RECIPE_MODULES),
+    ("parts", ["rolemrc.build", "rolemrc.strategies", "rolemrc.resume"]),
+    ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
+    ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
+                         "rolemrc.synth"]),
+    ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
+                                       "rolemrc.config", "rolemrc.config_suites", "rolemrc.tasks", "rolemrc.rng",
+                                       "rolemrc.errors", "rolemrc.loggers", "rolemrc.entry", "rolemrc.sweep",
+                                       "rolemrc.warnings"]),
+]
+
+
+def unit_of(module: str) -> str:
+    """The layering unit of a project module: its recipe module, else its top-level package or module."""
+    for recipe in RECIPE_MODULES:
+        if inside(module, [recipe]):
+            return recipe
+    return ".".join(module.split(".")[:2])
+
+
+def unit_edges(edges: list[Edge] = EDGES) -> list[Edge]:
+    """Imports between different units (module level and inside functions; not TYPE_CHECKING)."""
+    return [Edge(unit_of(e.source), unit_of(e.target), e.file, e.line, e.when, e.implicit) for e in edges
+            if e.when != "typing" and inside(e.target, [PROJECT]) and e.target != PROJECT
+            and unit_of(e.source) != unit_of(e.target)]
+
+
+def layer_of(unit: str) -> int | None:
+    for i, (_, units) in enumerate(LAYERS):
+        if unit in units:
+            return i
+    return None
+
+
+def test_every_unit_has_a_layer_and_a_line_in_the_architecture_doc() -> None:
+    units = {unit_of(m) for m in module_names(SRC, PROJECT) if m != PROJECT}
+    assert not [u for u in sorted(units) if layer_of(u) is None], "add the new module to LAYERS (and the doc)"
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert not [u for u in sorted(units) if u not in doc], "docs/architecture.md must name every top-level module"
+
+
+def test_units_import_only_their_layer_or_below() -> None:
+    up = sorted({e for e in unit_edges() if layer_of(e.target) < layer_of(e.source)}, key=lambda e: (e.file, e.line))
+    assert not up, "imports that climb a layer:\n  " + "\n  ".join(
+        f"{e} [{LAYERS[layer_of(e.source)][0]} -> {LAYERS[layer_of(e.target)][0]}]" for e in up)
+
+
+def test_no_cycle_between_units() -> None:
+    cycles = find_cycles(unit_edges(), when=("module", "function"))
+    assert not cycles, f"{len(cycles)} cycle(s) between packages:\n{show_cycles(cycles)}"
+
+
+def test_the_package_check_sees_a_function_level_cycle() -> None:
+    """Guards the checker: a package cycle closed only by an import inside a function is found."""
+    fake = [Edge("rolemrc.data.a", "rolemrc.config", "x.py", 1, "module"),
+            Edge("rolemrc.config", "rolemrc.data.templates", "y.py", 2, "function")]
+    assert find_cycles(unit_edges(fake), when=("module", "function"))
+    assert not find_cycles(unit_edges(fake), when=("module",))

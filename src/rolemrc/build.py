@@ -24,10 +24,18 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 from torch import nn
 
-from rolemrc.config import OBJECTIVES, Objective
+from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
+from rolemrc.callbacks.run_summary import RunSummary
+from rolemrc.callbacks.slurm_requeue import SlurmRequeue
+from rolemrc.checkpointing.io import AtomicCheckpointIO
+from rolemrc.checkpointing.state import read_checkpoint_entries
+from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, typed
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
+from rolemrc.models.precision import precision_policy
+from rolemrc.modules.reference import make_reference
+from rolemrc.strategies import build_strategy
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +68,6 @@ def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
 def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None = None) -> L.LightningModule:
     """The LightningModule of ``objective.name``; DPO gets its reference built from the initial
     weights here, before any checkpoint is restored into them."""
-    from rolemrc.models.precision import precision_policy
-
     policy = precision_policy(cfg.trainer.precision, cfg.model.dtype)
     trainable, total = count_parameters(model)
     log.info("training %s of %s parameters", f"{trainable:,}", f"{total:,}")
@@ -72,9 +78,6 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
     if entry.reference:
-        from rolemrc.checkpointing.state import read_checkpoint_entries
-        from rolemrc.modules.reference import make_reference
-
         if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
@@ -104,8 +107,6 @@ def import_object(spec: str) -> Any:
 def _typed(node: Any) -> Any:
     """A structured config node as its dataclass (``OmegaConf.to_object``); a node without a
     schema (a user's own objective file) stays as it is."""
-    from rolemrc.config import typed
-
     return typed(node) if OmegaConf.get_type(node) not in (None, dict) else node
 
 
@@ -149,8 +150,6 @@ def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
 
 def trainer_args(cfg: Any) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments."""
-    from rolemrc.config import lightning_trainer_args
-
     return lightning_trainer_args(cfg)
 
 
@@ -163,19 +162,12 @@ def runtime_value(cfg: Any, key: str) -> Any:
 def build_trainer(cfg: Any) -> L.Trainer:
     """Strategy (checked against the model options), loggers, callbacks, atomic checkpoint IO,
     and on SLURM the preemption handling (checkpoint at a step boundary, then requeue)."""
-    from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
-    from rolemrc.callbacks.run_summary import RunSummary
-    from rolemrc.checkpointing.io import AtomicCheckpointIO
-    from rolemrc.strategies import build_strategy
-
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps(), CheckpointAtEnd(),
                  RunSummary()]  # a final validation at max_steps; the end-of-run figures
     if SLURMEnvironment.detect():
-        from rolemrc.callbacks.slurm_requeue import SlurmRequeue
-
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())
     return L.Trainer(

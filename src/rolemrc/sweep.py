@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.errors import UserError
+from rolemrc.fileio import atomic_write_json, atomic_write_text
 
 JOB_FILE = "sweep_job.json"  # in each job's folder: {"status": "completed"|"failed", "error": ...}
 RUN_SUMMARY = "run_summary.json"  # written by training (rolemrc.train.fit)
@@ -51,8 +52,6 @@ def summarised_job_dir() -> Path | None:
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    from rolemrc.fileio import atomic_write_json
-
     atomic_write_json(path, record)
 
 
@@ -139,7 +138,6 @@ class SweepSummary(Callback):
         rows = job_rows(sweep_dir)
         if not rows:
             return
-        from rolemrc.fileio import atomic_write_text
 
         failed = sum(r["status"] != "completed" for r in rows)
         title = f"sweep {sweep_dir}: {len(rows)} jobs, {len(rows) - failed} completed, {failed} failed"

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from rolemrc.checkpointing.verify import check_checkpoint, reading
+
+
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU state dict of a (maybe FSDP2-sharded) model; collective, every rank
@@ -23,8 +26,6 @@ def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torc
     distributed (DCP) folder, read on one process without a process group. A truncated or
     corrupt one is a :class:`~rolemrc.errors.CheckpointError` naming it: checked first, cheaply,
     and again for damage only reading the tensors finds (bytes overwritten inside the file)."""
-    from rolemrc.checkpointing.verify import check_checkpoint, reading
-
     path = check_checkpoint(path)
     if path.is_dir():
         import torch.distributed.checkpoint as dcp

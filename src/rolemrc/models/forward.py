@@ -7,14 +7,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rolemrc.models.packed_attention import packed_hidden, packed_route
+
+
 
 def policy_hidden(model: nn.Module, decoder: nn.Module, batch: dict[str, torch.Tensor],
                   packs_with_context: bool = False, packed_attention: str = "auto") -> torch.Tensor:
     """``[B, T, H]`` last hidden states of ``batch`` (before the lm_head); ``packed_attention``
     (``model.packed_attention``) picks the route for packed rows."""
     if "segments" in batch:
-        from rolemrc.models.packed_attention import packed_hidden, packed_route
-
         return packed_hidden(decoder, batch, packed_route(model, packs_with_context, packed_attention))
     return decoder(
         input_ids=batch["input_ids"],

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from rolemrc.config import plain
+from rolemrc.data.templates import load_template
 from rolemrc.errors import InputNotFound, ModelSourceError
 from rolemrc.models import family
+from rolemrc.models.kernels import apply_kernels, check_kernels
 from rolemrc.models.logprob_head import install_logprob_head
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,6 @@ def check_model_cfg(cfg: Any) -> None:
     check_source(cfg.path, "model.path")
     check_source(cfg.tokenizer, "model.tokenizer")
     if getattr(cfg, "kernels", "none") != "none":
-        from rolemrc.models.kernels import check_kernels
-
         check_kernels(cfg.kernels)
 
 
@@ -62,7 +62,6 @@ def load_tokenizer(cfg: Any) -> Any:
     """Fast tokenizer for ``cfg.tokenizer`` (or ``cfg.path``), chat template overridden if asked."""
     from transformers import AutoTokenizer
 
-    from rolemrc.data.templates import load_template
 
     source = cfg.tokenizer or cfg.path
     if source is None:
@@ -163,7 +162,6 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
         )
     install_logprob_head(model)
     if getattr(cfg, "kernels", "none") != "none":  # optional GPU kernels (rolemrc.models.kernels), imported lazily
-        from rolemrc.models.kernels import apply_kernels
 
         apply_kernels(model, cfg.kernels)
     return model

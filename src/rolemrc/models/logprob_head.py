@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rolemrc.models import family
+from rolemrc.models.kernels import liger_sequence_logprobs
 from rolemrc.objectives.logprobs import SequenceLogProbs, sequence_logprobs
 
 
@@ -52,8 +53,6 @@ class LogprobHead(nn.Module):
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
         if self.kernel == "liger":
-            from rolemrc.models.kernels import liger_sequence_logprobs
-
             return liger_sequence_logprobs(hidden, self.weight, labels, sequence_ids, bias=self.bias,
                                            num_sequences=num_sequences)
         return sequence_logprobs(hidden, self.weight, labels, sequence_ids, self.chunk_size, bias=self.bias,

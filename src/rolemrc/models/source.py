@@ -19,9 +19,11 @@ from typing import Any
 
 from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
 from rolemrc.checkpointing.verify import check_checkpoint
-from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
+from rolemrc.config import register
 from rolemrc.errors import InputNotFound
 from rolemrc.fileio import atomic_write_json
+from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
+from rolemrc.models.export import export_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,6 @@ def hf_model_path(path: str | None) -> str | None:
     from filelock import FileLock
     from omegaconf import OmegaConf
 
-    from rolemrc.config import register
-    from rolemrc.models.export import export_checkpoint
 
     run_dir = checkpoint_run_dir(source)
     out = run_dir / "exports" / source.name.removesuffix(".ckpt")

@@ -21,6 +21,7 @@ from torch import nn
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head
 from rolemrc.models.precision import PrecisionPolicy, cast_trainable
+from rolemrc.models.sharding import shard_model
 from rolemrc.objectives.logprobs import SequenceLogProbs, shift_labels
 from rolemrc.rng import rng_state, set_rng_state
 
@@ -218,8 +219,6 @@ class PolicyModule(L.LightningModule):
         if self.device_mesh is None:
             cast_trainable(self.model, self.policy.master)
         else:
-            from rolemrc.models.sharding import shard_model
-
             for m in self.models_to_shard():
                 shard_model(m, self.device_mesh, self.sharding, self.policy.master)
         self._sharded = True

@@ -32,23 +32,18 @@ from rich.table import Table
 
 from rolemrc.synth import dialogues as dlg
 from rolemrc.synth import profiles as prof
-from rolemrc.synth.assets import Assets
 from rolemrc.api import api_key
 from rolemrc.data.schemas import DataError
 from rolemrc.errors import UserError
-from rolemrc.synth.client import (
-    BudgetExceeded,
-    Cache,
-    ChatRequest,
-    ChatResult,
-    Generator,
-    RemoteEmbedder,
-    Usage,
-    make_budget,
-)
 from rolemrc.synth import roleplay
+from rolemrc.synth.assets import Assets
+from rolemrc.synth.client import (
+    BudgetExceeded, Cache, ChatRequest, ChatResult, Generator, RemoteEmbedder, Usage, make_budget,
+)
 from rolemrc.synth.config import ROLEMRC_STAGES, STAGES, SynthConfig
+from rolemrc.synth.embed import LocalEmbedder
 from rolemrc.synth.records import check_pair, check_sft, check_test
+from rolemrc.synth.search import extreme_inner_product
 from rolemrc.synth.sources import load_mix, load_mrc, load_personas, standin_mrc, standin_personas
 from rolemrc.synth.store import StageDir, fingerprint, read_jsonl, write_jsonl
 from rolemrc.tasks import TEST_TASKS
@@ -231,14 +226,11 @@ def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.nda
         return asyncio.run(go())
     # In-process embedding costs no requests; a dry run computes it too so that matches (and
     # hence which dialogue requests are already cached) are the real ones.
-    from rolemrc.synth.embed import LocalEmbedder
 
     return LocalEmbedder.get(e).embed(texts, is_query, advance)
 
 
 def run_match(ctx: Context) -> dict[str, Any]:
-    from rolemrc.synth.search import extreme_inner_product
-
     cfg = ctx.cfg
     profiles = list(read_jsonl(ctx.stage("profiles").file("profiles.jsonl")))
     try:

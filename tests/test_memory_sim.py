@@ -68,7 +68,9 @@ def test_simulated_peak_matches_the_real_two_rank_step(tmp_path: Path) -> None:
     sim = simulate_in_subprocess(cfg, checkpointing=checkpointing)
     assert real["kind"] == "gloo" and sim.kind == "fake" and sim.ranks == real["ranks"] == 2
     assert sim.tracker == real["tracker"] == "FSDPMemTracker"
-    assert abs(sim.peak_bytes - real["peak_bytes"]) <= 0.05 * real["peak_bytes"], (sim.peak_bytes, real["peak_bytes"])
+    ratio = sim.peak_bytes / real["peak_bytes"]
+    print(f"simulated / real per-rank peak: {ratio:.4f} ({sim.peak_bytes} / {real['peak_bytes']} bytes)")
+    assert abs(ratio - 1) <= 0.05, (sim.peak_bytes, real["peak_bytes"])
     assert sim.by_category["Activation"] > 0 and real["by_category"]["Activation"] > 0
 
     # Parameters, gradients and AdamW states by count: fp32 shards (masters), their gradients, and

@@ -292,6 +292,9 @@ def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, An
     run_cfg = copy.deepcopy(cfg)
     with open_dict(run_cfg):
         run_cfg.model = model_cfg
+        # build_module names a precomputed reference's cache folder after it; nothing is written
+        # (the simulation holds no precomputed reference) and no run folder exists.
+        run_cfg.run_dir = tempfile.gettempdir()
         if cfg.objective.name != "sft" and cfg.objective.reference == "precomputed":
             run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
     module = build_module(run_cfg, model)

@@ -12,6 +12,8 @@ from typing import Any
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from rolemrc.checkpointing.find import next_hpc_checkpoint
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,8 @@ class SlurmRequeue(L.Callback):
             # rolemrc.data.sampler.StepBatchSampler tags the micro-batch that closes each step)
         if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        # rank 0 names it (a rank that looked after rank 0 had written would pick the next number)
+        path = trainer.strategy.broadcast(str(next_hpc_checkpoint(trainer.default_root_dir)), src=0)
         trainer.save_checkpoint(path)
         requeued = False
         if trainer.is_global_zero:

@@ -3,6 +3,7 @@ crash mid-swap), what is a training checkpoint, and the run folder it belongs to
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rolemrc.errors import InputNotFound
@@ -34,3 +35,11 @@ def checkpoint_run_dir(checkpoint: str | Path) -> Path:
             return folder
     raise InputNotFound(f"{checkpoint}: no .hydra/config.yaml in {checkpoint.parent} or its parent; the run's "
                             "config rebuilds the model (export.py --run-dir <run folder> names it)")
+
+
+def next_hpc_checkpoint(run_dir: str | Path) -> Path:
+    """Where a SLURM preemption checkpoint goes: ``<run_dir>/hpc_ckpt_<n+1>.ckpt`` after the highest
+    ``n`` there (1 in an empty folder), the name Lightning resumes a requeued job from."""
+    numbers = [int(m.group(1)) for p in Path(run_dir).glob("hpc_ckpt_*.ckpt")
+               if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name))]
+    return Path(run_dir) / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt"

@@ -11,7 +11,7 @@ from rolemrc.checkpointing.find import next_hpc_checkpoint
 
 def test_next_name_is_lightnings(tmp_path: Path) -> None:
     for existing in ([], [1], [1, 3], [2, 10]):
-        run = tmp_path / f"run{len(existing)}"
+        run = tmp_path / ("run" + "_".join(map(str, existing)))
         run.mkdir()
         for n in existing:
             (run / f"hpc_ckpt_{n}.ckpt").write_bytes(b"x")

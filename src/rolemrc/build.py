@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def build_chat(model_cfg: Any) -> ChatFormat:
     """The model's tokenizer wrapped in the chat format that turns messages into ids + labels."""
-    model_cfg = _typed(model_cfg)  # ModelConfig
+    model_cfg = typed(model_cfg)  # ModelConfig
     return ChatFormat(load_tokenizer(model_cfg), eot=model_cfg.eot_token)
 
 
@@ -51,14 +51,14 @@ def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     prompt or not, is an objective setting)."""
     kind = "pairs" if objective_entry(cfg).pairs else "sft"
     share_prompt = kind == "pairs" and bool(cfg.objective.get("share_prompt", False))
-    data = _typed(cfg.data)  # DataConfig
+    data = typed(cfg.data)  # DataConfig
     return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
 
 
 def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
     """The HF model ``model_cfg`` (a ``ModelConfig``, typed here) describes: weights or random
     init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels."""
-    model_cfg = _typed(model_cfg)
+    model_cfg = typed(model_cfg)
     model = load_model(model_cfg, tokenizer)
     _, total = count_parameters(model)
     log.info("model %s: %s parameters", model_cfg.name, f"{total:,}")  # trainable: build_module (training only)
@@ -72,8 +72,8 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     trainable, total = count_parameters(model)
     log.info("training %s of %s parameters", f"{trainable:,}", f"{total:,}")
     # Typed settings (the schema dataclasses), not config nodes: modules never see the whole config.
-    objective, optim = _typed(cfg.objective), _typed(cfg.optim)
-    sharding = _typed(cfg.strategy) if cfg.strategy.name == "fsdp" else None
+    objective, optim = typed(cfg.objective), typed(cfg.optim)
+    sharding = typed(cfg.strategy) if cfg.strategy.name == "fsdp" else None
     entry = objective_entry(cfg)
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
@@ -102,12 +102,6 @@ def import_object(spec: str) -> Any:
     """``"package.module:Name"`` -> the object (the registry names modules, imported when built)."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def _typed(node: Any) -> Any:
-    """A structured config node as its dataclass (``OmegaConf.to_object``); a node without a
-    schema (a user's own objective file) stays as it is."""
-    return typed(node) if OmegaConf.get_type(node) not in (None, dict) else node
 
 
 def build_loggers(cfg: Any) -> list[Any]:

@@ -361,9 +361,13 @@ def as_schema(value: Any, schema: type, **defaults: Any) -> Any:
 
 
 def typed(node: Any) -> Any:
-    """A structured config node (``cfg.objective``, ``cfg.optim``, ...) as its dataclass; other
-    values as they are. For code that wants typed settings without the whole config."""
-    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+    """A structured config node (``cfg.objective``, ``cfg.optim``, ...) as its dataclass, checked
+    by its ``__post_init__``; a node without a schema (a user's own objective file) and other
+    values as they are. The one way from a node to its dataclass (``as_schema`` checks a plain
+    mapping against a schema it is given; ``typed_train_config`` does the whole training config)."""
+    if OmegaConf.is_config(node) and OmegaConf.get_type(node) not in (None, dict, list):
+        return OmegaConf.to_object(node)
+    return node
 
 
 PACKED_ATTENTION = ("auto", "segments", "flash_varlen", "mask")  # rolemrc.models.packed_attention routes

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -105,8 +106,8 @@ def store_memory(folder: Path) -> dict[str, int]:
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         parts = line.split()
-        if len(parts) >= 6 and "-" in parts[0] and ":" in parts[3]:
-            current = parts[5] if len(parts) > 5 else None
+        if re.match(r"[0-9a-f]+-[0-9a-f]+$", parts[0]):  # a mapping's header: range perms offset dev inode [path]
+            current = parts[5] if len(parts) > 5 else None  # anonymous mappings have no path
         elif current and current.startswith(str(folder)):
             if parts[0] == "Rss:":
                 rss += int(parts[1])

@@ -30,18 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolemrc import ASSETS
+from rolemrc.models.family import memory_shape
+
 log = logging.getLogger(__name__)
 GB = 1024**3
 
-# Architecture facts of the two target models (their config.json), for offline estimates.
-KNOWN = {
-    "meta-llama/Llama-3.1-8B": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                    tie_word_embeddings=False),
-    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
-                            num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                            tie_word_embeddings=False),
-}
+
+def _shipped(name: str) -> dict[str, Any]:
+    """The shape of a shipped architecture (``rolemrc/assets/architectures/<name>/config.json``)."""
+    return memory_shape(json.loads((ASSETS / "architectures" / name / "config.json").read_text()))
+
+
+# The two target models' shapes (their published config.json, shipped), for offline estimates.
+KNOWN = {"meta-llama/Llama-3.1-8B": _shipped("llama-3.1-8b"), "Qwen/Qwen2.5-7B": _shipped("qwen2.5-7b")}
 
 
 @dataclass
@@ -76,9 +78,10 @@ def arch_of(model_cfg: Any) -> Arch | None:
         spec = json.loads((Path(model_cfg.path) / "config.json").read_text())
     if not spec:
         return None
-    return Arch(spec["hidden_size"], spec["num_hidden_layers"], spec.get("intermediate_size", 4 * spec["hidden_size"]),
-                spec["num_attention_heads"], spec.get("num_key_value_heads", spec["num_attention_heads"]),
-                spec.get("vocab_size", 32000), bool(spec.get("tie_word_embeddings", False)))
+    shape = memory_shape({"vocab_size": 32000, **spec})
+    return Arch(shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
+                shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"],
+                shape["tie_word_embeddings"])
 
 
 def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, checkpointing: bool,

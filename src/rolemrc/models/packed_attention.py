@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rolemrc.config import PACKED_ATTENTION
-from rolemrc.models.loading import unwrap
+from rolemrc.models.family import base_model, input_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def install_segment_attention(model: nn.Module) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    base = unwrap(model)
+    base = base_model(model)
     current = base.config._attn_implementation
     if current.startswith(PREFIX):
         return True
@@ -250,7 +250,7 @@ def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> 
     """
     if prefer not in PACKED_ATTENTION:
         raise ValueError(f"model.packed_attention must be auto or one of {', '.join(ROUTES)}, got {prefer!r}")
-    base = unwrap(model)
+    base = base_model(model)
     impl = base.config._attn_implementation
     flash = impl.startswith("flash_attention")
     if prefer == "flash_varlen" and (not flash or need_context):
@@ -339,7 +339,7 @@ def packed_hidden(decoder: nn.Module, batch: dict[str, Tensor], route: str) -> T
         return hidden
     if route == "mask":
         layout = SegmentLayout(batch["segments"], b, t)
-        dtype = decoder.get_input_embeddings().weight.dtype
+        dtype = input_embeddings(decoder).weight.dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
         return decoder(input_ids=ids, attention_mask=layout.additive_mask(dtype, ids.device),
                        position_ids=pos).last_hidden_state

@@ -84,7 +84,7 @@ def test_simulated_peak_matches_the_real_two_rank_step(tmp_path: Path) -> None:
 
 def test_dpo_copy_reference_is_held_and_sharded_like_the_policy() -> None:
     """The DPO copy reference adds its bf16 shards (model.dtype) to the policy's fp32 ones."""
-    base = [*TINY, "objective=dpo", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
+    base = [*TINY, "objective=dpo", "data.max_prompt_length=128", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
             "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
     copy = simulate_in_subprocess(compose_train([*base, "objective.reference=copy"]), checkpointing=False)
     shards, _ = _shard_bytes(compose_train(base), 2)

@@ -201,6 +201,11 @@ def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def report(label: str, result: dict[str, Any]) -> None:
+    """One start's line: seconds to the first step and peak RSS."""
+    print(f"  {label}: {result['first_step_s']} s to first step, {result['peak_rss_mib']} MiB peak", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[12000, 48000])
@@ -230,19 +235,16 @@ def main() -> None:
             shutil.rmtree(cache_dir, ignore_errors=True)
             for tag in ("first", "second"):
                 row[f"rolemrc_{tag}"] = run_rolemrc(data, work, f"{n}-cache-{tag}", True, cache_dir)
-                print(f"  rolemrc (store) {tag}: {row[f'rolemrc_{tag}']['first_step_s']} s to first step, "
-                      f"{row[f'rolemrc_{tag}']['peak_rss_mib']} MiB peak", flush=True)
+                report(f"rolemrc (store) {tag}", row[f"rolemrc_{tag}"])
             if "nocache" not in args.skip:
                 row["nocache_first"] = run_rolemrc(data, work, f"{n}-nocache", False, cache_dir)
-                print(f"  rolemrc data.cache=false: {row['nocache_first']['first_step_s']} s to first step, "
-                      f"{row['nocache_first']['peak_rss_mib']} MiB peak", flush=True)
+                report("rolemrc data.cache=false", row["nocache_first"])
             if "trl" not in args.skip:
                 hf_cache = work / f"hf-{n}"
                 shutil.rmtree(hf_cache, ignore_errors=True)
                 for tag in ("first", "second"):
                     row[f"trl_{tag}"] = run_trl(data, work, f"{n}-{tag}", hf_cache, num_proc)
-                    print(f"  trl {tag}: {row[f'trl_{tag}']['first_step_s']} s to first step, "
-                          f"{row[f'trl_{tag}']['peak_rss_mib']} MiB peak", flush=True)
+                    report(f"trl {tag}", row[f"trl_{tag}"])
             if "ddp" not in args.skip and n == args.sizes[0]:
                 one = run_rolemrc(data, work, f"{n}-one-touch", True, cache_dir, touch=True)
                 two = run_rolemrc(data, work, f"{n}-ddp-touch", True, cache_dir, touch=True,

@@ -417,12 +417,14 @@ def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:
 
 # Enum-like keys of the training config and the values they take (checked by check_choices; an
 # objective's own keys are checked by its schema's __post_init__).
+SCHEDULERS = ("cosine", "linear", "constant")  # rolemrc.modules.base.lr_lambda
+KERNELS = ("none", "liger")  # rolemrc.models.kernels
 TRAIN_CHOICES: dict[str, tuple[str, ...]] = {
-    "optim.scheduler": ("cosine", "linear", "constant"),
+    "optim.scheduler": SCHEDULERS,
     "strategy.name": ("single", "ddp", "fsdp"),
     "data.on_error": ("raise", "skip"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
-    "model.kernels": ("none", "liger"),
+    "model.kernels": KERNELS,
 }
 
 

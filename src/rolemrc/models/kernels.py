@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rolemrc.config import KERNELS
 from rolemrc.models import family
 from rolemrc.objectives.logprobs import IGNORE_INDEX, SequenceLogProbs
-
-KERNELS = ("none", "liger")
 
 
 def check_kernels(name: str) -> None:

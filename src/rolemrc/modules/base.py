@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from rolemrc.config import SCHEDULERS
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head
 from rolemrc.models.precision import PrecisionPolicy, cast_trainable
@@ -50,7 +51,7 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
     peak on its last step (``(s + 1) / warmup``: no step is spent at lr 0), then from step
     ``warmup`` on cosine/linear decay to ``min_ratio`` at step ``total`` (as transformers'
     schedules) or constant."""
-    if kind not in ("cosine", "linear", "constant"):
+    if kind not in SCHEDULERS:
         raise ValueError(f"optim.scheduler must be cosine, linear or constant, got {kind!r}")
 
     def f(step: int) -> float:

@@ -24,10 +24,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 from torch import nn
 
-from rolemrc.callbacks.resumable import CheckpointAtEnd, ContinueEpochStoppedByMaxSteps
 from rolemrc.callbacks.run_summary import RunSummary
-from rolemrc.callbacks.slurm_requeue import SlurmRequeue
 from rolemrc.checkpointing.io import AtomicCheckpointIO
+from rolemrc.checkpointing.run_state import RunState, SlurmRequeue
 from rolemrc.checkpointing.state import read_checkpoint_entries
 from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, typed
 from rolemrc.data.datamodule import ChatDataModule
@@ -159,7 +158,7 @@ def build_trainer(cfg: Any) -> L.Trainer:
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), ContinueEpochStoppedByMaxSteps(), CheckpointAtEnd(),
+    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), RunState(),
                  RunSummary()]  # a final validation at max_steps; the end-of-run figures
     if SLURMEnvironment.detect():
         plugins.append(SLURMEnvironment(auto_requeue=False))

@@ -183,8 +183,8 @@ def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
     (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
     training (which would only save the same checkpoint again and redo the export), naming how
     to extend it. None when there is more to train (or no checkpoint)."""
-    from rolemrc.callbacks.resumable import reopen_epoch_stopped_by_max_steps
     from rolemrc.checkpointing import find_checkpoint, read_checkpoint_entries
+    from rolemrc.checkpointing.run_state import completed_epochs
     from rolemrc.checkpointing.verify import check_checkpoint, reading
 
     from rolemrc.errors import CheckpointError
@@ -198,12 +198,7 @@ def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
     except CheckpointError:
         return None  # not decided here: the run checks its checkpoint and names what is wrong with it
     step = int(state.get("global_step", 0))
-    loops = state.get("loops")
-    if loops and loops.get("fit_loop"):
-        reopen_epoch_stopped_by_max_steps(state)  # an epoch max_steps cut short is not complete
-        epochs = int(state["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
-    else:
-        epochs = 0
+    epochs = completed_epochs(state)  # an epoch max_steps cut short is not complete
     max_steps = cfg.trainer.get("max_steps", -1)
     max_epochs = cfg.trainer.get("max_epochs", None)
     by_steps = max_steps is not None and max_steps >= 0 and step >= max_steps

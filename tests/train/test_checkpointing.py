@@ -182,7 +182,7 @@ def _fit_loop_state(epochs_done: int, epoch_ready: int, batches: int, is_last_ba
 
 
 def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
-    from rolemrc.callbacks.resumable import reopen_epoch_stopped_by_max_steps
+    from rolemrc.checkpointing.run_state import reopen_epoch_stopped_by_max_steps
 
     # Lightning's checkpoint at the end of a run stopped by max_steps: epoch counted as finished.
     cut = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=2, is_last_batch=False)
@@ -195,3 +195,37 @@ def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
     for state in (ended, inside, {"state_dict": {}}):
         before = repr(state)
         assert not reopen_epoch_stopped_by_max_steps(state) and repr(state) == before
+
+
+def test_reopening_reads_the_checkpoint_lightning_writes(tmp_path: Path) -> None:
+    """reopen_epoch_stopped_by_max_steps reads Lightning's private loop state: on a checkpoint
+    Lightning itself writes at the end of a run that max_steps stopped mid-epoch, it finds the
+    epoch cut short; a change of Lightning's format fails here."""
+    import lightning as L
+    import torch
+
+    from rolemrc.checkpointing.run_state import completed_epochs, reopen_epoch_stopped_by_max_steps
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(max_steps: int) -> dict:
+        trainer = L.Trainer(max_steps=max_steps, max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.ones(6, 2), batch_size=1))
+        path = tmp_path / f"{max_steps}.ckpt"
+        trainer.save_checkpoint(path)
+        return torch.load(path, weights_only=True)
+
+    cut, whole = run(max_steps=2), run(max_steps=-1)
+    assert completed_epochs(dict(whole)) == 1 and not reopen_epoch_stopped_by_max_steps(whole)
+    assert cut["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1  # Lightning: "finished"
+    assert reopen_epoch_stopped_by_max_steps(cut) and cut["epoch"] == 0 and completed_epochs(cut) == 0

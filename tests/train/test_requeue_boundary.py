@@ -3,11 +3,14 @@ half a step's gradients accumulated (the resumed run would lose them)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from rolemrc.callbacks.slurm_requeue import SlurmRequeue
+from rolemrc.checkpointing.run_state import SlurmRequeue
 
 
 class FakeTrainer:
@@ -18,15 +21,21 @@ class FakeTrainer:
         self.default_root_dir = "/nonexistent"
         self.strategy = SimpleNamespace(reduce_boolean_decision=lambda flag, all=True: flag,
                                         broadcast=lambda value, src=0: value)
-        self._checkpoint_connector = SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt")
 
     def save_checkpoint(self, path: str) -> None:
         self.saved.append(self.global_step)
 
 
-def test_signal_mid_accumulation_waits_for_the_step_boundary() -> None:
+def test_signal_mid_accumulation_waits_for_the_step_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # what Lightning's SLURMEnvironment.detect() reads
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
     cb, trainer = SlurmRequeue(), FakeTrainer()
-    cb._active, cb._signalled = True, True
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        cb.on_train_start(trainer, None)  # under SLURM: the handler is installed
+        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal arrives mid-accumulation
+    finally:
+        signal.signal(signal.SIGUSR1, before)
     # accumulate 3: micro-batches 0 and 1 leave the step open; a fresh process starts here too
     for k in range(2):
         cb.on_train_batch_end(trainer, None, None, {"step_end": torch.tensor(False)}, k)

@@ -122,7 +122,7 @@ class ActivationMaps(L.Callback):
     # ---- lifecycle -----------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._chat = chat_of(trainer)
-        sources, on_error = test_sources(self.test, pl_module)
+        sources, on_error = test_sources(self.test, trainer)
         items, _ = read_examples(sources, "test", on_error)
         # Maps are grouped by the judged dimensions: only RoleMRC tasks have them.
         items = [it for it in items if it.task in TASKS]

@@ -96,10 +96,9 @@ def chat_of(trainer: L.Trainer) -> Any:
     return chat
 
 
-def test_sources(explicit: Any, pl_module: L.LightningModule) -> tuple[list[dict[str, Any]], str]:
+def test_sources(explicit: Any, trainer: L.Trainer) -> tuple[list[dict[str, Any]], str]:
     """(test sources, on_error): the callback's own ``test`` or the run's ``data.test`` (from the
     trainer's datamodule, whose ``cfg`` is the data config)."""
-    trainer = getattr(pl_module, "_trainer", None)
     data = getattr(getattr(trainer, "datamodule", None), "cfg", None)
     on_error = str(data.on_error) if data is not None else "raise"
     if explicit is not None:
@@ -207,7 +206,7 @@ class JudgeScores(L.Callback):
     # ---- lifecycle -----------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._chat = chat_of(trainer)
-        sources, on_error = test_sources(self.test, pl_module)
+        sources, on_error = test_sources(self.test, trainer)
         items, _ = load_test_items(OmegaConf.create({"test": sources, "on_error": on_error}))
         self._items = balanced_subset(items, self.n_items)
         self._ids = [item_id(k, it.task, it.question) for k, it in enumerate(self._items)]

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace
 from rolemrc.config import DataConfig, as_schema
 from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, row_totals
 from rolemrc.data.packing import pack_rows
@@ -176,11 +177,7 @@ class ChatDataModule(L.LightningDataModule):
         self.report: dict[str, Any] = {}
         self._sampler: ResumableSampler | None = None
         self._batches: StepBatchSampler | None = None
-        # The train sampler's place (saved in checkpoints by state_dict): this rank's micro-batches
-        # of ``epoch`` handed to training so far, and the place a restored checkpoint holds.
-        self._place = {"epoch": -1, "batches": 0}
-        self._restored: dict[str, Any] | None = None
-        self._state_loaded = False
+        self.place = SamplerPlace()  # the train sampler's place, saved in every checkpoint
         self._packs: dict[tuple[str, bool], list[list[dict]]] = {}
 
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
@@ -286,8 +283,8 @@ class ChatDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Micro-batches tagged with their optimizer step's global totals (label tokens, pairs):
-        see :class:`~rolemrc.data.sampler.StepBatchSampler`. Resumes mid-epoch from the restored
-        optimizer-step count."""
+        see :class:`~rolemrc.data.sampler.StepBatchSampler`. Resumes mid-epoch at the restored
+        :class:`~rolemrc.checkpointing.run_state.SamplerPlace`."""
         assert self.train_rows is not None, "call setup() first"
         rank, world = self._rank_world()
         items = self.items("train")
@@ -299,13 +296,13 @@ class ChatDataModule(L.LightningDataModule):
             limit = _limited_batches(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
         weights = self._item_weights("train", items)
         self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit)
-        if self.trainer is not None:
-            self._batches.skip_batches_fn = self._batches_done_in_epoch
-        return DataLoader(
+        self.place.attach(self._batches, self._layout(), self.trainer)
+        return ResumableLoader(
             StepItems(items),
             batch_sampler=self._batches,
             collate_fn=StepCollator(self.collator(), STEP_TOTALS[self.kind]),
             num_workers=self.cfg.num_workers,
+            place=self.place,
         )
 
     def _item_weights(self, stage: str, items: Sequence[Any]) -> torch.Tensor:
@@ -330,51 +327,20 @@ class ChatDataModule(L.LightningDataModule):
                 "world_size": self._sampler.world_size, "shuffle": self._sampler.shuffle, "seed": self._sampler.seed,
                 "rows": getattr(self.train_rows, "fingerprint", None)}
 
-    def _batches_done_in_epoch(self) -> int:
-        """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
-        epoch): the place the resumed checkpoint saved (:meth:`state_dict`) when it is this
-        epoch's and counted in the same layout; from a checkpoint without one (older runs) or in
-        another layout, derived from the restored optimizer-step count (an epoch of n batches,
-        ``limit_train_batches`` applied, takes ceil(n / accumulate) steps)."""
-        t, b = self.trainer, self._batches
-        epoch = b.sampler.epoch
-        restored, self._restored = self._restored, None
-        if restored is not None and restored["layout"] == self._layout():
-            done = restored["batches"] if restored["epoch"] == epoch else 0
-        elif t.ckpt_path is not None and (restored is not None or not self._state_loaded) and self._place["epoch"] < 0:
-            if restored is not None:
-                log.warning("the checkpoint's data place was counted in another layout (%s, now %s): "
-                            "placing the sampler by the optimizer-step count", restored["layout"], self._layout())
-            steps_done = t.global_step - t.current_epoch * b.steps_per_epoch()
-            done = max(0, min(b.epoch_batches, steps_done * b.accumulate))
-        else:
-            done = 0
-        self._place = {"epoch": epoch, "batches": done}
-        return done
-
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts the training micro-batches as the fit loop takes them (not as the loader
-        prefetches them): the sampler's place for :meth:`state_dict`."""
+        prefetches them): the sampler's place."""
         if self.trainer is not None and self.trainer.training:
-            self._place["batches"] += 1
+            self.place.count()
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The train sampler's place, saved in every checkpoint (Lightning's DataModule hook): the
-        epoch whose order is being read and how many of this rank's micro-batches of it were
-        trained, whole optimizer steps only (a partial step's gradients are not in a checkpoint),
-        with the layout they count in. Every rank trains the same number of micro-batches."""
-        b = self._batches
-        if b is None or self._sampler is None or self._place["epoch"] < 0:
-            return {}
-        done = self._place["batches"]
-        if done < b.epoch_batches:
-            done -= done % b.accumulate
-        return {"sampler_place": {"epoch": self._place["epoch"], "batches": done, "layout": self._layout()}}
+        """The train sampler's place (:class:`~rolemrc.checkpointing.run_state.SamplerPlace`),
+        saved in every checkpoint under this DataModule's name, as the loader saves it too."""
+        return self.place.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._state_loaded = True
-        self._restored = state.get("sampler_place")
+        self.place.load_state_dict(state)
 
     def val_dataloader(self) -> DataLoader | list:
         if not len(self.val_rows):

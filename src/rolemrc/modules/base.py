@@ -24,7 +24,6 @@ from rolemrc.models.loading import decoder_and_head
 from rolemrc.models.precision import PrecisionPolicy, cast_trainable
 from rolemrc.models.sharding import shard_model
 from rolemrc.objectives.logprobs import SequenceLogProbs, shift_labels
-from rolemrc.rng import rng_state, set_rng_state
 
 
 def _gather_rows(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,31 +167,6 @@ class PolicyModule(L.LightningModule):
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_state"] = rng_state()  # dropout etc. continue exactly after a resume
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "rng_state" in checkpoint:
-            self._rng_to_restore = checkpoint["rng_state"]
-
-    def on_train_start(self) -> None:
-        # Restored here, after Lightning's own setup consumed random numbers.
-        state = getattr(self, "_rng_to_restore", None)
-        if state is not None:
-            set_rng_state(state)
-            self._rng_to_restore = None
-        self._lr_from_schedule()
-
-    def _lr_from_schedule(self) -> None:
-        """Each learning rate as this run's schedule gives it at the current step. A no-op on a fresh
-        run and on a resume with the same config; after a resume with a raised ``trainer.max_steps``
-        (a longer schedule) the restored optimizer's rate, the saved run's, is replaced."""
-        for config in self.trainer.lr_scheduler_configs:
-            sched = config.scheduler
-            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-                for group, base, lam in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-                    group["lr"] = base * lam(sched.last_epoch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         optimizers = self.trainer.optimizers

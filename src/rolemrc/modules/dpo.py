@@ -74,11 +74,9 @@ class DPOModule(PolicyModule):
 
     # ---- reference hooks (see rolemrc.modules.reference) ------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
         checkpoint.update(self.reference.state_dict())  # precomputed: the tables travel with every checkpoint
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
         self.reference.load_state_dict(checkpoint)
 
     def on_fit_start(self) -> None:

@@ -186,7 +186,6 @@ def test_hf_judge_from_a_folder_is_loaded_once_and_cached(tmp_path: Path) -> Non
     tokenizer.save_pretrained(folder)
     callback = JudgeScores(judge={"backend": "hf", "model": str(folder), "max_tokens": 4, "dtype": "float32"},
                            out_dir=str(tmp_path / "out"))
-    callback._out = tmp_path / "out"  # what setup() sets
     module = SimpleNamespace(device=torch.device("cpu"))
     judge = callback.external_judge(module)
     assert callback.external_judge(module) is judge  # loaded once, kept across rounds

@@ -80,8 +80,8 @@ def test_hf_judge_garbage_is_unparseable_and_not_cached(tiny_judge, tmp_path, mo
 
     # Rerun: an answer without a verdict is never cached, so each is asked again (greedy: the same).
     calls = []
-    generate = backend._generate
-    monkeypatch.setattr(backend, "_generate", lambda msgs: calls.append(1) or generate(msgs))
+    generate = backend.generate
+    monkeypatch.setattr(backend, "generate", lambda msgs: calls.append(1) or generate(msgs))
     again = Judge(backend, cache_dir=tmp_path, progress=True).judge(items)
     assert len(calls) == 3 and not any(v.cached for v in again)
     assert [v.raw for v in again] == [v.raw for v in verdicts]
@@ -91,7 +91,7 @@ def test_hf_judge_greedy_is_deterministic(tiny_judge):
     model, tok = tiny_judge
     backend = HFBackend(model, tok, model_id="tiny", max_new_tokens=6)
     msgs = [{"role": "system", "content": "Judge."}, {"role": "user", "content": "Reply: arr"}]
-    assert backend._generate(msgs) == backend._generate(msgs)
+    assert backend.generate(msgs) == backend.generate(msgs)
 
 
 def test_hf_judge_failure_is_counted(tiny_judge, monkeypatch):
@@ -101,7 +101,7 @@ def test_hf_judge_failure_is_counted(tiny_judge, monkeypatch):
     def too_long(messages):
         raise ValueError("prompt longer than the context")
 
-    monkeypatch.setattr(backend, "_generate", too_long)
+    monkeypatch.setattr(backend, "generate", too_long)
     items = judge_items(
         [{"task": "role_related_mrc_refused_no_narration", "question": [{"role": "User", "content": "x"}]}], ["y"]
     )

@@ -200,7 +200,7 @@ class JudgeScores(L.Callback):
         self._prompts: list[list[int]] = []
         self._chat: Any = None
         self._stops: list[int] = []
-        self._out = Path(".")
+        self._out = Path(out_dir) if out_dir else Path(".")  # setup() names the default, the run folder's
         self._external_judge: Judge | None = None  # hf judge from a folder or openai, built once
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -648,7 +648,7 @@ class HFBackend:
         out = []
         for i, messages in enumerate(prompts):
             try:
-                text = self._generate(messages)
+                text = self.generate(messages)
             except Exception as e:  # e.g. a prompt longer than the model's context
                 log.warning("hf judge failed on a prompt: %s", e)
                 self.counts["failed"] += 1
@@ -663,7 +663,8 @@ class HFBackend:
             out.append(ans)
         return out
 
-    def _generate(self, messages: list[Message]) -> str:
+    def generate(self, messages: list[Message]) -> str:
+        """The model's greedy answer to one chat prompt."""
         import torch
 
         enc = self.tokenizer.apply_chat_template(

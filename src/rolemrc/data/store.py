@@ -216,7 +216,8 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
     source_index, records = task
     kind, chat = _WORK["kind"], _WORK["chat"]
     parse = _WORK["parsers"][source_index]
-    out: list[tuple] = []
+    out: list[tuple | None] = []
+    parsed: list[tuple[int, str, int, Any]] = []  # (place in out, file, line, example)
     for file, line, record in records:
         try:
             if isinstance(record, RecordError):
@@ -225,23 +226,31 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
         except RecordError as err:
             out.append(("bad", f"{file}:{line}: {err}"))
             continue
+        parsed.append((len(out), file, line, example))
+        out.append(None)
+    if kind == "sft":  # the chunk's conversations tokenised in one batch call (the same ids)
+        encoded = chat.encode_conversations([ex.messages for _, _, _, ex in parsed], _WORK["max_length"])
+        for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
+            if isinstance(enc, TemplateRenderError):
+                out[k] = ("tpl", file, line, str(enc))
+                continue
+            ids = np.asarray(enc.input_ids, dtype=np.int32)
+            mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
+            out[k] = ("ok", file, line, not mask.any(), int(enc.truncated), ids.tobytes(),
+                      mask.astype(np.uint8).tobytes(), int(mask[1:].sum()), int(mask.sum()))
+        return out  # type: ignore[return-value]
+    for k, file, line, example in parsed:
         try:
-            if kind == "sft":
-                enc = chat.encode_conversation(example.messages, _WORK["max_length"])
-                ids = np.asarray(enc.input_ids, dtype=np.int32)
-                mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
-                out.append(("ok", file, line, not mask.any(), int(enc.truncated), ids.tobytes(),
-                            mask.astype(np.uint8).tobytes(), int(mask[1:].sum()), int(mask.sum())))
-            else:
-                enc = chat.encode_pair(example.prompt, example.chosen, example.rejected, _WORK["max_length"],
-                                       _WORK["max_prompt_length"])
-                flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
-                out.append(("ok", file, line, not enc.chosen_ids or not enc.rejected_ids, flags,
-                            np.asarray(enc.prompt_ids, np.int32).tobytes(), np.asarray(enc.chosen_ids, np.int32).tobytes(),
-                            np.asarray(enc.rejected_ids, np.int32).tobytes()))
+            enc = chat.encode_pair(example.prompt, example.chosen, example.rejected, _WORK["max_length"],
+                                   _WORK["max_prompt_length"])
         except TemplateRenderError as err:
-            out.append(("tpl", file, line, str(err)))
-    return out
+            out[k] = ("tpl", file, line, str(err))
+            continue
+        flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
+        out[k] = ("ok", file, line, not enc.chosen_ids or not enc.rejected_ids, flags,
+                  np.asarray(enc.prompt_ids, np.int32).tobytes(), np.asarray(enc.chosen_ids, np.int32).tobytes(),
+                  np.asarray(enc.rejected_ids, np.int32).tobytes())
+    return out  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -504,9 +513,14 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     _WORK.update(kind=spec.kind, chat=chat, parsers=_parsers(spec.kind, all_sources), max_length=spec.max_length,
                  max_prompt_length=spec.max_prompt_length)
     b = _Builder(spec, chat, folder, procs)
-    pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
+    # The worker processes are the parallelism: the tokenizer's batch calls run on one thread each
+    # (and this process never starts the tokenizer's thread pool, which a later fork would disable).
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    pool = None
     bar = tqdm(desc=f"encode {spec.kind} ({procs} proc)", unit="rec", disable=size is not None and size < SMALL_INPUT)
     try:
+        pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
         per_source, read_report, errors = b.read(spec.sources, 0, pool, bar)
         _raise_parse_errors(errors, spec.kind)
         weights = [float(s.weight) for s in spec.sources]
@@ -525,6 +539,10 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
             pool.close()
             pool.join()
         _WORK.clear()
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
     files: dict[str, Any] = {name: {**f.close(), "shape": [f.n]} for name, f in b.arrays.items()}
     for name, offs in b.offsets.items():
         _write_array(folder, f"{name}_offsets", np.asarray(offs, dtype=np.int64), files)

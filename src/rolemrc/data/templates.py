@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolemrc import asset
 from rolemrc.config import check_pair_lengths
 from rolemrc.data.schemas import Message
 from rolemrc.objectives.logprobs import IGNORE_INDEX
@@ -27,7 +28,6 @@ SHIPPED_TEMPLATES = {"llama3": "llama3.jinja", "chatml": "chatml.jinja"}
 
 def load_template(spec: str) -> str:
     """``llama3``/``chatml`` (shipped), or a path to a Jinja file."""
-    from rolemrc import asset
 
     if spec in SHIPPED_TEMPLATES:
         return Path(asset(f"templates/{SHIPPED_TEMPLATES[spec]}")).read_text()
@@ -108,6 +108,19 @@ class ChatFormat:
             return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`tokenize` of each text (the same ids), in one call of the fast tokenizer's batch
+        encoder where :meth:`tokenize` takes its direct path: no per-call overhead and no character
+        offsets computed (~25% less work). It runs on the tokenizer's thread pool unless
+        ``TOKENIZERS_PARALLELISM=false``."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_batch_fast") or backend.truncation is not None \
+                or backend.padding is not None \
+                or backend.encode_special_tokens != bool(getattr(self.tokenizer, "split_special_tokens", False)):
+            return [self.tokenize(t) for t in texts]
+        done = iter(backend.encode_batch_fast([t for t in texts if t], add_special_tokens=False))
+        return [next(done).ids if t else [] for t in texts]
+
     def _detect_eot(self) -> str:
         probe = [{"role": "user", "content": "Q7x"}, {"role": "assistant", "content": "A9z"}]
         full = self.render(probe)
@@ -149,23 +162,34 @@ class ChatFormat:
 
     def encode_conversation(self, messages: list[Message], max_length: int | None = None) -> EncodedConversation:
         """``input_ids``/``labels`` for SFT; long conversations lose their start (left cut)."""
+        pieces = self._conversation_pieces(messages)
+        return _assemble([self.tokenize(text) for text, _ in pieces], [trained for _, trained in pieces], max_length)
+
+    def encode_conversations(self, conversations: list[list[Message]],
+                             max_length: int | None = None) -> list[EncodedConversation | TemplateRenderError]:
+        """:meth:`encode_conversation` of each conversation (the same ids and labels), their pieces
+        tokenised in one :meth:`tokenize_many` call; a conversation the template cannot render
+        gives its :class:`TemplateRenderError` in its place."""
+        cut: list[list[tuple[str, bool]] | TemplateRenderError] = []
+        for messages in conversations:
+            try:
+                cut.append(self._conversation_pieces(messages))
+            except TemplateRenderError as err:
+                cut.append(err)
+        ids = iter(self.tokenize_many([text for c in cut if isinstance(c, list) for text, _ in c]))
+        return [c if isinstance(c, TemplateRenderError)
+                else _assemble([next(ids) for _ in c], [trained for _, trained in c], max_length) for c in cut]
+
+    def _conversation_pieces(self, messages: list[Message]) -> list[tuple[str, bool]]:
+        """The rendered conversation cut at the assistant spans: ``(text, trained)`` pieces."""
         text, spans = self.assistant_spans(messages)
-        ids: list[int] = []
-        labels: list[int] = []
+        pieces: list[tuple[str, bool]] = []
         cursor = 0
         for start, end in spans:
-            context = self.tokenize(text[cursor:start])
-            target = self.tokenize(text[start:end])
-            ids += context + target
-            labels += [IGNORE_INDEX] * len(context) + target
+            pieces += [(text[cursor:start], False), (text[start:end], True)]
             cursor = end
-        tail = self.tokenize(text[cursor:])
-        ids += tail
-        labels += [IGNORE_INDEX] * len(tail)
-        truncated = max_length is not None and len(ids) > max_length
-        if truncated:
-            ids, labels = ids[-max_length:], labels[-max_length:]
-        return EncodedConversation(ids, labels, truncated)
+        pieces.append((text[cursor:], False))
+        return pieces
 
     def encode_prompt(self, messages: list[Message]) -> list[int]:
         """Prompt ids ending with the generation prompt, as used for generation."""
@@ -193,3 +217,16 @@ class ChatFormat:
         rejected_ids = self.encode_response(prompt, rejected)
         response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
         return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)
+
+
+def _assemble(pieces: list[list[int]], trained: list[bool], max_length: int | None) -> EncodedConversation:
+    """Token pieces -> ids and labels (the trained pieces labelled), cut from the left."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for piece, is_target in zip(pieces, trained, strict=True):
+        ids += piece
+        labels += piece if is_target else [IGNORE_INDEX] * len(piece)
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, labels = ids[-max_length:], labels[-max_length:]
+    return EncodedConversation(ids, labels, truncated)

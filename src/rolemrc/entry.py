@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rolemrc.errors import exit_on_user_error
+from rolemrc.sweep import job_outcome, summarised_job_dir
+from rolemrc.warnings import filter_known_warnings
 
 
 def one_copy_of_lightning_logs() -> None:
@@ -36,9 +38,6 @@ def entry_point() -> Iterator[None]:
     way and recorded for the sweep's summary, and the sweep goes on (:mod:`rolemrc.sweep`).
     Known warnings that ask nothing of the user are filtered (:mod:`rolemrc.warnings`). Import
     the run function (and so Lightning) before entering."""
-    from rolemrc.sweep import job_outcome, summarised_job_dir
-    from rolemrc.warnings import filter_known_warnings
-
     filter_known_warnings()
     one_copy_of_lightning_logs()
     job_dir = summarised_job_dir()

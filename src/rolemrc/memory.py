@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc import ASSETS
+from rolemrc.config import check_train_config, checkpointing_setting, register, upgrade_train_config
+from rolemrc.entry import entry_point
+from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate, simulate_in_subprocess
 from rolemrc.models.family import memory_shape
 
 log = logging.getLogger(__name__)
@@ -128,7 +131,6 @@ def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool
     ``device_gb`` device (default ``runtime.device_memory_gb``): recomputing every layer's forward
     costs ~30% more compute, worth paying only where memory needs it. Without the model's
     dimensions (a hub id offline) ``auto`` keeps it on."""
-    from rolemrc.config import checkpointing_setting
 
     value = checkpointing_setting(cfg.model.gradient_checkpointing)
     if value != "auto":
@@ -197,7 +199,6 @@ class _Model:
 def check_memory(cfg: Any) -> str:
     """The estimate for a composed training config (deprecated keys mapped first), logged at
     INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
-    from rolemrc.config import upgrade_train_config
 
     line = check(upgrade_train_config(cfg))
     if not line.startswith("WARNING"):
@@ -213,7 +214,6 @@ def resolve_checkpointing(cfg: Any) -> bool:
     (:func:`choose_checkpointing`), and says so."""
     from omegaconf import open_dict
 
-    from rolemrc.config import checkpointing_setting
 
     choice, why = choose_checkpointing(cfg)
     if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
@@ -229,8 +229,6 @@ def decide_by_simulation(cfg: Any, formula: tuple[bool, str]) -> tuple[bool, str
     child process): off where its per-rank peak fits ``HEADROOM`` of ``runtime.device_memory_gb``,
     else on. A disagreement with the formula's choice is logged; where the run cannot be simulated
     the formula's choice stands (also logged)."""
-    from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate_in_subprocess
-
     device_gb = cfg.runtime.device_memory_gb
     try:
         sim = simulate_in_subprocess(cfg, checkpointing=False)
@@ -251,7 +249,6 @@ def compose_train_config(overrides: list[str]) -> Any:
     """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would (no run)."""
     from hydra import compose, initialize_config_dir
 
-    from rolemrc.config import register
 
     register()
     conf = Path(__file__).resolve().parents[2] / "conf"
@@ -267,8 +264,6 @@ def simulated_report(cfg: Any) -> dict[str, Any]:
     what setup would make (off where the peak without it fits). Keys: ``ranks``, ``peak_gib``,
     ``by_category`` (GiB, the tracker's names), ``gradient_checkpointing`` (``on``/``off`` peaks in
     GiB, null where not simulated), ``fits``, and what the step was."""
-    from rolemrc.config import checkpointing_setting
-    from rolemrc.memory_sim import HEADROOM, simulate
 
     device_gb = float(cfg.runtime.device_memory_gb)
     limit = HEADROOM * device_gb * GB
@@ -333,8 +328,6 @@ def main(argv: list[str]) -> int:
         return 1
     from hydra.errors import HydraException
 
-    from rolemrc.entry import entry_point
-
     with entry_point():
         try:
             cfg = compose_train_config(overrides)
@@ -342,14 +335,10 @@ def main(argv: list[str]) -> int:
             cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
             print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
             return 1
-        from rolemrc.config import check_train_config
-
         check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
         if "--simulate" not in flags:
             print(check_memory(cfg))
             return 0
-        from rolemrc.memory_sim import SimulationUnavailable
-
         try:
             report = simulated_report(cfg)
         except SimulationUnavailable as err:

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.errors import ConfigError
+from rolemrc.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +183,10 @@ def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
     (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
     training (which would only save the same checkpoint again and redo the export), naming how
     to extend it. None when there is more to train (or no checkpoint)."""
+    # rolemrc.checkpointing loads Lightning: this module runs before Hydra starts and stays light
     from rolemrc.checkpointing import find_checkpoint, read_checkpoint_entries
     from rolemrc.checkpointing.run_state import completed_epochs
     from rolemrc.checkpointing.verify import check_checkpoint, reading
-
-    from rolemrc.errors import CheckpointError
 
     checkpoint = find_checkpoint(run_dir)
     if checkpoint is None:

@@ -17,16 +17,21 @@ import torch
 from omegaconf import DictConfig
 
 from rolemrc.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
-from rolemrc.checkpointing import find_checkpoint
+from rolemrc.callbacks.run_summary import RunSummary
+from rolemrc.checkpointing import find_checkpoint, full_state_dict
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.fileio import atomic_write_json
+from rolemrc.memory import check_memory, resolve_checkpointing
+from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
-from rolemrc.memory import check_memory, resolve_checkpointing
 from rolemrc.models.source import resolve_model_sources
+from rolemrc.resume import finished_run_message
+from rolemrc.warnings import hf_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,6 @@ def setup(cfg: DictConfig) -> TrainRun:
     resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
     check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
     if cfg.trainer.get("enable_progress_bar") is False:  # transformers' loading/saving bars off too
-        from rolemrc.warnings import hf_progress_bars
 
         hf_progress_bars(False)
 
@@ -105,7 +109,6 @@ def fit(run: TrainRun) -> dict[str, Any]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured: ``fit(setup(cfg))``; ``ckpt_path=last`` on a finished run says so
     (and how to extend it) and does nothing."""
-    from rolemrc.resume import finished_run_message
 
     if cfg.ckpt_path == "last":
         finished = finished_run_message(cfg, cfg.run_dir)
@@ -121,8 +124,6 @@ SUMMARY_FILE = "run_summary.json"
 def end_of_run(cfg: DictConfig, trainer: L.Trainer, export: str | None) -> dict[str, Any]:
     """The run's figures (:class:`rolemrc.callbacks.run_summary.RunSummary`), printed and written
     to ``<run>/run_summary.json`` (a sweep's summary reads them there)."""
-    from rolemrc.callbacks.run_summary import RunSummary
-    from rolemrc.fileio import atomic_write_json
 
     figures = next((c.figures for c in trainer.callbacks if isinstance(c, RunSummary)), {})
     summary = {**figures, "run_dir": str(cfg.run_dir), "export": export}
@@ -150,8 +151,6 @@ def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:
     """Write the trained model in HF format, in ``model.dtype`` (the recipes: bf16), rounded once
     from the fp32 masters: the full state (gathered from the shards under FSDP) goes into a
     meta-device skeleton of the run's model (:func:`rolemrc.models.export.export_state`)."""
-    from rolemrc.checkpointing import full_state_dict
-    from rolemrc.models.export import export_pretrained, export_state
 
     out = Path(cfg.run_dir) / cfg.export.dir
     if cfg.model.quantization.load_in_4bit:  # QLoRA (never sharded): the adapter, from the model itself

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.data.packing import item_pieces
 from rolemrc.objectives import IGNORE_INDEX
 
 
@@ -83,7 +84,6 @@ class PackedCollator:
         self.share_prompt = share_prompt
 
     def __call__(self, items: list[Any]) -> dict[str, torch.Tensor]:
-        from rolemrc.data.packing import item_pieces
 
         packs = [item if isinstance(item, list) else [item] for item in items]
         rows_in_order = [row for pack in packs for row in pack]

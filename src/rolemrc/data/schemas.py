@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolemrc.errors import UserError
+from rolemrc.tasks import TASKS
 
 ROLES = ("system", "user", "assistant")
 
@@ -149,7 +150,6 @@ def parse_pair(record: Any) -> Pair:
 
 
 def parse_test_item(record: Any) -> TestItem:
-    from rolemrc.tasks import TASKS
 
     task = _text(_field(record, "task"), "task")
     if task not in TASKS:

@@ -195,6 +195,10 @@ class ChatFormat:
         """Prompt ids ending with the generation prompt, as used for generation."""
         return self.tokenize(self.render(messages, add_generation_prompt=True))
 
+    def encode_prompts(self, conversations: list[list[Message]]) -> list[list[int]]:
+        """:meth:`encode_prompt` of each conversation (the same ids), tokenised in one batch call."""
+        return self.tokenize_many([self.render(m, add_generation_prompt=True) for m in conversations])
+
     def encode_response(self, prompt: list[Message], response: str) -> list[int]:
         """Tokens of ``response`` as the assistant turn after ``prompt``, plus end-of-turn."""
         _, spans = self.assistant_spans(prompt + [{"role": "assistant", "content": response}])

@@ -142,3 +142,18 @@ def test_step_items_pairs_each_item_with_its_tag() -> None:
     items = StepItems(["a", "b", "c"])
     assert len(items) == 3
     assert items[(2, (5.0, 1.0), True)] == ("c", (5.0, 1.0), True)
+
+
+def test_epoch_batches_under_a_limit_are_lightnings() -> None:
+    """The sampler ends an epoch where Lightning's fit loop does under limit_train_batches
+    (Lightning's own computation is private: this fails if it changes)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from rolemrc.checkpointing.run_state import epoch_batches_under_limit
+
+    for n in (1, 7, 16, 31):
+        for limit in (1.0, 0.5, 0.25, 0.99, 1, 3, 16, 100):
+            if isinstance(limit, float) and int(n * limit) == 0:
+                continue  # Lightning refuses it
+            assert epoch_batches_under_limit(n, limit) == _parse_num_batches(RunningStage.TRAINING, n, limit), (n, limit)

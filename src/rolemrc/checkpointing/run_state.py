@@ -123,6 +123,18 @@ def place_from_step_count(global_step: int, current_epoch: int, steps_per_epoch:
     return max(0, min(epoch_batches, steps_done * accumulate))
 
 
+def epoch_batches_under_limit(n: int, limit: Any) -> int:
+    """Batches Lightning trains per epoch of ``n`` under ``trainer.limit_train_batches`` (int: a
+    count, float: a fraction), as its fit loop computes it: the sampler must know where Lightning
+    ends the epoch to give the last step its totals. Lightning computes this in a private function;
+    ``tests/data/test_sampler.py`` compares the two."""
+    if limit is None:
+        return n
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return min(n, limit)
+    return n if float(limit) == 1.0 else int(n * float(limit))
+
+
 class ResumableLoader(DataLoader):
     """The train loader: a DataLoader whose ``state_dict``/``load_state_dict`` are its
     :class:`SamplerPlace`'s, so Lightning saves the place with its loop state and restores it before

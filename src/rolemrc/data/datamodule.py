@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace
+from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace, epoch_batches_under_limit
 from rolemrc.config import DataConfig, as_schema
 from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, row_totals
 from rolemrc.data.packing import pack_rows
@@ -140,16 +140,6 @@ def item_totals(item: Any) -> tuple[int, ...]:
     """:func:`row_totals` of a row, or summed over the rows of a pack."""
     rows = item if isinstance(item, list) else [item]
     return tuple(map(sum, zip(*(row_totals(r) for r in rows))))
-
-
-def _limited_batches(n: int, limit: Any) -> int:
-    """Batches Lightning trains per epoch under ``limit_train_batches`` (int: a count, float: a
-    fraction), as its fit loop computes it."""
-    if limit is None:
-        return n
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        return min(n, limit)
-    return n if float(limit) == 1.0 else int(n * float(limit))
 
 
 class ChatDataModule(L.LightningDataModule):
@@ -293,7 +283,7 @@ class ChatDataModule(L.LightningDataModule):
         if self.trainer is not None:
             self._sampler.set_epoch(self.trainer.current_epoch)
             accumulate = self.trainer.accumulate_grad_batches
-            limit = _limited_batches(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
+            limit = epoch_batches_under_limit(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
         weights = self._item_weights("train", items)
         self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit)
         self.place.attach(self._batches, self._layout(), self.trainer)

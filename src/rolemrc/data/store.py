@@ -45,6 +45,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -497,6 +498,22 @@ def _input_bytes(sources: list[SourceConfig]) -> int | None:
     return total
 
 
+@contextmanager
+def _serial_tokenizer() -> Iterator[None]:
+    """The fast tokenizer's batch calls on one thread (``TOKENIZERS_PARALLELISM=false``) while a
+    build runs: a build's parallelism is its worker processes, and a process that never started
+    the tokenizer's thread pool keeps it usable in processes it forks later (DataLoader workers)."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict[str, Any]) -> None:
     """Write a complete store into ``folder`` (raises :class:`DataError` as reading and encoding
     do today: nothing is written that a later run could trust)."""
@@ -513,36 +530,30 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     _WORK.update(kind=spec.kind, chat=chat, parsers=_parsers(spec.kind, all_sources), max_length=spec.max_length,
                  max_prompt_length=spec.max_prompt_length)
     b = _Builder(spec, chat, folder, procs)
-    # The worker processes are the parallelism: the tokenizer's batch calls run on one thread each
-    # (and this process never starts the tokenizer's thread pool, which a later fork would disable).
-    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     pool = None
     bar = tqdm(desc=f"encode {spec.kind} ({procs} proc)", unit="rec", disable=size is not None and size < SMALL_INPUT)
-    try:
-        pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
-        per_source, read_report, errors = b.read(spec.sources, 0, pool, bar)
-        _raise_parse_errors(errors, spec.kind)
-        weights = [float(s.weight) for s in spec.sources]
-        per_source, held = split_holdout(per_source, spec.holdout, spec.seed)
-        train_units = mix(per_source, weights, spec.seed)
-        _log_skipped(read_report, spec.kind)
-        val_units = held
-        if spec.val_sources:
-            val_per_source, val_report, val_errors = b.read(spec.val_sources, len(spec.sources), pool, bar)
-            _raise_parse_errors(val_errors, spec.kind)
-            val_units = mix(val_per_source, [float(s.weight) for s in spec.val_sources], spec.seed)
-            _log_skipped(val_report, spec.kind)
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.close()
-            pool.join()
-        _WORK.clear()
-        if parallelism is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+    # the worker processes are the parallelism (they inherit the tokenizer's setting)
+    with _serial_tokenizer():
+        try:
+            pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
+            per_source, read_report, errors = b.read(spec.sources, 0, pool, bar)
+            _raise_parse_errors(errors, spec.kind)
+            weights = [float(s.weight) for s in spec.sources]
+            per_source, held = split_holdout(per_source, spec.holdout, spec.seed)
+            train_units = mix(per_source, weights, spec.seed)
+            _log_skipped(read_report, spec.kind)
+            val_units = held
+            if spec.val_sources:
+                val_per_source, val_report, val_errors = b.read(spec.val_sources, len(spec.sources), pool, bar)
+                _raise_parse_errors(val_errors, spec.kind)
+                val_units = mix(val_per_source, [float(s.weight) for s in spec.val_sources], spec.seed)
+                _log_skipped(val_report, spec.kind)
+        finally:
+            bar.close()
+            if pool is not None:
+                pool.close()
+                pool.join()
+            _WORK.clear()
     files: dict[str, Any] = {name: {**f.close(), "shape": [f.n]} for name, f in b.arrays.items()}
     for name, offs in b.offsets.items():
         _write_array(folder, f"{name}_offsets", np.asarray(offs, dtype=np.int64), files)
@@ -578,6 +589,11 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     BUILDS["count"] += 1
     log.info("data store: encoded %d %s record(s) in %.1f s with %d process(es)", b.encoded, spec.kind,
              meta["build_seconds"], procs)
+    _write_meta(folder, meta)
+
+
+def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    """``meta.json``, the file that makes a store complete: written last, synced, renamed into place."""
     tmp = folder / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     with tmp.open("rb") as fh:
@@ -630,6 +646,13 @@ class Store:
         name = f"{stage}_pack{int(share_prompt)}"
         return StoredPacks(self.rows(stage), self.arrays[name], self.arrays[f"{name}_offsets"]), \
             self.meta["packing"][f"{stage}{int(share_prompt)}"]
+
+    def prompts(self) -> list[list[int]]:
+        """A prompt store's prompt ids, one list per item."""
+        ids, off = self.arrays["prompt"], self.arrays["prompt_offsets"]
+        flat = np.asarray(ids, dtype=np.int64).tolist()
+        bounds = np.asarray(off).tolist()
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def totals(self, stage: str) -> np.ndarray:
         """``[R, K]`` int64: each row's share of its optimizer step's normalisers."""
@@ -693,15 +716,16 @@ class StoredPacks(Sequence):
         return [np.asarray(self.flat[int(a):int(b)]) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
 
-def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, num_proc: int | None) -> Store:
-    """The store for ``spec``: reused when a complete one with its key exists (verified against its
-    recorded sizes and checksums), else built under the key's lock and renamed into place."""
-    if num_proc is not None and num_proc < 1:
-        raise ValueError(f"data.num_proc must be at least 1 (or null: this rank's CPUs), got {num_proc}")
+def _root(cache_dir: str | Path | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    parts = spec.key_parts(chat)
-    key = f"{spec.kind}-{store_key(parts)}"
+    return root
+
+
+def _open_or_build(root: Path, key: str, build_into: Any) -> Store:
+    """The store ``root/key``: reused when complete (verified against its recorded sizes and
+    checksums), else built by ``build_into(folder)`` under the key's lock into a tmp folder renamed
+    into place when complete."""
     final = root / key
     with FileLock(str(root / f"{key}.lock")):
         if final.exists():
@@ -718,9 +742,59 @@ def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, nu
         tmp.mkdir()
         try:
             log.info("data store: building %s", final)
-            build(spec, chat, tmp, num_proc or default_num_proc(), parts)
+            build_into(tmp)
             os.rename(tmp, final)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return Store(final, verify=False)
+
+
+def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, num_proc: int | None) -> Store:
+    """The store for ``spec``: reused when a complete one with its key exists (verified against its
+    recorded sizes and checksums), else built under the key's lock and renamed into place."""
+    if num_proc is not None and num_proc < 1:
+        raise ValueError(f"data.num_proc must be at least 1 (or null: this rank's CPUs), got {num_proc}")
+    root = _root(cache_dir)
+    parts = spec.key_parts(chat)
+    return _open_or_build(root, f"{spec.kind}-{store_key(parts)}",
+                          lambda folder: build(spec, chat, folder, num_proc or default_num_proc(), parts))
+
+
+# ----------------------------------------------------------------------------- test items' prompts
+
+
+def questions_sha256(questions: Sequence[Sequence[Any]]) -> str:
+    """One digest of the conversations to prompt with, in order (roles and contents: all a
+    prompt depends on besides the tokenizer and template)."""
+    h = hashlib.sha256()
+    for q in questions:
+        h.update(json.dumps([[m["role"], m["content"]] for m in q], ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def open_or_build_prompts(questions: Sequence[list[Any]], chat: ChatFormat, cache_dir: str | Path | None,
+                          sources: Any = None) -> Store:
+    """The store of the generation prompts of ``questions`` (``chat.encode_prompt`` of each, in
+    order: ``prompt`` int32 and ``prompt_offsets``), keyed by the questions' content, the
+    tokenizer, chat template and the encoder's code; built once, reused by every later start.
+    ``sources`` (the test sources read) is recorded in ``meta.json`` for whoever looks."""
+    parts = {"kind": "prompts", "questions_sha256": questions_sha256(questions), "items": len(questions),
+             "tokenizer": tokenizer_identity(chat), "encoder": encoder_version()}
+
+    def build_into(folder: Path) -> None:
+        started = time.perf_counter()
+        with _serial_tokenizer():
+            prompts = chat.encode_prompts(list(questions))
+        files: dict[str, Any] = {}
+        _write_array(folder, "prompt", np.asarray([t for p in prompts for t in p], dtype=np.int32), files)
+        _write_array(folder, "prompt_offsets", np.cumsum([0] + [len(p) for p in prompts], dtype=np.int64), files)
+        BUILDS["count"] += 1
+        seconds = round(time.perf_counter() - started, 2)
+        log.info("data store: encoded %d test prompt(s) in %.1f s", len(prompts), seconds)
+        _write_meta(folder, {"format": FORMAT_VERSION, "kind": "prompts", "key_parts": parts,
+                             "sources": _plain(sources), "files": files, "units": len(prompts),
+                             "build_seconds": seconds})
+
+    return _open_or_build(_root(cache_dir), f"prompts-{store_key(parts)}", build_into)

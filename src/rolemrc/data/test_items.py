@@ -1,5 +1,6 @@
 """Test items for evaluation and the training-time judge: ``data.test`` sources read,
-validated (file:line errors) and cut to a limit."""
+validated (file:line errors) and cut to a limit; their generation prompts encoded once into a
+:mod:`rolemrc.data.store` (``data.cache``) and read back by every later evaluation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from omegaconf import OmegaConf
 
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.data.store import open_or_build_prompts
+from rolemrc.data.templates import ChatFormat
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +41,17 @@ def load_test_items(data: Any, limit: int | None = None) -> tuple[list[TestItem]
     if not items:
         raise DataError("the test sources hold no items")
     return items, rolebench
+
+
+def generation_prompts(data: Any, items: list[TestItem], chat: ChatFormat) -> list[list[int]]:
+    """The generation prompt of each item (``chat.encode_prompt`` of its question). With
+    ``data.cache`` (the default) they come from the store of these questions' prompts (keyed by
+    the questions, the tokenizer, chat template and encoder code), built at the first start and
+    read back, with no encoding, at every later one; ``data.cache=false`` encodes them here."""
+    questions = [it.question for it in items]
+    if not data.get("cache", True):
+        return [chat.encode_prompt(q) for q in questions]
+    sources = data.get("test")
+    store = open_or_build_prompts(questions, chat, data.get("cache_dir"),
+                                  OmegaConf.to_container(sources, resolve=True) if OmegaConf.is_config(sources) else sources)
+    return store.prompts()

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mappi
 from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary
 from rolemrc.config import plain, typed
 from rolemrc.data.schemas import DataError
+from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.judge import cache_key
 from rolemrc.fileio import atomic_write_text
@@ -775,7 +776,9 @@ def restraint_hook(spec: str) -> Restraint:
 def prepare_generation(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
                        chat: Any) -> tuple[list[GenItem], list[int]]:
     """Prompt ids and stop tokens; refuses to resume into a folder made with other settings."""
-    gen_items = [GenItem(i, it.task, chat.encode_prompt(it.question)) for i, it in zip(ids, items, strict=True)]
+    # Encoded once into the data store (data.cache), read back by later starts
+    prompts = generation_prompts(cfg.data, list(items), chat)
+    gen_items = [GenItem(i, it.task, p) for i, it, p in zip(ids, items, prompts, strict=True)]
     stops = stop_token_ids(tokenizer, chat.eot)
     check_settings(cfg.out_dir, {
         "model": model_label(cfg),

@@ -1,0 +1,159 @@
+"""Evaluation's test prompts from the data store (rolemrc.data.store.open_or_build_prompts): the
+same prompt ids with and without the store, building and reusing; a second start encodes nothing;
+a changed question or tokenizer gets its own store; a damaged one is rebuilt; data.cache=false
+writes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from rolemrc import asset
+from rolemrc.build import build_chat
+from rolemrc.data import store as store_mod
+from rolemrc.data.templates import ChatFormat
+from rolemrc.data.test_items import generation_prompts, load_test_items
+from rolemrc.eval.generation import item_id, prepare_generation
+from tests.conftest import CONF
+
+
+def compose_eval(*overrides: str) -> DictConfig:
+    """``conf/evaluate.yaml`` (tiny model, sample test data) as ``python evaluate.py`` composes it."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("evaluate", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatFormat:
+    return ChatFormat(AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3")))
+
+
+def data_cfg(cache_dir: Path, cache: bool = True, path: str | None = None) -> DictConfig:
+    return OmegaConf.create({"test": [{"path": path or asset("sample/test.jsonl")}], "on_error": "raise",
+                             "cache": cache, "cache_dir": str(cache_dir)})
+
+
+def forbid_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("encoded a prompt on the second start")
+
+    for name in ("encode_prompt", "encode_prompts", "tokenize", "tokenize_many", "render"):
+        monkeypatch.setattr(ChatFormat, name, refuse)
+
+
+def test_prepare_generation_gives_the_same_prompts_with_and_without_the_store(tmp_path: Path) -> None:
+    seen = []
+    for k, cache in enumerate((False, True, True)):  # in memory, building, reusing
+        cfg = compose_eval(f"out_dir={tmp_path / f'eval{k}'}", f"data.cache={str(cache).lower()}",
+                           f"data.cache_dir={tmp_path / 'cache'}")
+        items, _ = load_test_items(cfg.data, cfg.limit)
+        chat = build_chat(cfg.model)
+        builds = store_mod.BUILDS["count"]
+        gen_items, stops = prepare_generation(cfg, items, [item_id(i, it.task, it.question) for i, it in enumerate(items)],
+                                              chat.tokenizer, chat)
+        assert store_mod.BUILDS["count"] - builds == (1 if k == 1 else 0)
+        seen.append(([(g.id, g.task, g.prompt_ids) for g in gen_items], stops))
+        if k == 0:  # the in-memory path is encode_prompt of each question
+            assert [g.prompt_ids for g in gen_items] == [chat.encode_prompt(it.question) for it in items]
+            assert not (tmp_path / "cache").exists()
+    assert seen[0] == seen[1] == seen[2]
+    assert len(seen[0][0]) == 54
+    assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_dir()] == ["prompts"]
+
+
+def test_a_second_start_encodes_no_prompt(chat, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    items, _ = load_test_items(data_cfg(tmp_path))
+    first = generation_prompts(data_cfg(tmp_path), items, chat)
+    builds = store_mod.BUILDS["count"]
+    forbid_encoding(monkeypatch)
+    again, _ = load_test_items(data_cfg(tmp_path))  # a new start reads the items again
+    second = generation_prompts(data_cfg(tmp_path), again, chat)
+    assert store_mod.BUILDS["count"] == builds
+    assert second == first and len(first) == len(items)
+
+
+def test_a_changed_question_or_tokenizer_gets_its_own_store(chat, tmp_path: Path) -> None:
+    records = [json.loads(line) for line in Path(asset("sample/test.jsonl")).read_text().splitlines()]
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+    items, _ = load_test_items(data_cfg(tmp_path / "c", path=str(data)))
+    before = generation_prompts(data_cfg(tmp_path / "c"), items, chat)
+    records[2]["question"][-1]["content"] += " Answer briefly."
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+    changed, _ = load_test_items(data_cfg(tmp_path / "c", path=str(data)))
+    builds = store_mod.BUILDS["count"]
+    after = generation_prompts(data_cfg(tmp_path / "c"), changed, chat)
+    assert store_mod.BUILDS["count"] == builds + 1
+    assert after[2] == chat.encode_prompt(changed[2].question) != before[2]
+    assert after[:2] + after[3:] == before[:2] + before[3:]
+    qwen = ChatFormat(AutoTokenizer.from_pretrained(asset("tokenizers/tiny-chatml")))
+    other = generation_prompts(data_cfg(tmp_path / "c"), changed, qwen)
+    assert store_mod.BUILDS["count"] == builds + 2
+    assert other == [qwen.encode_prompt(it.question) for it in changed]
+    assert len([p for p in (tmp_path / "c").iterdir() if p.is_dir()]) == 3
+
+
+def test_a_damaged_prompt_store_is_rebuilt(chat, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    items, _ = load_test_items(data_cfg(tmp_path))
+    first = generation_prompts(data_cfg(tmp_path), items, chat)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    ids = folder / "prompt.bin"
+    with ids.open("r+b") as fh:  # truncated by hand
+        fh.truncate(ids.stat().st_size // 2)
+    builds = store_mod.BUILDS["count"]
+    with caplog.at_level("WARNING", logger="rolemrc.data.store"):
+        again = generation_prompts(data_cfg(tmp_path), items, chat)
+    assert again == first and store_mod.BUILDS["count"] == builds + 1
+    assert "is damaged (prompt.bin has" in caplog.text
+
+
+# A template that, like several official ones, refuses a conversation the assistant opens.
+STRICT = (
+    "{%- if messages[0]['role'] == 'assistant' -%}"
+    "{{- raise_exception('Conversation must start with the user or the system') -}}"
+    "{%- endif -%}"
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("template", [None, "chatml", "strict"])
+def test_the_batch_encoders_give_the_one_by_one_ids(tmp_path: Path, template: str | None) -> None:
+    """What the store's build calls (one batch per chunk) equals encode_conversation/encode_prompt per
+    record, cut at max_length, with a conversation the template refuses given as its error in place."""
+    from rolemrc.data.schemas import PARSERS
+    from rolemrc.data.templates import TemplateRenderError
+
+    tok = AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3"))
+    if template == "strict":
+        (tmp_path / "strict.jinja").write_text(STRICT)
+        template = str(tmp_path / "strict.jinja")
+    chat = ChatFormat(tok, template=template)
+    lines = Path(asset("sample/sft.jsonl")).read_text().splitlines()[:24]
+    convs = [PARSERS["sft"](json.loads(line)).messages for line in lines]
+    convs.insert(3, [{"role": "assistant", "content": "Ahoy!"}, {"role": "user", "content": "Fog?"},
+                     {"role": "assistant", "content": ""}])  # opened by the assistant; an empty turn
+    for max_length in (None, 200):
+        batch = chat.encode_conversations(convs, max_length)
+        assert len(batch) == len(convs)
+        for conv, got in zip(convs, batch):
+            try:
+                want = chat.encode_conversation(conv, max_length)
+            except TemplateRenderError as err:
+                assert isinstance(got, TemplateRenderError) and str(got) == str(err)
+                continue
+            assert got == want
+        assert any(isinstance(b, TemplateRenderError) for b in batch) == (template is not None and "strict" in template)
+    questions = [c[:-1] for c in convs if c[0]["role"] != "assistant"]
+    assert chat.encode_prompts(questions) == [chat.encode_prompt(q) for q in questions]
+    assert chat.tokenize_many(["", "a b", "", "<|eot_id|> x"]) == [chat.tokenize(t) for t in ["", "a b", "", "<|eot_id|> x"]]

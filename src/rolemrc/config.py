@@ -561,9 +561,6 @@ class JudgeConfig:
     protocol: str = "verdict"
 
 
-EvalJudgeConfig = JudgeConfig  # the name before the judge config was shared with the callback
-
-
 @dataclass
 class EvaluateConfig:
     model: ModelConfig = MISSING

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemrc.objectives import DPOOutput, average_logps, dpo_loss, metrics
+from rolemrc.objectives import DPOOutput, average_logps, dpo_loss
 
 LOG2 = math.log(2.0)
 
@@ -115,28 +115,6 @@ def test_reference_logps_get_no_gradient():
     ref_c.requires_grad_(True)
     dpo_loss(pi_c, pi_r, ref_c, ref_r).losses.sum().backward()
     assert ref_c.grad is None
-
-
-def test_metrics_names_and_values():
-    pi_c, pi_r, ref_c, ref_r = pairs()
-    out = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.5)
-    m = metrics(out, pi_c, pi_r)
-    assert list(m) == [
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-    ]
-    # chosen rewards [0.5, -0.5], rejected [0.5 - ln2, -0.5]: pair 0 wins, pair 1 ties (not >).
-    assert m["rewards/chosen"].item() == pytest.approx(0.0)
-    assert m["rewards/rejected"].item() == pytest.approx((0.5 - LOG2 - 0.5) / 2)
-    assert m["rewards/accuracies"].item() == pytest.approx(0.5)
-    assert m["rewards/margins"].item() == pytest.approx(LOG2 / 2)
-    assert m["logps/chosen"].item() == pytest.approx(-4.0)
-    assert m["logps/rejected"].item() == pytest.approx(-5.5)
-    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
 
 
 def test_average_logps_for_ipo():

@@ -2,7 +2,7 @@
 
 ``logprobs``: memory-lean per-token / per-sequence log-probs from final hidden states + lm_head
 weight, and the SFT loss (:func:`token_nll`). ``dpo``: the DPO loss family over per-sequence log-probs,
-its reduction to a step's loss (:func:`preference_loss`) and its metrics. The training modules
+its reduction to a step's loss (:func:`preference_loss`). The training modules
 compute every loss term with these functions.
 """
 
@@ -12,7 +12,6 @@ from rolemrc.objectives.dpo import (
     LossType,
     average_logps,
     dpo_loss,
-    metrics,
     pair_mean,
     preference_loss,
 )
@@ -35,7 +34,6 @@ __all__ = [
     "SequenceLogProbs",
     "average_logps",
     "dpo_loss",
-    "metrics",
     "naive_token_logprobs",
     "pair_mean",
     "preference_loss",

@@ -34,7 +34,7 @@ from rolemrc.objectives.logprobs import token_nll
 LossType = Literal["sigmoid", "ipo", "hinge"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
 
-__all__ = ["LOSS_TYPES", "DPOOutput", "LossType", "average_logps", "dpo_loss", "metrics", "pair_mean",
+__all__ = ["LOSS_TYPES", "DPOOutput", "LossType", "average_logps", "dpo_loss", "pair_mean",
            "preference_loss"]
 
 
@@ -153,23 +153,3 @@ def preference_loss(
         raise ValueError("sft_weight > 0 needs num_chosen_tokens (the chosen responses' token count)")
     nll = token_nll(chosen_logps, num_chosen_tokens)
     return loss + sft_weight * nll, nll
-
-
-def metrics(
-    out: DPOOutput, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor
-) -> dict[str, Tensor]:
-    """Batch-mean scalars under the ecosystem's names (TRL-compatible W&B panels), detached.
-
-    TRL's ``rewards/*`` are ``beta * (summed policy - summed reference log-probs)`` for every loss
-    type: give ``out`` from summed log-probs (for IPO, whose loss takes averaged ones, the
-    training module computes the summed rewards itself and logs the averaged ones as
-    ``rewards_per_token/*``)."""
-    chosen, rejected = out.chosen_rewards, out.rejected_rewards
-    return {
-        "rewards/chosen": chosen.mean(),
-        "rewards/rejected": rejected.mean(),
-        "rewards/accuracies": (chosen > rejected).float().mean(),
-        "rewards/margins": (chosen - rejected).mean(),
-        "logps/chosen": policy_chosen_logps.detach().mean(),
-        "logps/rejected": policy_rejected_logps.detach().mean(),
-    }

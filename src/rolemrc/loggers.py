@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -94,7 +93,7 @@ class CSVLogger(_LightningCSVLogger):
     """``lightning.pytorch.loggers.CSVLogger`` that appends across resumes and writes every row
     as it is logged; same arguments (``flush_logs_every_n_steps`` defaults to 1)."""
 
-    def __init__(self, save_dir: _PATH, name: Optional[str] = "lightning_logs", version: Optional[int | str] = None,
+    def __init__(self, save_dir: str | Path, name: Optional[str] = "lightning_logs", version: Optional[int | str] = None,
                  prefix: str = "", flush_logs_every_n_steps: int = 1) -> None:
         super().__init__(save_dir=save_dir, name=name, version=version, prefix=prefix,
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
@@ -117,7 +116,7 @@ class WandbLogger(_LightningWandbLogger):
     a run resumed in its folder logs to the same W&B run (``resume="allow"``). An explicit ``id``
     wins; other arguments as Lightning's."""
 
-    def __init__(self, *args: Any, save_dir: _PATH = ".", id: Optional[str] = None, resume: Any = "allow",
+    def __init__(self, *args: Any, save_dir: str | Path = ".", id: Optional[str] = None, resume: Any = "allow",
                  **kwargs: Any) -> None:
         if id is None and kwargs.get("version") is None:
             id = self._run_id(Path(save_dir))

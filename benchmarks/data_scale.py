@@ -157,6 +157,7 @@ def trl_child(data: Path, out: Path, num_proc: int) -> None:
 
 def _launch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     """Run ``cmd``; wall seconds, and the peak RSS (MiB) of it and its waited-for children."""
+    load_before = load_average()
     start = time.time()
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -165,7 +166,8 @@ def _launch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({proc.returncode}); see {log}:\n"
                            + "\n".join(log.read_text().splitlines()[-15:]))
-    return {"start": start, "wall_s": round(time.time() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+    return {"start": start, "wall_s": round(time.time() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+            "load_before": load_before, "load_after": load_average()}
 
 
 def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, extra: list[str] = (),
@@ -176,6 +178,7 @@ def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, 
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "train.py", f"data.sft=[{{path: {data}}}]", "data.max_length=4096", "trainer.max_steps=1",
            "export.enabled=false", "callbacks=none", "logger=none", "trainer.enable_progress_bar=false",
+           "trainer.limit_val_batches=0",  # only the start is measured: no validation pass after the step
            f"data.cache={str(cache).lower()}", f"data.cache_dir={cache_dir}", f"hydra.run.dir={work / f'run-{tag}'}",
            "+callbacks.probe._target_=data_scale.Probe", f"+callbacks.probe.path={probe}",
            f"+callbacks.probe.touch={str(touch).lower()}", *extra]
@@ -203,14 +206,17 @@ def load_average() -> str:
 
 def report(label: str, result: dict[str, Any]) -> None:
     """One start's line: seconds to the first step and peak RSS."""
-    print(f"  {label}: {result['first_step_s']} s to first step, {result['peak_rss_mib']} MiB peak", flush=True)
+    print(f"  {label}: {result['first_step_s']} s to first step, {result['peak_rss_mib']} MiB peak "
+          f"(load average {result['load_before']} before, {result['load_after']} after)", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[12000, 48000])
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one, removed)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["nocache", "trl", "ddp"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["store", "nocache", "trl", "ddp"])
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's rows to those already in --out (a subset run completes a table)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "data_scale.json")
     p.add_argument("--trl-child", nargs=3, metavar=("DATA", "OUT", "NUM_PROC"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -233,7 +239,7 @@ def main() -> None:
             print(f"\n{n} records ({mb:.0f} MB), load average {load_average()}", flush=True)
             cache_dir = work / f"store-{n}"
             shutil.rmtree(cache_dir, ignore_errors=True)
-            for tag in ("first", "second"):
+            for tag in ("first", "second") if "store" not in args.skip else ():
                 row[f"rolemrc_{tag}"] = run_rolemrc(data, work, f"{n}-cache-{tag}", True, cache_dir)
                 report(f"rolemrc (store) {tag}", row[f"rolemrc_{tag}"])
             if "nocache" not in args.skip:
@@ -264,6 +270,12 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+    if args.merge and args.out.exists():  # this run's rows win; the others are kept as they were
+        old = json.loads(args.out.read_text())
+        for size, old_row in old.get("sizes", {}).items():
+            row = results["sizes"].setdefault(size, {})
+            row.update({k: v for k, v in old_row.items() if k not in row})
+        results["sizes"] = dict(sorted(results["sizes"].items(), key=lambda kv: int(kv[0])))
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1, default=str))
@@ -287,13 +299,16 @@ def print_table(results: dict[str, Any]) -> None:
                 if key is None and first in row:
                     cells.append("same work as first")
                 elif key in row:
-                    cells.append(f"{row[key]['first_step_s']} s / {row[key]['peak_rss_mib']} MiB")
+                    load = f" (load {row[key]['load_before'].split()[0]})" if "load_before" in row[key] else ""
+                    cells.append(f"{row[key]['first_step_s']} s / {row[key]['peak_rss_mib']} MiB{load}")
                 else:
                     cells.append("-")
         print(f"| {label} | " + " | ".join(cells) + " |")
     if len(sizes) >= 2:
         a, b = results["sizes"][sizes[0]], results["sizes"][sizes[-1]]
         for key in ("rolemrc_first", "rolemrc_second"):
+            if key not in a or key not in b:
+                continue
             growth = b[key]["peak_rss_mib"] / a[key]["peak_rss_mib"] - 1
             print(f"peak RSS growth {sizes[0]} -> {sizes[-1]} records, {key}: {growth:+.1%}")
     for n in sizes:

@@ -74,8 +74,8 @@ def test_the_second_start_encodes_nothing(chat, tmp_path: Path, monkeypatch: pyt
     def refuse(*args, **kwargs):
         raise AssertionError("encoded on the second start")
 
-    monkeypatch.setattr(ChatFormat, "encode_pair", refuse)
-    monkeypatch.setattr(ChatFormat, "encode_conversation", refuse)
+    for name in ("encode_pair", "encode_conversation", "encode_conversations", "tokenize", "tokenize_many"):
+        monkeypatch.setattr(ChatFormat, name, refuse)
     second = ChatDataModule(data_cfg("pairs", tmp_path), "pairs", chat)
     second.setup()
     assert store_mod.BUILDS["count"] == builds

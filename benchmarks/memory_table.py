@@ -8,8 +8,14 @@ Per row: the per-rank peak at the recipe's micro-batch with and without activati
 (one ``--simulate`` command each), and the largest micro-batch (``data.batch_size``) whose peak
 with checkpointing fits 90% of the device, on the line through two simulated peaks: the recipe's
 micro-batch and its double (simulated once per recipe, on the first device count: what a row
-adds, activations, is the same on any number of ranks). ``--verify`` also simulates that size
-and the next (it fits, the next does not). Every simulation is one command, printed with its
+adds, activations, is the same on any number of ranks). The line can be optimistic: where the
+recipe's micro-batch peaks late in the step (gradients, optimizer; DPO on 4 ranks) and larger ones
+peak early (activations), the two points straddle the phases and the slope comes out too low.
+``--verify`` therefore simulates the predicted size and walks from it, one row (DPO: pair) at a
+time, to the largest size that fits with the next one not fitting, and reports that size
+(``largest_batch_size_on``, the line's in ``predicted_batch_size_on``). ``--reuse`` takes a row's
+peaks with and without checkpointing (and its simulations) from ``--out`` instead of simulating
+them again (the simulation is deterministic). Every simulation is one command, printed with its
 result; results go to ``benchmarks/results/memory_table.json``.
 """
 
@@ -53,6 +59,21 @@ def largest_batch(limit_gib: float, base: int, peak: float, per_row: float) -> i
     return base + int((limit_gib - peak) // per_row)
 
 
+def verified_largest(recipe: str, devices: int, start: int, log: list[dict]) -> int:
+    """The largest ``data.batch_size`` whose simulated peak (checkpointing on) fits, with the next
+    size not fitting, walking one at a time from ``start`` (0: not even one fits)."""
+    size = start
+    if simulate(recipe, devices, True, size, log)["fits"]:
+        while simulate(recipe, devices, True, size + 1, log)["fits"]:
+            size += 1
+        return size
+    while size > 1:
+        size -= 1
+        if simulate(recipe, devices, True, size, log)["fits"]:
+            return size
+    return 0
+
+
 def _known_per_row(recipe: str, paths: list[Path]) -> float | None:
     """What a row adds for ``recipe``, from a results file that has it (read now: another process
     may have written it meanwhile)."""
@@ -69,7 +90,10 @@ def main() -> None:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--devices", default="4,8")
     p.add_argument("--verify", action="store_true",
-                   help="also simulate the predicted largest micro-batch and one more (2 simulations a row)")
+                   help="also simulate the predicted largest micro-batch and walk to the largest that fits "
+                        "(2 or more simulations a row)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take the peaks with and without checkpointing of rows already in --out")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_table.json")
     p.add_argument("--table", nargs="*", type=Path, help="only print the table of these result files")
     p.add_argument("--per-row-from", nargs="*", type=Path, default=[],
@@ -88,22 +112,34 @@ def main() -> None:
         for devices in (int(d) for d in args.devices.split(",")):
             key = f"{recipe}/{devices}"
             print(f"[{key}]", flush=True)
-            log: list[dict] = []
-            on = simulate(recipe, devices, True, None, log)
-            off = simulate(recipe, devices, False, None, log)
-            limit = on["headroom"] * on["device_memory_gb"]
+            old = rows.get(key) if args.reuse else None
+            if old is not None:
+                log = list(old.get("simulations", []))
+                rows_per = 2 if "dpo" in recipe else 1  # a DPO pair is two rows
+                on = {"peak_gib": old["on_gib"], "micro_batch": {"rows": old["batch_size"] * rows_per, "tokens": old["tokens"]}}
+                off = {"peak_gib": old["off_gib"]}
+                limit = old["limit_gib"]
+                print(f"  reused from {args.out}: ckpt on {on['peak_gib']:.1f} GiB, off {off['peak_gib']:.1f} GiB", flush=True)
+            else:
+                log = []
+                on = simulate(recipe, devices, True, None, log)
+                off = simulate(recipe, devices, False, None, log)
+                limit = on["headroom"] * on["device_memory_gb"]
             base = on["micro_batch"]["rows"] // (2 if "dpo" in recipe else 1)
             per_row = per_row or _known_per_row(recipe, [args.out, *args.per_row_from])
             if per_row is None:  # what one more row of the micro-batch adds (the same on any number of ranks)
                 double = simulate(recipe, devices, True, 2 * base, log)
                 per_row = (double["peak_gib"] - on["peak_gib"]) / base
             best = largest_batch(limit, base, on["peak_gib"], per_row)
-            row = {"recipe": recipe, "devices": devices, "batch_size": base, "tokens": on["micro_batch"]["tokens"],
-                   "on_gib": on["peak_gib"], "off_gib": off["peak_gib"], "per_row_gib": round(per_row, 4),
-                   "largest_batch_size_on": best, "verified": False, "limit_gib": limit, "simulations": log}
-            if args.verify and best >= 1:
-                row["verified"] = (simulate(recipe, devices, True, best, log)["fits"]
-                                   and not simulate(recipe, devices, True, best + 1, log)["fits"])
+            row = {"recipe": recipe, "devices": devices, "batch_size": base, "rows": on["micro_batch"]["rows"],
+                   "tokens": on["micro_batch"]["tokens"], "on_gib": on["peak_gib"], "off_gib": off["peak_gib"],
+                   "per_row_gib": round(per_row, 4), "predicted_batch_size_on": best, "largest_batch_size_on": best,
+                   "verified": False, "limit_gib": limit, "simulations": log}
+            if args.verify:
+                row["largest_batch_size_on"] = verified_largest(recipe, devices, max(best, 1), log)
+                row["verified"] = True
+            if old is not None and "note" in old:
+                row["note"] = old["note"]
             rows[key] = row
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=2) + "\n")

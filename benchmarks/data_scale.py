@@ -78,7 +78,8 @@ try:
             if self.done:
                 return
             self.done = True
-            record: dict[str, Any] = {"first_step": time.time(), "rank": trainer.global_rank}
+            record: dict[str, Any] = {"first_step": time.time(), "rank": trainer.global_rank,
+                                      "cpu_s": _cpu_seconds()}
             dm = trainer.datamodule
             store = getattr(dm, "store", None)
             if self.touch and store is not None:
@@ -91,6 +92,14 @@ try:
             (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 except ImportError:  # the TRL child and the driver do not need it
     pass
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds so far of this process and its finished children (the store's encoder workers)."""
+    import resource
+
+    return round(sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)), 1)
 
 
 def _status_kib(field: str) -> int:
@@ -166,8 +175,9 @@ def _launch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({proc.returncode}); see {log}:\n"
                            + "\n".join(log.read_text().splitlines()[-15:]))
+    # CPU seconds of the process and its children (encoder workers): what the start costs whatever the load
     return {"start": start, "wall_s": round(time.time() - start, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024),
-            "load_before": load_before, "load_after": load_average()}
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "load_before": load_before, "load_after": load_average()}
 
 
 def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, extra: list[str] = (),
@@ -185,6 +195,8 @@ def run_rolemrc(data: Path, work: Path, tag: str, cache: bool, cache_dir: Path, 
     result = _launch(cmd, env, work / f"{tag}.log")
     ranks = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
     result["first_step_s"] = round(ranks[0]["first_step"] - result["start"], 1)
+    if "cpu_s" in ranks[0]:
+        result["cpu_to_first_step_s"] = ranks[0]["cpu_s"]
     result["ranks"] = ranks
     return result
 
@@ -206,7 +218,8 @@ def load_average() -> str:
 
 def report(label: str, result: dict[str, Any]) -> None:
     """One start's line: seconds to the first step and peak RSS."""
-    print(f"  {label}: {result['first_step_s']} s to first step, {result['peak_rss_mib']} MiB peak "
+    cpu = f", {result['cpu_to_first_step_s']} CPU s to it" if "cpu_to_first_step_s" in result else ""
+    print(f"  {label}: {result['first_step_s']} s to first step, {result['peak_rss_mib']} MiB peak{cpu} "
           f"(load average {result['load_before']} before, {result['load_after']} after)", flush=True)
 
 

@@ -26,6 +26,12 @@ and end-of-turn marker, ``max_length``, ``max_prompt_length``, ``on_error`` and 
 (this module, readers, schemas, roles, templates, packing) and the tokenizers/transformers/jinja2
 versions. A changed input gets a new key and is built; an unchanged one is reused.
 
+Evaluation's test prompts have a store of their own (``prompts-<key>/``: ``prompt`` int32 ids and
+``prompt_offsets``, one prompt per test item in order; :func:`open_or_build_prompts`), keyed by the
+questions' content (roles and contents, in order), the tokenizer, chat template and the encoder's
+code: the items are read and validated at every start anyway (their references feed the metrics),
+so their content is at hand, and a digest of it is a stricter key than the files' identity.
+
 Building: under a file lock (``<key>.lock``), into ``<key>.tmp-<pid>`` renamed into place when
 complete; a killed build leaves only a tmp folder that the next build removes. A store whose files
 do not match their recorded sizes and checksums is logged, removed and rebuilt. Input files are

@@ -74,7 +74,7 @@ def test_the_second_start_encodes_nothing(chat, tmp_path: Path, monkeypatch: pyt
     def refuse(*args, **kwargs):
         raise AssertionError("encoded on the second start")
 
-    for name in ("encode_pair", "encode_conversation", "encode_conversations", "tokenize", "tokenize_many"):
+    for name in ("encode_pair", "encode_pairs", "encode_conversation", "encode_conversations", "tokenize", "tokenize_many"):
         monkeypatch.setattr(ChatFormat, name, refuse)
     second = ChatDataModule(data_cfg("pairs", tmp_path), "pairs", chat)
     second.setup()

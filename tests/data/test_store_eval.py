@@ -129,8 +129,9 @@ STRICT = (
 
 @pytest.mark.parametrize("template", [None, "chatml", "strict"])
 def test_the_batch_encoders_give_the_one_by_one_ids(tmp_path: Path, template: str | None) -> None:
-    """What the store's build calls (one batch per chunk) equals encode_conversation/encode_prompt per
-    record, cut at max_length, with a conversation the template refuses given as its error in place."""
+    """What the store's build calls (one batch per chunk) equals encode_conversation/encode_prompt/
+    encode_pair per record, cut at the lengths, with a record the template refuses given as its
+    error in place."""
     from rolemrc.data.schemas import PARSERS
     from rolemrc.data.templates import TemplateRenderError
 
@@ -156,4 +157,19 @@ def test_the_batch_encoders_give_the_one_by_one_ids(tmp_path: Path, template: st
         assert any(isinstance(b, TemplateRenderError) for b in batch) == (template is not None and "strict" in template)
     questions = [c[:-1] for c in convs if c[0]["role"] != "assistant"]
     assert chat.encode_prompts(questions) == [chat.encode_prompt(q) for q in questions]
+    pairs = [(p.prompt, p.chosen, p.rejected) for p in (PARSERS["pairs"](json.loads(line)) for line in
+                                                         Path(asset("sample/pairs.jsonl")).read_text().splitlines()[:12])]
+    pairs.insert(2, ([{"role": "assistant", "content": "Ahoy!"}, {"role": "user", "content": "Fog?"}], "Thick.", "No."))
+    for max_length, max_prompt_length in ((4096, 3072), (160, 120)):  # nothing cut; prompts and responses cut
+        batch = chat.encode_pairs(pairs, max_length, max_prompt_length)
+        for (prompt, chosen, rejected), got in zip(pairs, batch, strict=True):
+            try:
+                want = chat.encode_pair(prompt, chosen, rejected, max_length, max_prompt_length)
+            except TemplateRenderError as err:
+                assert isinstance(got, TemplateRenderError) and str(got) == str(err)
+                continue
+            assert got == want
+        assert any(isinstance(b, TemplateRenderError) for b in batch) == (template is not None and "strict" in template)
+        assert any(b.prompt_truncated or b.response_truncated for b in batch if not isinstance(b, TemplateRenderError)) \
+            == (max_length == 160)
     assert chat.tokenize_many(["", "a b", "", "<|eot_id|> x"]) == [chat.tokenize(t) for t in ["", "a b", "", "<|eot_id|> x"]]

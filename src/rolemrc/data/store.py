@@ -235,7 +235,8 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
             continue
         parsed.append((len(out), file, line, example))
         out.append(None)
-    if kind == "sft":  # the chunk's conversations tokenised in one batch call (the same ids)
+    # the chunk's conversations (pairs) tokenised in one batch call: the ids of one by one
+    if kind == "sft":
         encoded = chat.encode_conversations([ex.messages for _, _, _, ex in parsed], _WORK["max_length"])
         for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
             if isinstance(enc, TemplateRenderError):
@@ -246,12 +247,11 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
             out[k] = ("ok", file, line, not mask.any(), int(enc.truncated), ids.tobytes(),
                       mask.astype(np.uint8).tobytes(), int(mask[1:].sum()), int(mask.sum()))
         return out  # type: ignore[return-value]
-    for k, file, line, example in parsed:
-        try:
-            enc = chat.encode_pair(example.prompt, example.chosen, example.rejected, _WORK["max_length"],
-                                   _WORK["max_prompt_length"])
-        except TemplateRenderError as err:
-            out[k] = ("tpl", file, line, str(err))
+    encoded_pairs = chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for _, _, _, ex in parsed],
+                                      _WORK["max_length"], _WORK["max_prompt_length"])
+    for (k, file, line, _), enc in zip(parsed, encoded_pairs, strict=True):
+        if isinstance(enc, TemplateRenderError):
+            out[k] = ("tpl", file, line, str(enc))
             continue
         flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
         out[k] = ("ok", file, line, not enc.chosen_ids or not enc.rejected_ids, flags,

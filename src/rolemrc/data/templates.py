@@ -201,10 +201,12 @@ class ChatFormat:
 
     def encode_response(self, prompt: list[Message], response: str) -> list[int]:
         """Tokens of ``response`` as the assistant turn after ``prompt``, plus end-of-turn."""
-        _, spans = self.assistant_spans(prompt + [{"role": "assistant", "content": response}])
-        text = self.render(prompt + [{"role": "assistant", "content": response}])
+        return self.tokenize(self._response_text(prompt, response))
+
+    def _response_text(self, prompt: list[Message], response: str) -> str:
+        text, spans = self.assistant_spans(prompt + [{"role": "assistant", "content": response}])
         start, end = spans[-1]
-        return self.tokenize(text[start:end])
+        return text[start:end]
 
     def encode_pair(
         self, prompt: list[Message], chosen: str, rejected: str, max_length: int, max_prompt_length: int
@@ -213,14 +215,35 @@ class ChatFormat:
         right so prompt + response fits ``max_length``: every row is at most ``max_length``."""
         check_pair_lengths(max_length, max_prompt_length)
         prompt_ids = self.encode_prompt(prompt)
-        prompt_truncated = len(prompt_ids) > max_prompt_length
-        if prompt_truncated:
-            prompt_ids = prompt_ids[-max_prompt_length:]
-        room = max_length - len(prompt_ids)
-        chosen_ids = self.encode_response(prompt, chosen)
-        rejected_ids = self.encode_response(prompt, rejected)
-        response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
-        return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)
+        return _cut_pair(prompt_ids, self.encode_response(prompt, chosen), self.encode_response(prompt, rejected),
+                         max_length, max_prompt_length)
+
+    def encode_pairs(self, pairs: list[tuple[list[Message], str, str]], max_length: int,
+                     max_prompt_length: int) -> list[EncodedPair | TemplateRenderError]:
+        """:meth:`encode_pair` of each ``(prompt, chosen, rejected)`` (the same ids), their texts
+        tokenised in one :meth:`tokenize_many` call; a pair the template cannot render gives its
+        :class:`TemplateRenderError` in its place."""
+        check_pair_lengths(max_length, max_prompt_length)
+        texts: list[list[str] | TemplateRenderError] = []
+        for prompt, chosen, rejected in pairs:
+            try:
+                texts.append([self.render(prompt, add_generation_prompt=True), self._response_text(prompt, chosen),
+                              self._response_text(prompt, rejected)])
+            except TemplateRenderError as err:
+                texts.append(err)
+        ids = iter(self.tokenize_many([t for x in texts if isinstance(x, list) for t in x]))
+        return [x if isinstance(x, TemplateRenderError)
+                else _cut_pair(next(ids), next(ids), next(ids), max_length, max_prompt_length) for x in texts]
+
+
+def _cut_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+              max_prompt_length: int) -> EncodedPair:
+    prompt_truncated = len(prompt_ids) > max_prompt_length
+    if prompt_truncated:
+        prompt_ids = prompt_ids[-max_prompt_length:]
+    room = max_length - len(prompt_ids)
+    response_truncated = max(len(chosen_ids), len(rejected_ids)) > room
+    return EncodedPair(prompt_ids, chosen_ids[:room], rejected_ids[:room], prompt_truncated, response_truncated)
 
 
 def _assemble(pieces: list[list[int]], trained: list[bool], max_length: int | None) -> EncodedConversation:

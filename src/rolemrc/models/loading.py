@@ -23,6 +23,15 @@ from rolemrc.models.logprob_head import install_logprob_head
 log = logging.getLogger(__name__)
 
 
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _offline_hint(key: str, source: str) -> str:
+    return (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
+            f"where there is network (`hf download {source}`) or point {key} at a local folder.")
+
+
 @contextmanager
 def _naming(key: str, source: str) -> Iterator[None]:
     """transformers' OSError for weights it cannot find, with the config key that named them and,
@@ -30,20 +39,26 @@ def _naming(key: str, source: str) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        hint = ""
-        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-            hint = (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
-                    f"where there is network (`hf download {source}`) or point {key} at a local folder.")
+        hint = _offline_hint(key, source) if _hub_offline() else ""
         raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
 
 
 def check_source(value: str | None, key: str) -> None:
     """A local folder that does not exist is named as such (transformers' own error would talk
-    about repository ids). A hub id is ``owner/name``; anything else is taken as local."""
+    about repository ids). A hub id is ``owner/name``; anything else is taken as local. With the
+    hub switched off, a hub id whose files are not in the local cache is refused here, before
+    anything slow runs (transformers would find out only when loading)."""
     if value is None or Path(value).expanduser().exists():
         return
     if value.startswith((".", "/", "~")) or value.count("/") > 1:
         raise InputNotFound(f"{key}={value}: no such folder (a hub id is written owner/name)")
+    if _hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        wanted = "tokenizer_config.json" if key.endswith("tokenizer") else "config.json"
+        if not isinstance(try_to_load_from_cache(value, wanted), str):
+            raise ModelSourceError(f"{key}={value}: cannot load it (no {wanted} of it in the local hub cache)."
+                                   + _offline_hint(key, value))
 
 
 def check_model_cfg(cfg: Any) -> None:

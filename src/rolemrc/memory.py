@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import open_dict
+
 from rolemrc import ASSETS
 from rolemrc.config import check_train_config, checkpointing_setting, register, upgrade_train_config
 from rolemrc.entry import entry_point
@@ -212,9 +214,6 @@ def resolve_checkpointing(cfg: Any) -> bool:
     (:func:`decide_by_simulation`) where ``runtime.simulate_memory`` is on and the run can be
     simulated; otherwise (or when the simulation fails) from the formula
     (:func:`choose_checkpointing`), and says so."""
-    from omegaconf import open_dict
-
-
     choice, why = choose_checkpointing(cfg)
     if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
         choice, why = decide_by_simulation(cfg, formula=(choice, why))

@@ -21,6 +21,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.data.test_items import generation_prompts, load_test_items
 from rolemrc.eval.generation import item_id, prepare_generation
 from tests.conftest import CONF
+from tests.data.test_bad_input import STRICT
 
 
 def compose_eval(*overrides: str) -> DictConfig:
@@ -112,19 +113,6 @@ def test_a_damaged_prompt_store_is_rebuilt(chat, tmp_path: Path, caplog: pytest.
         again = generation_prompts(data_cfg(tmp_path), items, chat)
     assert again == first and store_mod.BUILDS["count"] == builds + 1
     assert "is damaged (prompt.bin has" in caplog.text
-
-
-# A template that, like several official ones, refuses a conversation the assistant opens.
-STRICT = (
-    "{%- if messages[0]['role'] == 'assistant' -%}"
-    "{{- raise_exception('Conversation must start with the user or the system') -}}"
-    "{%- endif -%}"
-    "{{- bos_token -}}"
-    "{%- for m in messages -%}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
 
 
 @pytest.mark.parametrize("template", [None, "chatml", "strict"])

@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml scripts/provision_nltk.sh
 demo: $(STAMP)
 	bash scripts/demo.sh
 
+# The suite on TEST_WORKERS processes (pytest-xdist; tests/conftest.py keeps those that share
+# something outside their tmp_path on one worker). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

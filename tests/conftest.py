@@ -85,3 +85,18 @@ def fake_openai(api_key_env: tuple[str, str]):
 
     with FakeOpenAI(api_key=api_key_env[1]) as server:
         yield server
+
+
+# ---------------------------------------------------------------- parallel runs (pytest-xdist)
+
+# `make test` runs the suite on several workers (`-n`, `--dist loadgroup`). Tests that share
+# something outside their tmp_path run on one worker, one after another: the SLURM cluster.
+SHARED_OUTSIDE_TMP = {"slurm": ("tests/slurm/",)}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for group, prefixes in SHARED_OUTSIDE_TMP.items():
+            if item.nodeid.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(group))

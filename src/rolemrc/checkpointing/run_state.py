@@ -28,6 +28,7 @@ Lightning itself wrote, so a change of Lightning's format fails there.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -179,11 +180,13 @@ def reopen_epoch_stopped_by_max_steps(checkpoint: dict[str, Any]) -> bool:
 
 
 def completed_epochs(checkpoint: dict[str, Any]) -> int:
-    """Complete epochs a checkpoint's run trained (an epoch ``max_steps`` cut short is not one)."""
+    """Complete epochs a checkpoint's run trained (an epoch ``max_steps`` cut short is not one);
+    ``checkpoint`` is left as it is."""
     if not (checkpoint.get("loops") or {}).get("fit_loop"):
         return 0
-    reopen_epoch_stopped_by_max_steps(checkpoint)
-    return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+    probe = {"loops": copy.deepcopy(checkpoint["loops"])}
+    reopen_epoch_stopped_by_max_steps(probe)
+    return int(probe["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
 
 
 def lr_from_schedule(trainer: L.Trainer) -> None:

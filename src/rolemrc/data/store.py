@@ -238,26 +238,29 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
     # the chunk's conversations (pairs) tokenised in one batch call: the ids of one by one
     if kind == "sft":
         encoded = chat.encode_conversations([ex.messages for _, _, _, ex in parsed], _WORK["max_length"])
-        for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
-            if isinstance(enc, TemplateRenderError):
-                out[k] = ("tpl", file, line, str(enc))
-                continue
-            ids = np.asarray(enc.input_ids, dtype=np.int32)
-            mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
-            out[k] = ("ok", file, line, not mask.any(), int(enc.truncated), ids.tobytes(),
-                      mask.astype(np.uint8).tobytes(), int(mask[1:].sum()), int(mask.sum()))
-        return out  # type: ignore[return-value]
-    encoded_pairs = chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for _, _, _, ex in parsed],
-                                      _WORK["max_length"], _WORK["max_prompt_length"])
-    for (k, file, line, _), enc in zip(parsed, encoded_pairs, strict=True):
-        if isinstance(enc, TemplateRenderError):
-            out[k] = ("tpl", file, line, str(enc))
-            continue
-        flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
-        out[k] = ("ok", file, line, not enc.chosen_ids or not enc.rejected_ids, flags,
-                  np.asarray(enc.prompt_ids, np.int32).tobytes(), np.asarray(enc.chosen_ids, np.int32).tobytes(),
-                  np.asarray(enc.rejected_ids, np.int32).tobytes())
+        row = _sft_row
+    else:
+        encoded = chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for _, _, _, ex in parsed],
+                                    _WORK["max_length"], _WORK["max_prompt_length"])
+        row = _pair_row
+    for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
+        out[k] = ("tpl", file, line, str(enc)) if isinstance(enc, TemplateRenderError) else ("ok", file, line, *row(enc))
     return out  # type: ignore[return-value]
+
+
+def _sft_row(enc: Any) -> tuple:
+    """(no trained token, truncated, ids, loss mask, shifted trained tokens, trained tokens)."""
+    ids = np.asarray(enc.input_ids, dtype=np.int32)
+    mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
+    return (not mask.any(), int(enc.truncated), ids.tobytes(), mask.astype(np.uint8).tobytes(), int(mask[1:].sum()),
+            int(mask.sum()))
+
+
+def _pair_row(enc: Any) -> tuple:
+    """(a side empty, truncation flags, prompt, chosen and rejected ids)."""
+    flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
+    return (not enc.chosen_ids or not enc.rejected_ids, flags, np.asarray(enc.prompt_ids, np.int32).tobytes(),
+            np.asarray(enc.chosen_ids, np.int32).tobytes(), np.asarray(enc.rejected_ids, np.int32).tobytes())
 
 
 # ------------------------------------------------------------------------------------------- writing

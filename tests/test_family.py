@@ -84,3 +84,21 @@ def test_a_family_with_other_block_names_is_one_entry(monkeypatch) -> None:
     monkeypatch.setitem(family.FAMILIES, "llama", family.Family("llama", mlp=("ff",)))
     layer = family.decoder_layers(model)[0]
     assert family.site_module(layer, "mlp_out", family.family_of(model)) is layer.ff
+
+
+def test_attention_implementation_follows_transformers_setter() -> None:
+    """The one read of a transformers internal (no public getter): it must follow
+    ``set_attn_implementation``, through a PEFT wrapper too, and a registered name switches."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation="eager"))
+    assert family.attention_implementation(model) == "eager"
+    model.set_attn_implementation("sdpa")
+    assert family.attention_implementation(model) == "sdpa"
+    AttentionInterface.register("family_test_sdpa", sdpa_attention_forward)
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert family.set_attention_implementation(wrapped, "family_test_sdpa")
+    assert family.attention_implementation(wrapped) == "family_test_sdpa"
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.isfinite(wrapped(input_ids=ids).logits).all()  # the registered function runs

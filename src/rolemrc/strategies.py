@@ -7,6 +7,9 @@ import logging
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from rolemrc.checkpointing.io import AtomicModelParallelStrategy
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +34,8 @@ def build_strategy(cfg: Any) -> Any:
     if s.name == "single":
         return "auto"
     if s.name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
         return DDPStrategy(find_unused_parameters=False)
     if s.name == "fsdp":
-        from rolemrc.checkpointing.io import AtomicModelParallelStrategy
-
         if cfg.model.quantization.load_in_4bit:
             raise ValueError(
                 "strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "

@@ -15,6 +15,7 @@ from rolemrc.data.packing import best_fit_decreasing, item_length, item_pieces, 
 from rolemrc.data.templates import ChatFormat
 from rolemrc.objectives import IGNORE_INDEX
 from rolemrc.models.loading import load_model, load_tokenizer
+from rolemrc.models.family import attention_implementation
 from rolemrc.build import build_module
 from rolemrc.models import packed_attention
 from tests.conftest import compose_train
@@ -143,7 +144,7 @@ def test_installed_attention_leaves_unpacked_calls_alone(tmp_path) -> None:
         after = net(**batch).logits
         generated = net.generate(batch["input_ids"][:1], max_new_tokens=3, do_sample=False)
     assert torch.equal(before, after) and generated.shape == (1, 7)
-    assert net.config._attn_implementation == packed_attention.PREFIX + "eager"
+    assert attention_implementation(net) == packed_attention.PREFIX + "eager"
     net.save_pretrained(tmp_path)
     assert "rolemrc" not in (tmp_path / "config.json").read_text()
 

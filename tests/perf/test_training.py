@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from rolemrc.callbacks.throughput import ThroughputMonitor, batch_counts, peak_flops
+from rolemrc.callbacks.throughput import ThroughputMonitor, batch_counts, model_flop_coefficients, peak_flops
 from rolemrc.data.collate import PackedCollator, SFTCollator
 from rolemrc.train import run
 from tests import recorder
@@ -94,12 +96,19 @@ def test_throughput_counts_and_mfu() -> None:
     assert peak_flops("Some CPU", "bf16-mixed") is None
 
     class FakeTrainer:
-        world_size, is_global_zero, loggers, global_step, log_every_n_steps = 1, True, [], 0, 1
+        world_size, is_global_zero, loggers, global_step, log_every_n_steps, precision = 1, True, [], 0, 1, "32-true"
 
-    monitor = ThroughputMonitor(log_every_n_steps=1, skip_first=0)
-    monitor._coef, monitor._peak = (6.0, 60.0, 12.0), 1e3  # per token, per trained token, per pair
-    monitor._t0 = 0.0
-    monitor.on_train_batch_end(FakeTrainer(), None, None, PackedCollator(0)([rows]), 0)
-    flops = 6 * 7 + 60 * 4 + 12 * 16
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1))
+    module = SimpleNamespace(model=net, device=torch.device("cpu"))
+    monitor = ThroughputMonitor(log_every_n_steps=1, skip_first=1, peak_tflops=1e-9)  # 1e3 FLOP/s, on any device
+    monitor.on_train_start(FakeTrainer(), module)
+    batch = PackedCollator(0)([rows])
+    monitor.on_train_batch_end(FakeTrainer(), module, None, batch, 0)  # warm-up: starts the clock
+    assert monitor.last == {}
+    monitor.on_train_batch_end(FakeTrainer(), module, None, batch, 1)
+    per_token, per_trained, per_pair = model_flop_coefficients(net)
+    flops = per_token * 7 + per_trained * 4 + per_pair * 16
     last = monitor.last
     assert last["perf/mfu"] == pytest.approx(flops / last["perf/step_time_s"] / 1e3, rel=1e-6)

@@ -11,7 +11,7 @@ Every ``log_every_n_steps`` training batches, over the batches since the last lo
 - ``perf/padding_fraction``: share of the token slots the forward computes that is padding (0 for
   packed batches, which are flattened to their real tokens first);
 - ``perf/step_time_s``: mean seconds per training batch;
-- ``perf/mfu`` (CUDA only): model FLOPs per second over the devices' peak. Model FLOPs are the ones
+- ``perf/mfu`` (CUDA, or any device given ``peak_tflops``): model FLOPs per second over the devices' peak. Model FLOPs are the ones
   the policy's training step needs, from the model config: ``6 x`` the non-embedding parameters
   per input token, ``6 x`` the lm_head per trained token (rolemrc applies the head only there),
   and causal attention, ``12 x layers x attention width`` per (query, visible key) pair, counted
@@ -145,15 +145,14 @@ class ThroughputMonitor(L.Callback):
             log.info("throughput: no model FLOPs (%s); MFU not logged", err)
             self._coef = None
         self._peak = None
-        if pl_module.device.type == "cuda":
-            if self.peak_tflops:
-                self._peak = float(self.peak_tflops) * 1e12
-            else:
-                name = torch.cuda.get_device_name(pl_module.device)
-                self._peak = peak_flops(name, trainer.precision)
-                if self._peak is None:
-                    log.warning("throughput: unknown peak FLOP/s for %r; set callbacks.throughput.peak_tflops "
-                                "to log perf/mfu", name)
+        if self.peak_tflops:  # named by the user: MFU against it on any device
+            self._peak = float(self.peak_tflops) * 1e12
+        elif pl_module.device.type == "cuda":
+            name = torch.cuda.get_device_name(pl_module.device)
+            self._peak = peak_flops(name, trainer.precision)
+            if self._peak is None:
+                log.warning("throughput: unknown peak FLOP/s for %r; set callbacks.throughput.peak_tflops "
+                            "to log perf/mfu", name)
         self._reset()
         self._seen = 0
 

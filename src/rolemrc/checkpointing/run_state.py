@@ -14,10 +14,15 @@ A checkpoint holds, besides the weights and the optimizer (Lightning's own):
 - **requeue bookkeeping** on SLURM (:class:`SlurmRequeue`: ``hpc_ckpt_<n>.ckpt`` at a step
   boundary, then ``scontrol requeue``).
 
-The DPO reference's precomputed log-prob tables travel in every checkpoint too; they are the
-reference's own state (:mod:`rolemrc.modules.reference`), saved by its module's hooks. Which folder
-``ckpt_path=last`` continues is decided before Hydra starts (:mod:`rolemrc.resume`), and the
-loggers continue their files themselves (:mod:`rolemrc.loggers`).
+- **the state of the run's other parts**: each object the LightningModule lists in its
+  ``run_state_parts()`` (``state_dict()`` -> top-level checkpoint entries, ``load_state_dict(checkpoint)``),
+  saved and restored by :class:`RunState`: the DPO reference's precomputed log-prob tables
+  (:mod:`rolemrc.modules.reference` computes them and says which rows they belong to).
+
+Two things continue from the run folder rather than the checkpoint, because they start before
+any checkpoint is read: which folder ``ckpt_path=last`` continues is decided before Hydra starts
+(:mod:`rolemrc.resume`), and the loggers continue their files (:mod:`rolemrc.loggers`: the CSV
+rows after the resumed step are replaced, the W&B run id is kept in the folder).
 
 One Lightning gap needs its private checkpoint format: at the end of a run stopped by
 ``max_steps`` Lightning saves its loop state as if the epoch had finished.
@@ -200,9 +205,17 @@ def lr_from_schedule(trainer: L.Trainer) -> None:
                 group["lr"] = base * lam(sched.last_epoch)
 
 
+def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:
+    """The objects whose state ``pl_module`` wants in every checkpoint (its ``run_state_parts()``;
+    none for a module without one)."""
+    parts = getattr(pl_module, "run_state_parts", None)
+    return tuple(parts()) if callable(parts) else ()
+
+
 class RunState(L.Callback):
-    """Saves the RNG states with every checkpoint and restores them when training starts (after
-    Lightning's own setup consumed random numbers); puts the learning rate where this run's
+    """Saves the RNG states, and the state of the module's :func:`run_state_parts`, with every
+    checkpoint and restores them (the parts' as Lightning restores the checkpoint, the RNG states
+    when training starts, after Lightning's own setup consumed random numbers); puts the learning rate where this run's
     schedule has it; reopens an epoch ``max_steps`` cut short; and saves ``last.ckpt`` of each
     ``save_last`` ModelCheckpoint when training ends at a step no checkpoint holds yet
     (``every_n_train_steps`` saves on those steps only: a run of 10 steps checkpointed every 4
@@ -214,6 +227,8 @@ class RunState(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()
+        for part in run_state_parts(pl_module):
+            checkpoint.update(part.state_dict())
         self._saved_step = trainer.global_step
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -222,6 +237,8 @@ class RunState(L.Callback):
             log.info("resuming at step %d inside epoch %d, which trainer.max_steps had stopped",
                      checkpoint.get("global_step", -1), checkpoint["epoch"])
         self._rng_to_restore = checkpoint.get(RNG_KEY)
+        for part in run_state_parts(pl_module):
+            part.load_state_dict(checkpoint)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._rng_to_restore is not None:

@@ -43,6 +43,7 @@ from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.judge import cache_key
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import count_parameters, load_model
+from rolemrc.probing.restraint import load_restraint
 
 if TYPE_CHECKING:
     from rolemrc.data.schemas import TestItem
@@ -763,13 +764,6 @@ def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
 
 def restraint_hook(spec: str) -> Restraint:
     """``restraint=<spec>`` -> a function giving the context manager active while generating."""
-    try:
-        from rolemrc.probing.restraint import load_restraint
-    except ImportError as err:
-        raise ImportError(
-            f"restraint={spec!r} needs rolemrc.probing.restraint (neuron restraint), which could not be "
-            f"imported: {err}"
-        ) from err
     return lambda model: load_restraint(spec, model)
 
 

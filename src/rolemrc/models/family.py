@@ -107,6 +107,27 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer_block(layer, family_of(model).attention) for layer in decoder_layers(model)]
 
 
+def attention_implementation(model: nn.Module) -> str:
+    """The attention function ``model`` runs: ``sdpa``, ``eager``, ``flash_attention_2`` or a name
+    registered with transformers' ``AttentionInterface``.
+
+    transformers sets it with the public ``set_attn_implementation`` but has no public getter;
+    this reads the config's ``_attn_implementation``, rolemrc's one read of a transformers
+    internal. tests/test_family.py checks it follows ``set_attn_implementation``, so a change in
+    transformers fails there."""
+    return base_model(model).config._attn_implementation
+
+
+def set_attention_implementation(model: nn.Module, name: str) -> bool:
+    """Switch ``model`` (maybe PEFT-wrapped) to the attention function ``name`` through
+    transformers' ``set_attn_implementation``; False when the model cannot switch (its attention
+    does not go through ``AttentionInterface``)."""
+    base = base_model(model)
+    if attention_implementation(base) != name:
+        base.set_attn_implementation(name)
+    return attention_implementation(base) == name
+
+
 def tied_embeddings(model: nn.Module) -> bool:
     """True when the output head and the input embeddings share one weight."""
     head, embed = output_head(model), input_embeddings(model)

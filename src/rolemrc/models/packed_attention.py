@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rolemrc.config import PACKED_ATTENTION
-from rolemrc.models.family import base_model, input_embeddings
+from rolemrc.models.family import attention_implementation, base_model, input_embeddings, set_attention_implementation
 
 log = logging.getLogger(__name__)
 
 PREFIX = "rolemrc_packed_"  # registered attention name = PREFIX + the model's original one
+# What was logged once per model (kept here, not as attributes on transformers' modules).
+_KERNEL_LOGGED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_ROUTE_LOGGED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 LAYOUT_KWARG = "packed_layout"
 ROUTES = tuple(r for r in PACKED_ATTENTION if r != "auto")  # segments, flash_varlen, mask
 
@@ -141,8 +145,8 @@ def attend_segments(
     """
     b, hq, t, d = query.shape
     flash = _use_flash_attn(query)
-    if getattr(module, "_rolemrc_packed_kernel", None) is None and getattr(module, "layer_idx", 0) == 0:
-        module._rolemrc_packed_kernel = True
+    if getattr(module, "layer_idx", 0) == 0 and module not in _KERNEL_LOGGED:
+        _KERNEL_LOGGED.add(module)
         log.info("packed attention kernel: %s", "flash_attn_varlen_func (all pieces in one call)" if flash
                  else "scaled_dot_product_attention per piece")
     if flash:
@@ -218,24 +222,22 @@ def _dispatcher(original: str) -> Callable:
 def install_segment_attention(model: nn.Module) -> bool:
     """Route ``model``'s attention through the packed-aware dispatcher; False if it cannot be.
 
-    Only the in-memory config changes (``_attn_implementation`` is not saved with the model).
+    Only the in-memory config changes (the attention implementation is not saved with the model).
     """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    base = base_model(model)
-    current = base.config._attn_implementation
+    current = attention_implementation(model)
     if current.startswith(PREFIX):
         return True
-    if current not in ("sdpa", "eager") or not base._can_set_attn_implementation():
+    if current not in ("sdpa", "eager"):
         return False
     name = PREFIX + current
     AttentionInterface.register(name, _dispatcher(current))
     # Unpacked calls still need the original's masks (padding); packed calls pass a 4-D
     # placeholder, which transformers returns as-is, so no [T, T] mask is built for them.
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
-    base.config._attn_implementation = name
-    return True
+    return set_attention_implementation(model, name)
 
 
 def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> str:
@@ -251,7 +253,7 @@ def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> 
     if prefer not in PACKED_ATTENTION:
         raise ValueError(f"model.packed_attention must be auto or one of {', '.join(ROUTES)}, got {prefer!r}")
     base = base_model(model)
-    impl = base.config._attn_implementation
+    impl = attention_implementation(base)
     flash = impl.startswith("flash_attention")
     if prefer == "flash_varlen" and (not flash or need_context):
         why = "shared-prompt pairs need context spans" if flash else f"the model's attention is {impl}"
@@ -268,8 +270,8 @@ def packed_route(model: nn.Module, need_context: bool, prefer: str = "auto") -> 
             log.warning("%s: %s cannot express %s; switching the model to sdpa with per-piece kernels",
                         "share_prompt" if need_context else "model.packed_attention=segments", impl,
                         "'rejected sees the prompt but not chosen'" if need_context else "per-piece kernels")
-            base.set_attn_implementation("sdpa")
-            impl = "sdpa"
+            set_attention_implementation(base, "sdpa")
+            impl = attention_implementation(base)
         if impl not in ("sdpa", "eager"):
             raise ValueError(f"packed rows / share_prompt need attn_implementation sdpa, eager or flash_attention_2, "
                              f"not {impl!r} (flex_attention has no CPU backward here)")
@@ -295,9 +297,9 @@ _ROUTE_TEXT = {
 
 
 def _log_route(base: nn.Module, route: str, prefer: str) -> None:
-    if getattr(base, "_rolemrc_packed_route", None) == route:
+    if _ROUTE_LOGGED.get(base) == route:
         return
-    base._rolemrc_packed_route = route
+    _ROUTE_LOGGED[base] = route
     log.info("packed attention (model.packed_attention=%s): %s: %s", prefer, route, _ROUTE_TEXT[route])
 
 

@@ -73,11 +73,10 @@ class DPOModule(PolicyModule):
         return self.reference.logps(self, batch, stage)
 
     # ---- reference hooks (see rolemrc.modules.reference) ------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint.update(self.reference.state_dict())  # precomputed: the tables travel with every checkpoint
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.reference.load_state_dict(checkpoint)
+    def run_state_parts(self) -> tuple[Any, ...]:
+        """The precomputed reference's tables travel with every checkpoint (saved and restored by
+        :class:`rolemrc.checkpointing.run_state.RunState`)."""
+        return (self.reference,)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()

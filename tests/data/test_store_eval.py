@@ -161,3 +161,23 @@ def test_the_batch_encoders_give_the_one_by_one_ids(tmp_path: Path, template: st
         assert any(b.prompt_truncated or b.response_truncated for b in batch if not isinstance(b, TemplateRenderError)) \
             == (max_length == 160)
     assert chat.tokenize_many(["", "a b", "", "<|eot_id|> x"]) == [chat.tokenize(t) for t in ["", "a b", "", "<|eot_id|> x"]]
+
+
+def test_the_judge_callback_reads_its_prompts_from_the_store(chat, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """callbacks=judge_scores takes its test prompts from the run's data store too: built at the
+    first start, and a second start (a resumed run) encodes nothing."""
+    from types import SimpleNamespace
+
+    from rolemrc.callbacks.judge_scores import JudgeScores
+
+    data = data_cfg(tmp_path / "cache")
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(chat=chat, cfg=data), default_root_dir=str(tmp_path / "run"),
+                              is_global_zero=True)
+    builds = store_mod.BUILDS["count"]
+    JudgeScores(n_items=6, metrics=[], judge={"backend": "none"}).setup(trainer, None, "fit")
+    assert store_mod.BUILDS["count"] == builds + 1
+    assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_dir()] == ["prompts"]
+    forbid_encoding(monkeypatch)
+    JudgeScores(n_items=6, metrics=[], judge={"backend": "none"}).setup(trainer, None, "fit")
+    assert store_mod.BUILDS["count"] == builds + 1

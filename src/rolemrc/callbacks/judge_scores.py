@@ -66,7 +66,7 @@ from rolemrc.eval.judge import (
 )
 from rolemrc.eval.metrics import METRICS, compute_metrics, ensure_wordnet
 from rolemrc.fileio import atomic_write_text
-from rolemrc.data.test_items import load_test_items
+from rolemrc.data.test_items import generation_prompts, load_test_items
 from rolemrc.tasks import TASKS, balanced_subset
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,12 @@ class JudgeScores(L.Callback):
         items, _ = load_test_items(OmegaConf.create({"test": sources, "on_error": on_error}))
         self._items = balanced_subset(items, self.n_items)
         self._ids = [item_id(k, it.task, it.question) for k, it in enumerate(self._items)]
-        self._prompts = [self._chat.encode_prompt(it.question) for it in self._items]
+        # From the run's data store of these questions' prompts, as evaluate.py reads them
+        # (data.cache=false: encoded here).
+        data = getattr(trainer.datamodule, "cfg", None)
+        self._prompts = generation_prompts(
+            OmegaConf.create({"cache": bool(getattr(data, "cache", True)), "cache_dir": getattr(data, "cache_dir", None),
+                              "test": sources}), list(self._items), self._chat)
         self._stops = stop_token_ids(self._chat.tokenizer, self._chat.eot)
         default_out = Path(trainer.default_root_dir) / "callbacks" / "judge_scores"
         self._out = Path(self.out_dir) if self.out_dir else default_out

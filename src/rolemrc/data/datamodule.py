@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTC
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
-from rolemrc.data.store import Spec, Store, open_or_build
+from rolemrc.data.store import CHUNK, Spec, Store, open_or_build
 from rolemrc.data.schemas import Conversation, DataError, Pair
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -58,6 +58,16 @@ class _Unrenderable:
         return {"dropped_template_error": len(self.problems), "template_errors": self.problems[:5]}
 
 
+def _batched(examples: list[Any], desc: str, encode: Callable[[list[Any]], list[Any]]) -> Iterator[tuple[Any, Any]]:
+    """``(example, its encoding or TemplateRenderError)`` in order, each chunk of examples (the
+    store's ``CHUNK``) encoded in one fast-tokenizer call; a progress bar on long inputs."""
+    with tqdm(total=len(examples), desc=desc, leave=False, disable=len(examples) < 2000) as bar:
+        for start in range(0, len(examples), CHUNK):
+            chunk = examples[start:start + CHUNK]
+            yield from zip(chunk, encode(chunk))
+            bar.update(len(chunk))
+
+
 def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
                on_error: str = "raise") -> tuple[list[dict], dict]:
     """Encoded rows and the mask report; conversations left with no trained token are dropped,
@@ -66,11 +76,10 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
     tokens = trained = truncated = 0
     empty: list[str] = []
     bad = _Unrenderable("sft", on_error)
-    for ex in tqdm(examples, desc="encode sft", leave=False, disable=len(examples) < 2000):
-        try:
-            enc = chat.encode_conversation(ex.messages, max_length)
-        except TemplateRenderError as err:
-            bad.add(ex.origin, err)
+    for ex, enc in _batched(examples, "encode sft",
+                            lambda chunk: chat.encode_conversations([ex.messages for ex in chunk], max_length)):
+        if isinstance(enc, TemplateRenderError):
+            bad.add(ex.origin, enc)
             continue
         truncated += enc.truncated
         if enc.n_trained == 0:
@@ -100,11 +109,10 @@ def encode_pairs(
     prompt_tokens = response_tokens = prompt_cut = response_cut = 0
     empty: list[str] = []
     bad = _Unrenderable("pairs", on_error)
-    for ex in tqdm(examples, desc="encode pairs", leave=False, disable=len(examples) < 2000):
-        try:
-            enc = chat.encode_pair(ex.prompt, ex.chosen, ex.rejected, max_length, max_prompt_length)
-        except TemplateRenderError as err:
-            bad.add(ex.origin, err)
+    for ex, enc in _batched(examples, "encode pairs", lambda chunk: chat.encode_pairs(
+            [(ex.prompt, ex.chosen, ex.rejected) for ex in chunk], max_length, max_prompt_length)):
+        if isinstance(enc, TemplateRenderError):
+            bad.add(ex.origin, enc)
             continue
         prompt_cut += enc.prompt_truncated
         response_cut += enc.response_truncated

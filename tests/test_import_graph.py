@@ -302,7 +302,7 @@ RECIPE_MODULES = ["rolemrc.train", "rolemrc.eval.run", "rolemrc.eval.suites", "r
                   "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory", "rolemrc.memory_sim"]
 LAYERS: list[tuple[str, list[str]]] = [
     ("recipes", RECIPE_MODULES),
-    ("parts", ["rolemrc.build", "rolemrc.strategies", "rolemrc.resume"]),
+    ("parts", ["rolemrc.build", "rolemrc.parts", "rolemrc.strategies", "rolemrc.resume"]),
     ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
                          "rolemrc.synth"]),
@@ -359,3 +359,29 @@ def test_the_package_check_sees_a_function_level_cycle() -> None:
             Edge("rolemrc.config", "rolemrc.data.templates", "y.py", 2, "function")]
     assert find_cycles(unit_edges(fake), when=("module", "function"))
     assert not find_cycles(unit_edges(fake), when=("module",))
+
+
+def imported_at_start(start: str, edges: list[Edge] = EDGES) -> dict[str, list[Edge]]:
+    """Every module (project modules, and the top-level names of others) importing ``start`` runs,
+    with the chain of module-level imports that reaches it."""
+    chains: dict[str, list[Edge]] = {start: []}
+    todo = [start]
+    while todo:
+        source = todo.pop()
+        for e in edges:
+            if e.source == source and e.runtime and e.target not in chains:
+                chains[e.target] = [*chains[source], e]
+                if e.target.startswith(PROJECT + "."):
+                    todo.append(e.target)
+    return chains
+
+
+@pytest.mark.parametrize("start", ["rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general",
+                                   "rolemrc.probing.run", "rolemrc.checkpointing"])
+def test_evaluation_probing_and_checkpoint_reading_start_without_lightning(start: str) -> None:
+    """Lightning (and the torchmetrics/scipy/matplotlib/dynamo imports it brings, ~4 s of CPU
+    here) is training's: evaluate.py, probe.py and what reads a checkpoint do not import it.
+    The parts they build are rolemrc.parts'."""
+    chains = imported_at_start(start)
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        assert name not in chains, f"{start} imports {name} through:\n  {describe(chains[name])}"

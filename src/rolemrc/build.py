@@ -6,8 +6,9 @@
     module = build_module(cfg, model, datamodule)      # the objective's LightningModule
     trainer = build_trainer(cfg)                       # strategy, loggers, callbacks, plugins
 
-``rolemrc.train.setup`` strings them together for training; evaluation and probing use
-:func:`build_chat`, :func:`build_model` and :func:`build_loggers`. ``_target_`` instantiation is
+``rolemrc.train.setup`` strings them together for training. :func:`build_chat`, :func:`build_model`
+and :func:`build_loggers` live in :mod:`rolemrc.parts` (re-exported here), which evaluation and
+probing use without importing Lightning. ``_target_`` instantiation is
 kept for what users swap for third-party classes (loggers, callbacks); the rest is plain code.
 """
 
@@ -31,18 +32,16 @@ from rolemrc.checkpointing.state import read_checkpoint_entries
 from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, typed
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
-from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
+from rolemrc.models.loading import count_parameters
 from rolemrc.models.precision import precision_policy
 from rolemrc.modules.reference import make_reference
+from rolemrc.parts import build_chat, build_loggers, build_model
 from rolemrc.strategies import build_strategy
 
 log = logging.getLogger(__name__)
 
-
-def build_chat(model_cfg: Any) -> ChatFormat:
-    """The model's tokenizer wrapped in the chat format that turns messages into ids + labels."""
-    model_cfg = typed(model_cfg)  # ModelConfig
-    return ChatFormat(load_tokenizer(model_cfg), eot=model_cfg.eot_token)
+__all__ = ["build_callbacks", "build_chat", "build_datamodule", "build_loggers", "build_model", "build_module",
+           "build_trainer", "import_object", "objective_entry", "runtime_value"]
 
 
 def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
@@ -52,16 +51,6 @@ def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     share_prompt = kind == "pairs" and bool(cfg.objective.get("share_prompt", False))
     data = typed(cfg.data)  # DataConfig
     return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
-
-
-def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
-    """The HF model ``model_cfg`` (a ``ModelConfig``, typed here) describes: weights or random
-    init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels."""
-    model_cfg = typed(model_cfg)
-    model = load_model(model_cfg, tokenizer)
-    _, total = count_parameters(model)
-    log.info("model %s: %s parameters", model_cfg.name, f"{total:,}")  # trainable: build_module (training only)
-    return model
 
 
 def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None = None) -> L.LightningModule:
@@ -101,17 +90,6 @@ def import_object(spec: str) -> Any:
     """``"package.module:Name"`` -> the object (the registry names modules, imported when built)."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def build_loggers(cfg: Any) -> list[Any]:
-    """``cfg.logger``: ``{name: {_target_: ...}}``; W&B without a key logs offline into the run folder."""
-    loggers = []
-    for spec in (cfg.logger or {}).values():
-        spec = OmegaConf.to_container(spec, resolve=True)
-        if spec.get("_target_", "").endswith("WandbLogger") and spec.get("offline") is None:
-            spec["offline"] = not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online"
-        loggers.append(hydra.utils.instantiate(spec))
-    return loggers
 
 
 def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from omegaconf import open_dict
 
-from rolemrc.build import build_chat
+from rolemrc.parts import build_chat
 from rolemrc.config import plain
 from rolemrc.errors import ConfigError, DataUnavailable, InputNotFound
 from rolemrc.eval.generation import load_eval_model, model_label

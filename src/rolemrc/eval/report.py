@@ -187,7 +187,7 @@ def write_report(
 
 
 def log_to_loggers(loggers: list[Any], scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
-    """Scalars to each of ``loggers`` (:func:`rolemrc.build.build_loggers`); the samples table to
+    """Scalars to each of ``loggers`` (:func:`rolemrc.parts.build_loggers`); the samples table to
     those that take tables (W&B)."""
     for lg in loggers:
         lg.log_metrics(dict(scalars), step=0)

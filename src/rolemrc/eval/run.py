@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig
 
 from rolemrc.api import fault_summary
-from rolemrc.build import build_chat, build_loggers
+from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, open_dict
 
-from rolemrc.build import build_chat, build_loggers
+from rolemrc.parts import build_chat, build_loggers
 from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.build import build_chat, build_model
+from rolemrc.parts import build_chat, build_model
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import check_source

@@ -46,8 +46,8 @@ class CSVLogger(Logger):
     resumes and writes every row as it is logged (``flush_logs_every_n_steps`` defaults to 1);
     see the module docstring. Only rank 0 writes."""
 
-    def __init__(self, save_dir: str | Path, name: Optional[str] = "lightning_logs", version: Optional[int | str] = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 1) -> None:
+    def __init__(self, save_dir: str | Path, name: Optional[str] = "lightning_logs",
+                 version: Optional[int | str] = None, prefix: str = "", flush_logs_every_n_steps: int = 1) -> None:
         super().__init__()
         self._save_dir = str(save_dir)
         self._name = name or ""

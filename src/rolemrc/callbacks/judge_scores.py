@@ -213,9 +213,9 @@ class JudgeScores(L.Callback):
         # From the run's data store of these questions' prompts, as evaluate.py reads them
         # (data.cache=false: encoded here).
         data = getattr(trainer.datamodule, "cfg", None)
-        self._prompts = generation_prompts(
-            OmegaConf.create({"cache": bool(getattr(data, "cache", True)), "cache_dir": getattr(data, "cache_dir", None),
-                              "test": sources}), list(self._items), self._chat)
+        store = {"cache": bool(getattr(data, "cache", True)), "cache_dir": getattr(data, "cache_dir", None),
+                 "test": sources}
+        self._prompts = generation_prompts(OmegaConf.create(store), list(self._items), self._chat)
         self._stops = stop_token_ids(self._chat.tokenizer, self._chat.eot)
         default_out = Path(trainer.default_root_dir) / "callbacks" / "judge_scores"
         self._out = Path(self.out_dir) if self.out_dir else default_out

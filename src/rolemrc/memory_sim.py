@@ -29,6 +29,10 @@ What it counts and what it does not:
 The fake process group is global state of ``torch.distributed``: :func:`simulate` tears it down
 before returning, and :func:`simulate_in_subprocess` runs it in a child process (what a training
 run's setup uses, so its own process group is never touched).
+
+The training code it builds with (``rolemrc.build`` and what it imports: Lightning, the data
+store, the modules) is imported inside the functions that simulate: ``python -m rolemrc.memory``
+prints its estimate table from this module without importing Lightning.
 """
 
 from __future__ import annotations

@@ -41,16 +41,18 @@ def test_out_dir_alone_resumes_with_the_saved_config_and_refuses_conflicts(tmp_p
     summary = (out / "summary.md").read_bytes()
     assert len(generations) == 4 and metrics["judge"], "a judged run"
 
-    # A conflicting override: an error naming the key; nothing finished is rewritten.
-    for override, key in (("judge=none", "judge (saved 'hf', given 'none')"),
-                          ("generation.max_new_tokens=7", "generation.max_new_tokens (saved 5, given 7)"),
-                          ("limit=3", "limit (saved 4, given 3)")):
-        refused = evaluate(tmp_path, "h2", f"out_dir={out}", override)
-        assert refused.returncode == 1, refused.stderr[-3000:]
-        last = refused.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"error: out_dir={out} holds results made with another config") and key in last, last
-        assert "Traceback" not in refused.stderr
-        assert (out / "summary.md").read_bytes() == summary
+    # Conflicting overrides: one error line naming every key; nothing finished is rewritten.
+    conflicts = (("judge=none", "judge (saved 'hf', given 'none')"),
+                 ("generation.max_new_tokens=7", "generation.max_new_tokens (saved 5, given 7)"),
+                 ("limit=3", "limit (saved 4, given 3)"))
+    refused = evaluate(tmp_path, "h2", f"out_dir={out}", *(override for override, _ in conflicts))
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: out_dir={out} holds results made with another config"), last
+    for _, key in conflicts:
+        assert key in last, last
+    assert "Traceback" not in refused.stderr
+    assert (out / "summary.md").read_bytes() == summary
 
     # Interrupted after two replies (a kill leaves generations.jsonl as it was written):
     # `out_dir=` alone finishes it with the saved model, data, limit, generation and judge.

@@ -216,8 +216,8 @@ class RunState(L.Callback):
     """Saves the RNG states, and the state of the module's :func:`run_state_parts`, with every
     checkpoint and restores them (the parts' as Lightning restores the checkpoint, the RNG states
     when training starts, after Lightning's own setup consumed random numbers); puts the learning
-    rate where this run's schedule has it; reopens an epoch ``max_steps`` cut short; and saves ``last.ckpt`` of each
-    ``save_last`` ModelCheckpoint when training ends at a step no checkpoint holds yet
+    rate where this run's schedule has it; reopens an epoch ``max_steps`` cut short; and saves
+    ``last.ckpt`` of each ``save_last`` ModelCheckpoint when training ends at a step no checkpoint holds yet
     (``every_n_train_steps`` saves on those steps only: a run of 10 steps checkpointed every 4
     would end with step 8's). Every rank runs it: the save is collective under FSDP."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTC
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
-from rolemrc.data.store import CHUNK, Spec, Store, open_or_build
+from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
 from rolemrc.data.schemas import Conversation, DataError, Pair
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -58,13 +58,14 @@ class _Unrenderable:
         return {"dropped_template_error": len(self.problems), "template_errors": self.problems[:5]}
 
 
-def _batched(examples: list[Any], desc: str, encode: Callable[[list[Any]], list[Any]]) -> Iterator[tuple[Any, Any]]:
+def _batched(examples: list[Any], kind: str, chat: ChatFormat, max_length: int,
+             max_prompt_length: int | None = None) -> Iterator[tuple[Any, Any]]:
     """``(example, its encoding or TemplateRenderError)`` in order, each chunk of examples (the
-    store's ``CHUNK``) encoded in one fast-tokenizer call; a progress bar on long inputs."""
-    with tqdm(total=len(examples), desc=desc, leave=False, disable=len(examples) < 2000) as bar:
+    store's ``CHUNK``) encoded in one call as the store's build does; a progress bar on long inputs."""
+    with tqdm(total=len(examples), desc=f"encode {kind}", leave=False, disable=len(examples) < 2000) as bar:
         for start in range(0, len(examples), CHUNK):
             chunk = examples[start:start + CHUNK]
-            yield from zip(chunk, encode(chunk))
+            yield from zip(chunk, encode_examples(chat, kind, chunk, max_length, max_prompt_length), strict=True)
             bar.update(len(chunk))
 
 
@@ -76,8 +77,7 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
     tokens = trained = truncated = 0
     empty: list[str] = []
     bad = _Unrenderable("sft", on_error)
-    for ex, enc in _batched(examples, "encode sft",
-                            lambda chunk: chat.encode_conversations([ex.messages for ex in chunk], max_length)):
+    for ex, enc in _batched(examples, "sft", chat, max_length):
         if isinstance(enc, TemplateRenderError):
             bad.add(ex.origin, enc)
             continue
@@ -109,8 +109,7 @@ def encode_pairs(
     prompt_tokens = response_tokens = prompt_cut = response_cut = 0
     empty: list[str] = []
     bad = _Unrenderable("pairs", on_error)
-    for ex, enc in _batched(examples, "encode pairs", lambda chunk: chat.encode_pairs(
-            [(ex.prompt, ex.chosen, ex.rejected) for ex in chunk], max_length, max_prompt_length)):
+    for ex, enc in _batched(examples, "pairs", chat, max_length, max_prompt_length):
         if isinstance(enc, TemplateRenderError):
             bad.add(ex.origin, enc)
             continue

@@ -216,6 +216,16 @@ def store_key(parts: dict[str, Any]) -> str:
 _WORK: dict[str, Any] = {}  # set before the pool forks: kind, parsers, chat, lengths
 
 
+def encode_examples(chat: ChatFormat, kind: str, examples: Sequence[Any], max_length: int,
+                    max_prompt_length: int | None) -> list[Any]:
+    """Conversations (``kind="sft"``) or preference pairs tokenised in one batch call: per example
+    what ``encode_conversation``/``encode_pair`` gives one by one, or its TemplateRenderError."""
+    if kind == "sft":
+        return chat.encode_conversations([ex.messages for ex in examples], max_length)
+    return chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for ex in examples], max_length,
+                             max_prompt_length)
+
+
 def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
     """Parse and encode one chunk of records of source ``task[0]``. Per record, one of
     ``("bad", "file:line: problem")``, ``("tpl", file, line, message)``,
@@ -235,14 +245,9 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
             continue
         parsed.append((len(out), file, line, example))
         out.append(None)
-    # the chunk's conversations (pairs) tokenised in one batch call: the ids of one by one
-    if kind == "sft":
-        encoded = chat.encode_conversations([ex.messages for _, _, _, ex in parsed], _WORK["max_length"])
-        row = _sft_row
-    else:
-        encoded = chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for _, _, _, ex in parsed],
-                                    _WORK["max_length"], _WORK["max_prompt_length"])
-        row = _pair_row
+    encoded = encode_examples(chat, kind, [ex for _, _, _, ex in parsed], _WORK["max_length"],
+                              _WORK["max_prompt_length"])
+    row = _sft_row if kind == "sft" else _pair_row
     for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
         out[k] = ("tpl", file, line, str(enc)) if isinstance(enc, TemplateRenderError) else ("ok", file, line, *row(enc))
     return out  # type: ignore[return-value]

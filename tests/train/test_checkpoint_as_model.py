@@ -20,6 +20,10 @@ from rolemrc.models.export import export_state
 from rolemrc.models.source import hf_model_path, resolve_model_sources
 from rolemrc.models.loading import load_model, load_tokenizer
 from tests.conftest import ROOT, compose_train
+from tests.train.helpers import train_in_process
+
+# The tests share one run (lora_run): on one xdist worker, so it is made once.
+pytestmark = pytest.mark.xdist_group("checkpoint_as_model")
 
 RUN = ["trainer.accelerator=cpu", "data.max_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false",
        "logger=csv", "trainer.max_steps=3", "runtime.checkpoint_every_n_steps=3",
@@ -37,8 +41,7 @@ def python(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 3-step LoRA SFT run: .hydra config, checkpoints/last.ckpt, merged export/."""
-    run = tmp_path_factory.mktemp("sft") / "run"
-    python("train.py", *RUN, f"hydra.run.dir={run}")
+    run = train_in_process(tmp_path_factory.mktemp("sft") / "run", *RUN)
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "export" / "model.safetensors").is_file()
     return run
 
@@ -90,11 +93,11 @@ def test_evaluate_probe_and_dpo_start_from_a_checkpoint(lora_run: Path, tmp_path
     python("probe.py", f"model.path={lora_run}", f"compare.path={ckpt}", "limit=4", f"out_dir={probe}")
     assert (probe / "discrepancy.png").is_file()
 
-    dpo = tmp_path / "dpo"
-    python("train.py", "objective=dpo", f"model.path={ckpt}", "trainer.accelerator=cpu", "data.max_length=160",
-           "data.max_prompt_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false", "logger=csv",
-           "trainer.max_steps=1", "export.enabled=false", f"hydra.run.dir={dpo}")
-    assert OmegaConf.load(dpo / ".hydra" / "config.yaml").model.path == ckpt  # the run records what was asked
+    dpo = train_in_process(tmp_path / "dpo", "objective=dpo", f"model.path={ckpt}", "trainer.accelerator=cpu",
+                           "data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0",
+                           "trainer.enable_progress_bar=false", "logger=csv", "trainer.max_steps=1",
+                           "export.enabled=false")
+    assert json.loads((dpo / "run_summary.json").read_text())["steps"] == 1
 
 
 def test_saved_weights_bring_their_own_tokenizer(tmp_path: Path) -> None:

@@ -20,6 +20,10 @@ from rolemrc.models.export import export_state
 from rolemrc.models.loading import load_model, load_tokenizer
 from rolemrc.models.source import hf_model_path
 from tests.conftest import ROOT, compose_train
+from tests.train.helpers import train_in_process
+
+# The tests share one base and one run: on one xdist worker, so they are made once.
+pytestmark = pytest.mark.xdist_group("adapter_export")
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
        "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -48,13 +52,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lora_run(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-step LoRA run on ``base`` exporting the adapter alone."""
-    run = tmp_path_factory.mktemp("lora") / "run"
-    done = python("train.py", f"model.path={base}", "model.peft.enabled=true", "model.peft.r=4",
-                  "model.peft.merge_on_export=false", "trainer.accelerator=cpu", "data.max_length=96",
-                  "data.val_fraction=0", "trainer.enable_progress_bar=false", "logger=csv", "optim.lr=2e-2",
-                  "optim.warmup_ratio=0", "trainer.max_steps=3", "runtime.checkpoint_every_n_steps=3",
-                  f"hydra.run.dir={run}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = train_in_process(tmp_path_factory.mktemp("lora") / "run", f"model.path={base}", "model.peft.enabled=true",
+                           "model.peft.r=4", "model.peft.merge_on_export=false", "trainer.accelerator=cpu",
+                           "data.max_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false",
+                           "logger=csv", "optim.lr=2e-2", "optim.warmup_ratio=0", "trainer.max_steps=3",
+                           "runtime.checkpoint_every_n_steps=3")
     assert (run / "export" / "adapter_config.json").is_file() and not (run / "export" / "config.json").exists()
     return run
 

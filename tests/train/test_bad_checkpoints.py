@@ -19,6 +19,10 @@ from rolemrc.checkpointing.state import read_model_state
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.errors import CheckpointError, InputNotFound
 from tests.conftest import ROOT
+from tests.train.helpers import train_in_process
+
+# The tests share one finished run (run_dir): on one xdist worker, so it is made once.
+pytestmark = pytest.mark.xdist_group("bad_checkpoints")
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
        "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -45,10 +49,8 @@ def one_error_line(done: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step SFT run with checkpoints/last.ckpt."""
-    run = tmp_path_factory.mktemp("ckpt") / "run"
-    done = python("train.py", *TINY, "trainer.max_steps=2", "runtime.checkpoint_every_n_steps=2",
-                  f"hydra.run.dir={run}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = train_in_process(tmp_path_factory.mktemp("ckpt") / "run", *TINY, "trainer.max_steps=2",
+                           "runtime.checkpoint_every_n_steps=2")
     assert (run / "checkpoints" / "last.ckpt").is_file()
     return run
 

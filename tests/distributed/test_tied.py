@@ -1,5 +1,5 @@
 """Tied embeddings (one parameter for embed_tokens and lm_head, as in Qwen2.5 <= 3B) stay tied
-when training single-process and under FSDP2: both make the same update,
+when training (DPO) single-process and under FSDP2: both make the same update,
 and the export loads in plain transformers, tied, computing what the trained weights compute."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from rolemrc.checkpointing import read_model_state
 from tests.conftest import ROOT
 from tests.train.helpers import series
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# Both tests read one FSDP run (whole): on one xdist worker, so it is made once.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("tied")]
 
 ARGS = ["model=tiny_qwen", "model.init.tie_word_embeddings=true", "data.max_length=96", "data.val_fraction=0",
         "trainer.max_steps=3", "data.batch_size=2", "optim.lr=1e-2", "optim.warmup_ratio=0",
@@ -33,43 +34,62 @@ def train(run_dir: Path, devices: int, *overrides: str, ok: bool = True) -> None
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
 
 
-def test_tied_embeddings_stay_tied_under_every_strategy(tmp_path: Path) -> None:
+# DPO with the reference's log-probs precomputed: the tied parameter trains through both its uses.
+DPO = ["objective=dpo", "objective.reference=precomputed", "data.max_prompt_length=64", "trainer.max_steps=4",
+       "runtime.checkpoint_every_n_steps=2"]
+FSDP = ["strategy=fsdp", "strategy.param_dtype=null"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted FSDP2 run on 2 ranks (batch 2 each), shared by both tests below."""
+    run_dir = tmp_path_factory.mktemp("tied") / "whole"
+    train(run_dir, 2, *DPO, *FSDP)
+    return run_dir
+
+
+def test_tied_embeddings_stay_tied_under_every_strategy(whole: Path, tmp_path: Path) -> None:
     # (DDP replicates the module as it is, ties included; its update equals a single process's,
-    # tests/train/test_loss_normalisation.py.)
-    runs = {"single": (1, ["data.batch_size=4"]), "fsdp": (2, ["strategy=fsdp", "strategy.param_dtype=null"])}
+    # tests/train/test_loss_normalisation.py.) The single-process run (batch 4) is made here, in-process.
+    from tests.train.helpers import train_in_process
+
+    runs = {"single": train_in_process(tmp_path / "single", *ARGS, "trainer.devices=1", *DPO, "data.batch_size=4",
+                                       "logger=csv"),
+            "fsdp": whole}
     exports = {}
     ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
-    for name, (devices, extra) in runs.items():
-        train(tmp_path / name, devices, *extra)
-        export = tmp_path / name / "export"
+    for name, run_dir in runs.items():
+        export = run_dir / "export"
         model = AutoModelForCausalLM.from_pretrained(export)
         assert model.config.tie_word_embeddings
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
         # The trained weights (the checkpoint) and the export compute the same logits.
-        state = read_model_state(tmp_path / name / "checkpoints" / "last.ckpt")
+        state = read_model_state(run_dir / "checkpoints" / "last.ckpt")
         trained = AutoModelForCausalLM.from_pretrained(export)
         trained.load_state_dict(state, strict=False)  # the checkpoint's own embed_tokens and lm_head
         assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"]), name
         with torch.no_grad():
             assert torch.allclose(model(ids).logits, trained(ids).logits, atol=1e-6), name
         exports[name] = load_file(export / "model.safetensors")
-    # One tied parameter trained by both its uses: the same update everywhere.
+    # One tied parameter trained by both its uses: the same update everywhere, float noise apart
+    # (the update itself moves every tensor by more than 100x that noise bound).
+    start = load_file(train_in_process(tmp_path / "start", *ARGS, "trainer.devices=1", "trainer.max_steps=0",
+                                       "logger=csv") / "export" / "model.safetensors")
     for name in ("fsdp",):
         for k, v in exports["single"].items():
-            # float noise only (an untied head moves these weights by ~10% of their norm in 3 steps)
+            assert (v - start[k]).norm() > 1e-2 * v.norm(), k
             assert (exports[name][k] - v).norm() <= 1e-4 * v.norm(), (name, k)
 
 
-def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_run(whole: Path,
+                                                                                  tmp_path: Path) -> None:
     """FSDP2 restores checkpoints after on_fit_start: the tables still come from the initial
     weights (or the checkpoint), and the resumed run logs the same rewards step by step."""
-    dpo = ["objective=dpo", "objective.reference=precomputed", "data.max_prompt_length=64", "trainer.max_steps=4",
-           "runtime.checkpoint_every_n_steps=2", "export.enabled=false", "strategy=fsdp", "strategy.param_dtype=null"]
-    train(tmp_path / "whole", 2, *dpo)
+    dpo = [*DPO, "export.enabled=false", *FSDP]
     train(tmp_path / "first", 2, *dpo, "+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt",
           "+callbacks.stop.step=2", ok=False)  # dies after step 2's checkpoint
     shutil.rmtree(tmp_path / "first" / "ref_cache")
     train(tmp_path / "second", 2, *dpo, f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}")
     for key in ("train/loss", "train/rewards/chosen", "train/rewards/margins"):
-        whole = series(tmp_path / "whole", key)
-        assert series(tmp_path / "second", key) == pytest.approx(whole[2:], abs=1e-5), key
+        expected = series(whole, key)
+        assert series(tmp_path / "second", key) == pytest.approx(expected[2:], abs=1e-5), key

@@ -68,34 +68,41 @@ def test_recipe_precision_trains_fp32_masters(train_cfg, bf16_start: Path) -> No
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_recipe_precision_under_fsdp2_then_export_and_evaluate(tmp_path: Path, bf16_start: Path) -> None:
-    """The recipe's shape: FSDP2 from model.path (a saved config with rope_parameters), bf16-mixed."""
+def test_recipe_precision_under_fsdp2_dpo_then_export_and_load_as_model_path(tmp_path: Path, bf16_start: Path) -> None:
+    """The recipe's shape: FSDP2 from model.path (a saved config with rope_parameters), bf16-mixed,
+    DPO with its reference a copy of the policy, sharded like it."""
+    from rolemrc.models.source import hf_model_path
+    from tests import recorder
+
     run_dir = tmp_path / "fsdp"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "train.py", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=fsdp",
-         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", f"model.path={bf16_start}", *RECIPE, *DPO],
+         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", f"model.path={bf16_start}", *RECIPE, *DPO,
+         "+callbacks.record._target_=tests.recorder.Recorder", f"+callbacks.record.path={run_dir}/record"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir()
     check_masters(run_dir, bf16_start, ckpt)
+    records = recorder.read(run_dir / "record", 0)
+    assert records[0]["event"] == "start" and records[0]["local_params"] < records[0]["full_params"]  # sharded
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert abs(steps[0]["loss"] - 0.6931) < 1e-3  # policy == its sharded reference copy at the first step: log(2)
 
     # The rest of the recipe's flow from such a run: export.py on its sharded checkpoint gives the
-    # run's own export, and evaluate.py takes the checkpoint as model.path.
+    # run's own export, and model.path=<the checkpoint> (evaluate.py, probe.py, a DPO run) loads
+    # those same weights (tests/train/test_checkpoint_as_model.py runs the scripts on one).
     again = tmp_path / "again"
     done = subprocess.run([sys.executable, "export.py", str(ckpt), "--out", str(again)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    a, b = load_file(run_dir / "export" / "model.safetensors"), load_file(again / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    out = tmp_path / "eval"
-    done = subprocess.run([sys.executable, "evaluate.py", f"model.path={ckpt}", "limit=2", "generation.max_new_tokens=3",
-                           "generation.progress=false", "metrics.names=[bleu]", f"out_dir={out}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert len((out / "generations.jsonl").read_text().splitlines()) == 2
+    a = load_file(run_dir / "export" / "model.safetensors")
+    for folder in (again, Path(hf_model_path(str(ckpt)))):
+        b = load_file(folder / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
 
 
 def test_policy_table() -> None:

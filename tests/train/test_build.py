@@ -35,17 +35,21 @@ def test_fsdp_modules_receive_the_strategy_options() -> None:
     assert type(module.sharding) is StrategyConfig and module.sharding.cpu_offload is True
 
 
-@pytest.mark.parametrize(("device_gb", "expected"), [(80, False), (0.0001, True)])
-def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, expected: bool) -> None:
+@pytest.mark.parametrize(("device_gb", "simulate", "expected"), [(80, False, False), (0.0001, True, True)])
+def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, simulate: bool,
+                                           expected: bool) -> None:
     """setup() turns model.gradient_checkpointing=auto into the estimate's choice before the model
-    is built: the tiny model fits an 80 GB device (off) and not a 100 kB one (on)."""
+    is built: the tiny model fits an 80 GB device (off, by the formula) and not a 100 kB one (on,
+    by the simulated step; the simulation itself: tests/test_memory_sim.py)."""
     import logging
 
     from rolemrc.train import setup
 
-    cfg = train_cfg("model.gradient_checkpointing=auto", f"runtime.device_memory_gb={device_gb}")
+    cfg = train_cfg("model.gradient_checkpointing=auto", f"runtime.device_memory_gb={device_gb}",
+                    f"runtime.simulate_memory={str(simulate).lower()}")
     with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
         run = setup(cfg)
     assert run.cfg.model.gradient_checkpointing is expected
     assert run.module.model.is_gradient_checkpointing is expected
     assert f"activation checkpointing: {'on' if expected else 'off'}, auto: " in caplog.text
+    assert ("simulated per-rank peak" in caplog.text) is simulate

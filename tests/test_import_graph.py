@@ -361,6 +361,14 @@ def test_the_package_check_sees_a_function_level_cycle() -> None:
     assert not find_cycles(unit_edges(fake), when=("module",))
 
 
+@pytest.mark.parametrize("start", ["rolemrc.synth.pipeline", "rolemrc.config", "rolemrc.data.readers"])
+def test_synthesis_and_configs_start_without_torch(start: str) -> None:
+    """synthesize.py (API requests and JSON) and what reads configs and data files do not import
+    torch at start (~2 s of CPU here, at every synthesize.py start)."""
+    chains = imported_at_start(start)
+    assert "torch" not in chains, f"{start} imports torch through:\n  {describe(chains['torch'])}"
+
+
 def imported_at_start(start: str, edges: list[Edge] = EDGES) -> dict[str, list[Edge]]:
     """Every module (project modules, and the top-level names of others) importing ``start`` runs,
     with the chain of module-level imports that reaches it."""

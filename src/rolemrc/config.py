@@ -18,7 +18,6 @@ from omegaconf import MISSING, OmegaConf, open_dict
 from rolemrc import asset
 from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
 from rolemrc.errors import ConfigError
-from rolemrc.objectives.dpo import LOSS_TYPES
 
 
 @dataclass
@@ -104,6 +103,10 @@ class DPOObjectiveConfig(ObjectiveConfig):
     def __post_init__(self) -> None:
         """Checked whenever the node becomes this dataclass (``check_train_config`` does that
         before anything loads), so a bad value is named at once, not at the first training step."""
+        # Here, not at module level: the loss functions import torch, which what reads this
+        # module without training (synthesize.py, data readers) need not pay for at start.
+        from rolemrc.objectives.dpo import LOSS_TYPES
+
         one_of("objective.loss_type", self.loss_type, LOSS_TYPES)
         one_of("objective.reference", self.reference, REFERENCE_MODES)
         if not self.beta > 0:

@@ -1,5 +1,5 @@
 """The entry scripts' wrapper (rolemrc.entry): user errors as one line and exit 1, bugs with
-their traceback, and Lightning's log lines printed once."""
+their traceback. (Lightning's log lines printed once: tests/train/test_console.py's run.)"""
 
 from __future__ import annotations
 
@@ -31,19 +31,6 @@ def test_a_bug_keeps_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ZeroDivisionError), entry_point():
         1 / 0  # noqa: B018
     assert "error:" not in capsys.readouterr().err
-
-
-def test_lightning_lines_print_once(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run}", "trainer.max_steps=1", "export.enabled=false",
-         "logger=none", "callbacks=none", "data.val_fraction=0", "trainer.enable_progress_bar=false"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout + done.stderr
-    for line in ("`Trainer.fit` stopped: `max_steps=1` reached.", "GPU available: False"):
-        assert printed.count(line) == 1, printed[-3000:]
-        assert (run / "train.log").read_text().count(line) == 1  # and Hydra's log file has it
 
 
 def _no_key_env() -> dict[str, str]:

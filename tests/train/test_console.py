@@ -36,6 +36,10 @@ def test_a_training_run_prints_no_known_noise_validates_at_max_steps_and_ends_wi
     printed = done.stdout + done.stderr
     for noise in NOISE:
         assert noise not in printed, (noise, printed[-3000:])
+    # Lightning's own lines printed once, and once in Hydra's log file.
+    for line in ("`Trainer.fit` stopped: `max_steps=2` reached.", "GPU available: False"):
+        assert printed.count(line) == 1, printed[-3000:]
+        assert (run / "train.log").read_text().count(line) == 1
 
     # The end-of-run summary, and the same figures in run_summary.json.
     summary = json.loads((run / "run_summary.json").read_text())

@@ -49,6 +49,21 @@ def _children_start_their_own_wandb_service(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _torch_determinism_as_it_was() -> None:
+    """A run made in this process with ``trainer.deterministic=true`` leaves Lightning's global
+    settings (torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG) set: restored after
+    each test, so no later test runs under them unasked."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    if cublas is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
+
 def compose_train(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would."""
     GlobalHydra.instance().clear()

@@ -151,7 +151,8 @@ def test_sft_with_dpo_key_exits_naming_the_key() -> None:
 
 
 def test_dpo_sweep_composes_and_runs(tmp_path) -> None:
-    """The README's sweep (`-m objective.beta=... objective=dpo`), one real step per job."""
+    """The README's sweep (`-m objective.beta=... objective=dpo`), one real step per job, on Hydra's
+    basic launcher (each job's folder, saved config and metrics)."""
     proc = subprocess.run(
         [sys.executable, "train.py", "-m", "objective.beta=0.05,0.2", "objective=dpo", "trainer.max_steps=1",
          "data.max_length=128", "data.max_prompt_length=96", "data.val_fraction=0", "callbacks=none",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rolemrc.memory_sim import run_spec, simulate_in_subprocess
+from rolemrc.memory_sim import run_spec, simulate, simulate_in_subprocess
 from tests.conftest import ROOT, compose_train
 
 pytestmark = [pytest.mark.multiprocess]
@@ -83,10 +83,12 @@ def test_simulated_peak_matches_the_real_two_rank_step(tmp_path: Path) -> None:
 
 
 def test_dpo_copy_reference_is_held_and_sharded_like_the_policy() -> None:
-    """The DPO copy reference adds its bf16 shards (model.dtype) to the policy's fp32 ones."""
+    """The DPO copy reference adds its bf16 shards (model.dtype) to the policy's fp32 ones. (Simulated
+    in this process, which has no process group of its own; the child process that training and
+    the memory CLI use is exercised above.)"""
     base = [*TINY, "objective=dpo", "data.max_prompt_length=128", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
             "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
-    copy = simulate_in_subprocess(compose_train([*base, "objective.reference=copy"]), checkpointing=False)
+    copy = simulate(compose_train([*base, "objective.reference=copy"]), checkpointing=False)
     shards, _ = _shard_bytes(compose_train(base), 2)
     assert copy.after_backward["Sharded Param"] == shards + shards // 2  # fp32 masters + the copy's bf16 shards
     assert copy.rows == 2 * 2 and copy.tokens == 4 * 256  # chosen and rejected rows of max_length

@@ -1,11 +1,10 @@
 """SFT on the tiny model: the loss falls, the export loads and generates, runs resume,
-LoRA exports merged or as an adapter, bad records stop or are skipped and counted."""
+LoRA exports merged or as an adapter, bad records stop or are skipped and counted. (Sweeps:
+tests/test_config.py, tests/train/test_console_sweep.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rolemrc import asset
 from rolemrc.data.schemas import DataError
 from rolemrc.train import run
-from tests.conftest import ROOT
 from tests.train.helpers import series
 
 QUICK = ["data.max_length=192", "trainer.max_epochs=50"]
@@ -106,20 +104,6 @@ def test_qlora_trains_from_an_export(train_cfg, tmp_path: Path) -> None:
 def test_qlora_without_lora_fails_early(train_cfg) -> None:
     with pytest.raises(ValueError, match="peft.enabled=true"):
         run(train_cfg("model.quantization.load_in_4bit=true", "model.path=/x"))
-
-
-def test_multirun_with_basic_launcher(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "optim.lr=1e-3,2e-3", "trainer.max_steps=1", "data.max_length=128",
-         "callbacks=none", "trainer.enable_progress_bar=false", "export.enabled=false",
-         f"hydra.sweep.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for i, lr in enumerate(("0.001", "0.002")):
-        metrics = (tmp_path / str(i) / "csv" / "metrics.csv").read_text()
-        assert metrics.count("\n") >= 2
-        assert f"lr: {lr}" in (tmp_path / str(i) / ".hydra" / "config.yaml").read_text()
 
 
 def test_bf16_mixed_precision_trains(train_cfg) -> None:

@@ -215,7 +215,7 @@ def test_sweep_runs_as_slurm_array_job(cluster: dict[str, str], job_name: str, t
 # Two ranks: rolemrc's SlurmRequeue checkpoints at a step boundary on all ranks together
 # (Lightning's own handler, checkpointing inside the signal handler, could deadlock here).
 REQUEUE_TASKS = 2
-REQUEUE_STEPS = 60
+REQUEUE_STEPS = 30
 
 
 def preempt_mid_run(env: dict[str, str], job: str, record: Path, why: Callable[[], str]) -> None:

@@ -1,6 +1,7 @@
-"""Both callbacks under FSDP2 on two CPU processes (gloo): every rank runs the generation, judge and
-probe forwards (they all-gather sharded weights), no rank hangs, rank 0 alone writes and logs, and
-the maps of the sharded model equal those of the same weights unsharded."""
+"""Both callbacks under FSDP2 on two CPU processes (gloo), training LoRA: every rank runs the
+generation, judge and probe forwards (they all-gather sharded weights), no rank hangs, rank 0
+alone writes and logs, and the maps of the sharded model equal those of the same weights
+unsharded (LoRA's B starts at zero); the run's export is merged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import pytest
+from transformers import AutoModelForCausalLM
 
 from rolemrc import asset
 from rolemrc.data.readers import read_examples
@@ -21,6 +23,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import load_model, load_tokenizer
 from rolemrc.probing import balanced_subset, compute_frequency_maps, load_maps
 from rolemrc.tasks import dimensions_of
+from tests import recorder
 from tests.conftest import ROOT, compose_train
 from tests.train.helpers import metric_rows
 
@@ -35,7 +38,9 @@ def test_fsdp_every_rank_forwards_rank0_writes(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "train.py", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=fsdp",
          "strategy.param_dtype=null", "data.max_length=96", "trainer.enable_progress_bar=false",
-         "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "export.enabled=false",
+         "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+         "model.peft.enabled=true", "+callbacks.record._target_=tests.recorder.Recorder",
+         f"+callbacks.record.path={run_dir}/record",
          "callbacks=[judge_scores,activation_maps]", f"callbacks.judge_scores.n_items={N_ITEMS}",
          "callbacks.judge_scores.max_new_tokens=8", "callbacks.judge_scores.judge.backend=hf",
          "callbacks.judge_scores.judge.max_tokens=8", f"callbacks.activation_maps.n_items={N_ITEMS}",
@@ -43,6 +48,12 @@ def test_fsdp_every_rank_forwards_rank0_writes(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # LoRA under FSDP2: the parameters sharded, and the export merged (no adapter weights left).
+    starts = [r for r in recorder.read(run_dir / "record", 0) if r["event"] == "start"]
+    assert starts[0]["local_params"] < starts[0]["full_params"]
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "export")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
     # Both ranks asked the live judge (its forwards are collective); rank 0 alone scored.
     log = proc.stdout + proc.stderr
     assert log.count("judge: 8 prompts") == 2, log[-3000:]  # 2 ranks x 1 round

@@ -1,6 +1,7 @@
 """Two processes on CPU (gloo): FSDP2 and DDP runs of the tiny model train, checkpoint,
 resume and export; under FSDP the parameters are really sharded. (DPO with a sharded reference
-copy under FSDP2: tests/train/test_precision.py; with a precomputed one: test_tied.py.)"""
+copy under FSDP2: tests/train/test_precision.py; with a precomputed one: test_tied.py; LoRA under
+FSDP2, exported merged: tests/callbacks/test_callbacks_fsdp.py.)"""
 
 from __future__ import annotations
 
@@ -76,12 +77,3 @@ def test_train_checkpoint_resume_export(tmp_path: Path, strategy: str) -> None:
         restart = [r for r in records if r["event"] == "start"][-1]
         assert restart["global_step"] == 4
         assert [r["step"] for r in records if r["event"] == "step"][-2:] == [5, 6]
-
-
-def test_fsdp_lora_trains_and_exports_merged(tmp_path: Path) -> None:
-    run_dir = tmp_path / "lora"
-    train(run_dir, "strategy=fsdp", "strategy.param_dtype=null", "model.peft.enabled=true", "trainer.max_steps=2")
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "export")
-    assert not any("lora" in n for n, _ in model.named_parameters())
-    starts = [r for r in recorder.read(run_dir / "record", 0) if r["event"] == "start"]
-    assert starts[0]["local_params"] < starts[0]["full_params"]

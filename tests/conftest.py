@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,12 @@ def _children_start_their_own_wandb_service(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(autouse=True)
-def _torch_determinism_as_it_was() -> None:
+def _torch_determinism_as_it_was() -> Iterator[None]:
     """A run made in this process with ``trainer.deterministic=true`` leaves Lightning's global
     settings (torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG) set: restored after
     each test, so no later test runs under them unasked."""
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     yield
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

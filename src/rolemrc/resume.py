@@ -143,8 +143,13 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
-    if any(o.key_or_group == "hydra.run.dir" for o in OverridesParser.create().parse_overrides(args)):
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except OverrideParseException:  # e.g. an unquoted '=' in a value: @hydra.main reports it the usual way
+        return argv
+    if any(o.key_or_group == "hydra.run.dir" for o in overrides):
         return argv  # the user named the folder
     GlobalHydra.instance().clear()
     try:

@@ -5,7 +5,6 @@ and the export loads in plain transformers, tied, computing what the trained wei
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +41,10 @@ FSDP = ["strategy=fsdp", "strategy.param_dtype=null"]
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted FSDP2 run on 2 ranks (batch 2 each), shared by both tests below."""
+    """The uninterrupted FSDP2 run on 2 ranks (batch 2 each), shared by both tests below; it keeps
+    its step-2 checkpoint (``epoch=0-step=2.ckpt``) beside ``last.ckpt``."""
     run_dir = tmp_path_factory.mktemp("tied") / "whole"
-    train(run_dir, 2, *DPO, *FSDP)
+    train(run_dir, 2, *DPO, *FSDP, "callbacks.checkpoint.save_top_k=-1")
     return run_dir
 
 
@@ -84,12 +84,11 @@ def test_tied_embeddings_stay_tied_under_every_strategy(whole: Path, tmp_path: P
 def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_run(whole: Path,
                                                                                   tmp_path: Path) -> None:
     """FSDP2 restores checkpoints after on_fit_start: the tables still come from the initial
-    weights (or the checkpoint), and the resumed run logs the same rewards step by step."""
-    dpo = [*DPO, "export.enabled=false", *FSDP]
-    train(tmp_path / "first", 2, *dpo, "+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt",
-          "+callbacks.stop.step=2", ok=False)  # dies after step 2's checkpoint
-    shutil.rmtree(tmp_path / "first" / "ref_cache")
-    train(tmp_path / "second", 2, *dpo, f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}")
+    weights (or the checkpoint), and a run resumed in another folder (no reference cache there)
+    from the step-2 checkpoint logs the same rewards step by step."""
+    (step2,) = (whole / "checkpoints").glob("*step=2.ckpt")
+    assert step2.is_dir() and (step2 / ".metadata").is_file()  # sharded, as FSDP2 writes it
+    train(tmp_path / "second", 2, *DPO, "export.enabled=false", *FSDP, f'ckpt_path="{step2}"')  # quoted: '=' in the name
     for key in ("train/loss", "train/rewards/chosen", "train/rewards/margins"):
         expected = series(whole, key)
         assert series(tmp_path / "second", key) == pytest.approx(expected[2:], abs=1e-5), key

@@ -159,6 +159,18 @@ def test_the_one_matching_run_is_continued_others_are_not(outputs: Path) -> None
     assert choose(*explicit) == explicit
 
 
+def test_an_override_hydra_cannot_parse_is_left_to_hydra(tmp_path: Path, outputs: Path) -> None:
+    # Lightning names checkpoints epoch=0-step=2.ckpt: unquoted, the '=' in the value is Hydra's
+    # grammar error, which it reports in its usual lines (no traceback); quoted, the path is taken.
+    unquoted = ["ckpt_path=/runs/x/checkpoints/epoch=0-step=2.ckpt"]
+    assert choose(*unquoted) == unquoted
+    quoted = ['ckpt_path="/runs/x/checkpoints/epoch=0-step=2.ckpt"']
+    assert choose(*quoted) == quoted
+    rc, out, err = finish(train(tmp_path, *unquoted), timeout=120)
+    assert rc == 1 and "Traceback" not in err, err[-2000:]
+    assert "mismatched input '='" in err + out
+
+
 def test_two_runs_with_this_config_are_an_error_listing_both(outputs: Path) -> None:
     a = saved_run(outputs, "2026-01-01_00-00-00", ARGS)
     b = saved_run(outputs, "2026-01-02_00-00-00", ARGS)

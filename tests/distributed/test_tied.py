@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from rolemrc.checkpointing import read_model_state
 from tests.conftest import ROOT
-from tests.train.helpers import series
+from tests.train.helpers import series, train_in_process
 
 # Both tests read one FSDP run (whole): on one xdist worker, so it is made once.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("tied")]
@@ -51,8 +51,6 @@ def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tied_embeddings_stay_tied_under_every_strategy(whole: Path, tmp_path: Path) -> None:
     # (DDP replicates the module as it is, ties included; its update equals a single process's,
     # tests/train/test_loss_normalisation.py.) The single-process run (batch 4) is made here, in-process.
-    from tests.train.helpers import train_in_process
-
     runs = {"single": train_in_process(tmp_path / "single", *ARGS, "trainer.devices=1", *DPO, "data.batch_size=4",
                                        "logger=csv"),
             "fsdp": whole}
@@ -88,7 +86,8 @@ def test_fsdp_tied_precomputed_dpo_resumed_elsewhere_follows_the_uninterrupted_r
     from the step-2 checkpoint logs the same rewards step by step."""
     (step2,) = (whole / "checkpoints").glob("*step=2.ckpt")
     assert step2.is_dir() and (step2 / ".metadata").is_file()  # sharded, as FSDP2 writes it
-    train(tmp_path / "second", 2, *DPO, "export.enabled=false", *FSDP, f'ckpt_path="{step2}"')  # quoted: '=' in the name
+    resume = f'ckpt_path="{step2}"'  # quoted: the name holds '='
+    train(tmp_path / "second", 2, *DPO, "export.enabled=false", *FSDP, resume)
     for key in ("train/loss", "train/rewards/chosen", "train/rewards/margins"):
         expected = series(whole, key)
         assert series(tmp_path / "second", key) == pytest.approx(expected[2:], abs=1e-5), key

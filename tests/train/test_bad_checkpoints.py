@@ -17,9 +17,9 @@ import torch
 
 from rolemrc.checkpointing.state import read_model_state
 from rolemrc.checkpointing.verify import check_checkpoint
-from rolemrc.errors import CheckpointError, InputNotFound
+from rolemrc.errors import CheckpointError, ConfigError, InputNotFound
 from rolemrc.models.source import hf_model_path
-from tests.conftest import ROOT
+from tests.conftest import ROOT, compose_train
 from tests.train.helpers import train_in_process
 
 # The tests share one finished run (run_dir): on one xdist worker, so it is made once.
@@ -196,9 +196,7 @@ def test_a_damaged_shard_of_a_sharded_checkpoint_is_one_error_line(tmp_path: Pat
         read_model_state(ckpt)
     # Resuming it without strategy=fsdp names the mismatch rather than calling the folder corrupt
     # (a ConfigError: entry scripts print it as the one error line above).
-    from rolemrc.errors import ConfigError
     from rolemrc.train import run
-    from tests.conftest import compose_train
 
     with pytest.raises(ConfigError, match=r"is a sharded \(FSDP\) checkpoint: resume it with strategy=fsdp"):
         run(compose_train([*TINY, "trainer.max_steps=2", f"ckpt_path={ckpt}"], run_dir=tmp_path / "s"))

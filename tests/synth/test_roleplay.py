@@ -143,8 +143,8 @@ def test_bad_role_records_name_file_and_line(tmp_path: Path, inputs: dict[str, P
 
 
 def test_readme_dry_run_on_the_shipped_roles_file(tmp_path: Path) -> None:
-    """The README's offline command on the shipped sample roles (scripts read through script_file)
-    exits 0 and plans one request per segment, sending nothing."""
+    """The docs' offline command (docs/synthesis.md) on the shipped sample roles (scripts read
+    through script_file) exits 0 and plans one request per segment, sending nothing."""
     import os
     import shlex
     import subprocess
@@ -152,7 +152,7 @@ def test_readme_dry_run_on_the_shipped_roles_file(tmp_path: Path) -> None:
 
     from tests.synth.helpers import REPO
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    readme = (REPO / "docs" / "synthesis.md").read_text(encoding="utf-8")
     [line] = [ln for ln in readme.splitlines()
               if ln.startswith("python synthesize.py stages=[context_instruct]") and "roles_with_scripts.jsonl" in ln
               and ln.endswith("dry_run=true")]

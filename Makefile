@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench bench-data bench-gpu gpu-site clean
+.PHONY: setup demo test docs bench bench-data bench-gpu gpu-site clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml scripts/provision_nltk.sh
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, CPU build, so nothing pulls a multi-GB CUDA wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,docs]'
 	bash scripts/provision_nltk.sh $(NLTK_DATA)
 	touch $(STAMP)
 
@@ -31,17 +31,24 @@ demo: $(STAMP)
 # The suite on TEST_WORKERS processes (pytest-xdist; tests/conftest.py keeps those that share
 # something outside their tmp_path on one worker). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+
+# The documentation site, docs/ -> site/, warnings as errors (a few seconds; `make test` builds it
+# first, so CI does). docs/configuration.md must be what scripts/gen_config_reference.py writes
+# from the config schemas: run that script after changing a schema.
+docs: $(STAMP)
+	$(PY) scripts/gen_config_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# Start-up at the real data scale (README, Data): 12k and 48k records, store / no store / TRL, 2-rank DDP.
+# Start-up at the real data scale (docs/benchmarks/data-scale.md): 12k and 48k records, store / no store / TRL, 2-rank DDP.
 bench-data: $(STAMP)
 	$(PY) benchmarks/data_scale.py $(BENCH_DATA_ARGS)
 
-# One CUDA device (README, Performance). Runs with the interpreter given, e.g. on a GPU node
+# One CUDA device (docs/benchmarks/gpu.md). Runs with the interpreter given, e.g. on a GPU node
 # without this venv: make bench-gpu GPU_PYTHON=python3. Where that node's image lacks hydra-core
 # and omegaconf and has no package index, `make gpu-site` here first: it copies them (pure
 # Python, 4 MB, the pinned versions) from this venv into .gpu-site/, which travels with the checkout.
@@ -56,4 +63,4 @@ bench-gpu:
 
 # Run outputs only: never data, nor the data store cache ($ROLEMRC_CACHE_DIR, ~/.cache/rolemrc).
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache site

@@ -1,0 +1,63 @@
+"""The README and the documentation site: the README's links lead somewhere and it keeps the
+commands CI and newcomers rely on; `make docs` (its recipe, run as make runs it) fails on a
+broken anchor."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_keeps_the_two_commands_and_its_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"^make demo\b", readme, re.M) and re.search(r"^make test\b", readme, re.M)
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    assert len(links) > 10
+    missing = [link for link in links if not link.startswith("http") and not (ROOT / link).is_file()]
+    assert not missing, f"README links to missing files: {missing}"
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    assert [p for p in pages if p not in nav] == [], "every docs/ page is in mkdocs.yml's nav"
+
+
+def _mkdocs_recipe() -> list[str]:
+    """The `make docs` line that builds the site, as argv (``$(PY)`` is this interpreter)."""
+    recipe = re.search(r"^docs:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert recipe, "Makefile has a docs target"
+    [line] = [ln.strip() for ln in recipe.group(1).splitlines() if "mkdocs build" in ln]
+    argv = [a for a in shlex.split(line.replace("$(PY)", sys.executable)) if "=" not in a or a.startswith("-")]
+    assert "--strict" in argv
+    return argv
+
+
+def _build(argv: list[str], tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_make_docs_fails_on_a_broken_anchor(tmp_path: Path) -> None:
+    """One build, of the committed docs plus one bad link: it must fail, naming the link (the
+    committed docs alone are built by `make docs` itself, before the tests)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    argv = _mkdocs_recipe()
+    tree = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", tree / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tree / "mkdocs.yml")
+    page = tree / "docs" / "preference.md"
+    page.write_text(page.read_text(encoding="utf-8") + "\nSee [nowhere](configuration.md#no-such-key).\n",
+                    encoding="utf-8")
+    broken = _build(argv, tree)
+    assert broken.returncode != 0
+    assert "#no-such-key" in broken.stderr
+    [warning] = [ln for ln in broken.stderr.splitlines() if ln.startswith("WARNING")]  # nothing else is wrong
+    assert "preference.md" in warning

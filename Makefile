@@ -36,7 +36,7 @@ test: $(STAMP) docs
 
 # The documentation site, docs/ -> site/, warnings as errors (a few seconds; `make test` builds it
 # first, so CI does). docs/configuration.md must be what scripts/gen_config_reference.py writes
-# from the config schemas: run that script after changing a schema. No --quiet: mkdocs 1.6.1 with
+# from the config schemas and conf/: run that script after changing either. No --quiet: mkdocs 1.6.1 with
 # --quiet --strict exits 0 on warnings (tests/test_docs.py).
 docs: $(STAMP)
 	$(PY) scripts/gen_config_reference.py --check

@@ -1,9 +1,11 @@
 """Write docs/configuration.md, the configuration reference, from the config schemas.
 
-Every key, its type, its schema default and its description come from the dataclasses of
-``rolemrc.config`` (+ ``rolemrc.config_suites``) and ``rolemrc.synth.config``: the types and the
-comments are read from their source, the defaults from the classes. So the page cannot drift
-from the code: ``make docs`` regenerates it and ``tests/test_config_reference.py`` fails when the
+Every key, its type and its description come from the dataclasses of ``rolemrc.config``
+(+ ``rolemrc.config_suites``) and ``rolemrc.synth.config``: the types and the comments are read
+from their source (a key whose field has no comment takes the one beside it in
+``conf/<script>.yaml``). Its default is what the entry script composes with no overrides (Hydra's
+compose on ``conf/``), followed by the schema's own where that differs. So the page cannot drift
+from the code: ``make docs`` (``--check``) and ``tests/test_config_reference.py`` fail when the
 committed page differs from what this script writes.
 
     python scripts/gen_config_reference.py            # write docs/configuration.md
@@ -42,18 +44,84 @@ class Script:
     name: str  # the entry script
     anchor: str  # prefix of the page's anchors
     schema: type
-    conf: str  # its primary config file
-    # Fields typed ``Any`` whose value is one of several schemas: key -> {option: schema}.
+    conf: str  # its primary config file, conf/<conf>.yaml
+    # Fields typed ``Any`` whose value is one of several schemas: key -> {option: schema}; the
+    # option is a config group's (``objective=dpo``).
     choices: dict[str, dict[str, type]] = field(default_factory=dict)
 
 
 SCRIPTS = (
-    Script("train.py", "train", train_config.TrainConfig, "conf/train.yaml",
+    Script("train.py", "train", train_config.TrainConfig, "train",
            {"objective": dict(train_config.OBJECTIVE_SCHEMAS)}),
-    Script("evaluate.py", "evaluate", train_config.EvaluateConfig, "conf/evaluate.yaml"),
-    Script("probe.py", "probe", train_config.ProbeConfig, "conf/probe.yaml"),
-    Script("synthesize.py", "synthesize", synth_config.SynthConfig, "conf/synthesize.yaml"),
+    Script("evaluate.py", "evaluate", train_config.EvaluateConfig, "evaluate"),
+    Script("probe.py", "probe", train_config.ProbeConfig, "probe"),
+    Script("synthesize.py", "synthesize", synth_config.SynthConfig, "synthesize"),
 )
+LONG = 60  # a composed value longer than this is not written out: `--cfg job` prints it
+
+
+# ------------------------------------------------------------------ what a plain command composes
+
+_UNSET = object()
+
+
+@cache
+def composed(conf: str, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``conf/<conf>.yaml`` composed as its script composes it (no overrides but ``overrides``),
+    unresolved: the values ``python <script>`` runs with."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    train_config.register()
+    synth_config.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(conf, overrides=list(overrides))
+    GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+def lookup(tree: Any, key: str) -> Any:
+    """The value at a dotted key; ``_UNSET`` inside lists (``data.sft[].path``) or where absent."""
+    if "[]" in key:
+        return _UNSET
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _UNSET
+        tree = tree[part]
+    return tree
+
+
+@cache
+def yaml_comments(path: str, prefix: str = "") -> dict[str, str]:
+    """Dotted key (under ``prefix``) -> the comment beside it (or in the comment lines just above
+    it) in ``conf/<path>.yaml``: the descriptions of keys whose schema field has none."""
+    comments: dict[str, str] = {}
+    stack: list[tuple[int, str]] = [(-1, prefix)] if prefix else []  # (indent, key) of the enclosing mappings
+    above: list[str] = []
+    for line in (REPO / "conf" / f"{path}.yaml").read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        m = re.match(r"^( *)([A-Za-z_]\w*):(.*)$", line)
+        if not m:
+            above = []
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        dotted = ".".join([k for _, k in stack] + [key])
+        after = rest.split(" #", 1)[1].strip() if " #" in rest else ""
+        # a longer block above a key is a section's header (examples, layout), not the key's description
+        text = after or (" ".join(above) if len(above) <= 3 else "")
+        if text:
+            comments[dotted] = text
+        above = []
+        if not rest.split(" #", 1)[0].strip():  # a mapping opens here
+            stack.append((indent, key))
+    return comments
 
 
 # ------------------------------------------------------------------ reading the source
@@ -138,6 +206,7 @@ class Section:
     title: str
     anchor: str
     also: list[str] = field(default_factory=list)  # other keys holding the same schema
+    option: str | None = None  # the config group option a choice's table is for (objective=dpo)
 
 
 def sections(script: Script, earlier: frozenset[type] = frozenset()) -> list[Section]:
@@ -147,7 +216,7 @@ def sections(script: Script, earlier: frozenset[type] = frozenset()) -> list[Sec
     out: list[Section] = []
     seen: dict[type, Section] = {}
 
-    def visit(key: str, schema: type, title: str) -> None:
+    def visit(key: str, schema: type, title: str, option: str | None = None) -> None:
         if schema in seen and key:
             seen[schema].also.append(key)
             return
@@ -155,24 +224,24 @@ def sections(script: Script, earlier: frozenset[type] = frozenset()) -> list[Sec
             return
         anchor = (f"{script.anchor}-{key}".replace(".", "-").replace("[]", "").replace("_", "-")
                   if key else f"{script.anchor}-top")
-        section = Section(key, schema, title, anchor)
+        section = Section(key, schema, title, anchor, option=option)
         seen.setdefault(schema, section)
         out.append(section)
         hints = typing.get_type_hints(schema)
         for f in dataclasses.fields(schema):
             sub = f"{key}.{f.name}" if key else f.name
             if sub in script.choices:
-                for option, choice in script.choices[sub].items():
-                    visit(sub, choice, f"`{sub}` ({sub}={option})")
+                for name, choice in script.choices[sub].items():
+                    visit(sub, choice, f"`{sub}` ({sub}={name})", f"{sub}={name}")
                 continue
             nested, is_list = nested_schema(hints[f.name])
             if nested is not None:
-                visit(sub + ("[]" if is_list else ""), nested, sub + ("[]" if is_list else ""))
+                visit(sub + ("[]" if is_list else ""), nested, sub + ("[]" if is_list else ""), option)
 
     visit("", script.schema, "top-level keys")
     for s in out:  # a choice's sections share a key: tell their anchors apart by the option
         if s.key in script.choices:
-            s.anchor += "-" + s.title.rsplit("=", 1)[1].rstrip(")").replace("_", "-")
+            s.anchor += "-" + s.option.rsplit("=", 1)[1].replace("_", "-")
     return out
 
 
@@ -203,18 +272,35 @@ def render_value(value: Any) -> str:
     return str(value)
 
 
-def default_of(f: dataclasses.Field) -> str:
+def schema_default(f: dataclasses.Field) -> Any:
+    """The field's default in its dataclass; ``_UNSET`` when it has none (required)."""
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
     else:
-        return "required"
-    if dataclasses.is_dataclass(value):
+        return _UNSET
+    return _UNSET if value == "???" else value  # omegaconf.MISSING: a group or the command line sets it
+
+
+def default_of(f: dataclasses.Field, value: Any, command: str, nested: bool) -> str:
+    """The default column: the value a plain command composes (``value``), and the schema's
+    where it differs. A key holding a schema of its own points at its table."""
+    schema = schema_default(f)
+    if nested and (schema is _UNSET or dataclasses.is_dataclass(schema)):
         return "(table below)"
-    if value == "???":  # omegaconf.MISSING: set by the config group or on the command line
-        return "required"
-    return f"`{render_value(value)}`"
+
+    def show(v: Any) -> str:
+        if v is _UNSET or v == "???":
+            return "required"
+        text = render_value(v)
+        return f"`{text}`" if len(text) <= LONG else f"(`python {command} --cfg job` prints it)"
+
+    if value is _UNSET or schema is _UNSET and value == "???":
+        return show(schema)
+    if schema is _UNSET or value == schema or show(value) == show(schema):
+        return show(value)
+    return f"{show(value)}; schema: {show(schema)}"
 
 
 def cell(text: str) -> str:
@@ -225,6 +311,7 @@ def cell(text: str) -> str:
 
 
 def render_section(script: Script, s: Section, by_schema: dict[type, tuple[str, str]]) -> list[str]:
+    tree = composed(script.conf, (s.option,) if s.option else ())
     heading = s.title if s.title.startswith("`") or not s.key else f"`{s.title}`"
     if s.also:
         heading += " and " + ", ".join(f"`{k}`" for k in s.also)
@@ -237,8 +324,11 @@ def render_section(script: Script, s: Section, by_schema: dict[type, tuple[str, 
     for f in dataclasses.fields(s.schema):
         key = f"{s.key}.{f.name}" if s.key else f.name
         d = docs.get(f.name, FieldDoc("", ""))
-        text = d.comment
-        if text and not text.endswith((".", ")")) and (key in script.choices or nested_schema(hints[f.name])[0]):
+        text = d.comment or yaml_comments(script.conf).get(key, "")
+        if not text and s.option:  # objective=dpo: conf/objective/dpo.yaml
+            group, option = s.option.split("=")
+            text = yaml_comments(f"{group}/{option}", group).get(key, "")
+        if text and not text.endswith(".") and (key in script.choices or nested_schema(hints[f.name])[0]):
             text += "."
         if key in script.choices:
             text = (text + " " if text else "") + "Options: " + ", ".join(
@@ -249,7 +339,9 @@ def render_section(script: Script, s: Section, by_schema: dict[type, tuple[str, 
                 target, where = by_schema[nested]
                 link = "below" if where == script.name else f"as for {where}"
                 text = (text + " " if text else "") + f"Keys: [{link}](#{target})."
-        lines.append(f"| `{key}` | `{cell(d.annotation)}` | {cell(default_of(f))} | {cell(text)} |")
+        default = ("(tables below)" if key in script.choices else
+                   default_of(f, lookup(tree, key), script.name, nested_schema(hints[f.name])[0] is not None))
+        lines.append(f"| `{key}` | `{cell(d.annotation)}` | {cell(default)} | {cell(text)} |")
     return lines + [""]
 
 
@@ -266,10 +358,13 @@ def render() -> str:
         "(`python train.py optim.lr=2e-5`) or in a config file; list-valued keys take Hydra's list syntax",
         "(`'data.sft=[{path: a.jsonl}]'`).",
         "",
-        "The defaults are the schemas'. The config groups (`conf/<group>/<option>.yaml`, chosen with",
-        "`model=llama`, `objective=dpo`, ...) and the experiments (`experiment=rolemrc_llama_sft`) set their",
-        "own values over them, and *required* keys are set by a group or on the command line:",
-        "`python train.py --cfg job` (any entry script) prints the composed config a command runs with.",
+        "A default is the value the script runs with when given no overrides: its `conf/<script>.yaml` with",
+        "its default groups (`model=tiny`, `objective=sft`, `data=sample`, ...; `objective=dpo` for the DPO",
+        "table); where the schema's own default differs, it follows (\"schema: ...\"). Other groups",
+        "(`model=llama`) and the experiments (`experiment=rolemrc_llama_sft`) set their own values, and",
+        "*required* keys are set by a group or on the command line: `python train.py --cfg job` (any entry",
+        "script) prints the config a command runs with. Descriptions are the schema fields' comments, else",
+        "the comment beside the key in `conf/<script>.yaml`.",
         "",
     ]
     by_schema: dict[type, tuple[str, str]] = {}  # schema -> (anchor of its table, script)
@@ -278,11 +373,15 @@ def render() -> str:
         for s in secs:
             by_schema.setdefault(s.schema, (s.anchor, script.name))
         out += [f"## {script.name} {{#{script.anchor}}}", "",
-                f"Composed from `{script.conf}`; checked against `{script.schema.__module__}."
-                f"{script.schema.__qualname__}`.", ""]
+                f"Composed from `conf/{script.conf}.yaml`; checked against `{script.schema.__module__}."
+                f"{script.schema.__qualname__}`. Defaults: what `python {script.name}` runs with.", ""]
         for s in secs:
             out += render_section(script, s, by_schema)
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,13 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = OUT.read_text(encoding="utf-8") if OUT.is_file() else ""
         if current != text:
-            print(f"error: {OUT.relative_to(REPO)} is out of date: run python scripts/gen_config_reference.py",
+            print(f"error: {_shown(OUT)} is out of date: run python scripts/gen_config_reference.py",
                   file=sys.stderr)
             return 1
         return 0
     if not OUT.is_file() or OUT.read_text(encoding="utf-8") != text:
         OUT.write_text(text, encoding="utf-8")
-        print(f"wrote {OUT.relative_to(REPO)}")
+        print(f"wrote {_shown(OUT)}")
     return 0
 
 

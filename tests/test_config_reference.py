@@ -1,6 +1,7 @@
-"""docs/configuration.md, the configuration reference, cannot drift from the schemas: it is what
-scripts/gen_config_reference.py writes now, and it tables every field of every schema dataclass
-the config modules define (found here by scanning the modules, not by the script's own walk)."""
+"""docs/configuration.md, the configuration reference, cannot drift from the schemas nor from the
+defaults conf/ composes: it is what scripts/gen_config_reference.py writes now, and it tables every
+field of every schema dataclass the config modules define (found here by scanning the modules, not
+by the script's own walk)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_every_field_of_every_schema_is_tabled_with_its_default() -> None:
     assert "| `objective.beta` | `float` | `0.1` |" in page
     assert "| `data.sft[].weight` | `float` | `1.0` |" in page
     assert re.search(r"\| `model\.peft\.target_modules` \| `list\[str\]` \| `\[q_proj, v_proj\]` \|", page)
-    assert "| `data.name` | `str` | required |" in page
+    assert "| `data.name` | `str` | `sample` |" in page  # required by the schema, set by data=sample
+    assert "| `optim.lr` | `float` | `0.002`; schema: `0.001` |" in page  # conf/train.yaml's value first
 
 
 def test_check_flag_fails_on_a_stale_page(tmp_path: Path, monkeypatch) -> None:
@@ -75,7 +77,6 @@ def test_check_flag_fails_on_a_stale_page(tmp_path: Path, monkeypatch) -> None:
     stale = tmp_path / "configuration.md"
     stale.write_text(PAGE.read_text(encoding="utf-8").replace("objective.beta", "objective.betta"), encoding="utf-8")
     monkeypatch.setattr(gen, "OUT", stale)
-    monkeypatch.setattr(gen, "REPO", tmp_path)
     assert gen.main(["--check"]) == 1
     assert gen.main([]) == 0 and stale.read_text(encoding="utf-8") == gen.render()
     assert gen.main(["--check"]) == 0

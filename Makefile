@@ -34,7 +34,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
-# The documentation site, docs/ -> site/, warnings as errors (a few seconds; `make test` builds it
+# The documentation site, docs/ -> site/, warnings as errors (~6 CPU-seconds; `make test` builds it
 # first, so CI does). docs/configuration.md must be what scripts/gen_config_reference.py writes
 # from the config schemas and conf/: run that script after changing either. No --quiet: mkdocs 1.6.1 with
 # --quiet --strict exits 0 on warnings (tests/test_docs.py).

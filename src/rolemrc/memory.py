@@ -307,12 +307,25 @@ def _print_report(r: dict[str, Any]) -> None:
               f"{r['checkpointing']}")
 
 
+def _usage() -> str:
+    """The command lines of the module docstring, and what the flags do."""
+    lines = [line.strip() for line in (__doc__ or "").splitlines() if line.strip().startswith("python -m")]
+    return "\n".join(["usage:", *(f"  {line}" for line in lines), "",
+                      "Hydra overrides (key=value) pick the training config, as for train.py.",
+                      "  --simulate  one optimizer step under fake tensors on fake ranks: the per-rank peak",
+                      "  --json      with --simulate: the report also as one JSON object on the last line",
+                      "  -h, --help  this message"])
+
+
 def main(argv: list[str]) -> int:
     """No arguments: the README table. Hydra overrides: that training config's estimate; with
     ``--simulate`` after them, its simulated per-rank peak (``--json``: also as one JSON object on
     the last line)."""
     if not argv:
         print(table())
+        return 0
+    if "-h" in argv or "--help" in argv:
+        print(_usage())
         return 0
     flags = [a for a in argv if a in ("--simulate", "--json")]
     overrides = [a for a in argv if a not in flags]

@@ -138,9 +138,10 @@ def summary_text(summary: dict[str, Any]) -> str:
         value = summary.get(key)
         return "n/a" if value is None else format(value, fmt)
 
+    steps = summary.get("steps", 0)
     val = number("val_loss", ".4f") if summary.get("val_loss") is not None else "n/a (no validation data)"
     return "\n".join([
-        f"run summary: {summary.get('steps', 0)} steps, {number('epochs', '.2f')} epochs, "
+        f"run summary: {steps} step{'' if steps == 1 else 's'}, {number('epochs', '.2f')} epochs, "
         f"train/loss {number('train_loss', '.4f')}, val/loss {val}, {number('tokens_per_s', ',.0f')} tokens/s",
         f"  run folder: {summary['run_dir']}",
         f"  export: {summary['export'] or 'none (export.enabled=false)'}",

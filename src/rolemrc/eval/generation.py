@@ -591,7 +591,7 @@ def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
                 try:
                     row = json.loads(raw)
                 except json.JSONDecodeError as e:
-                    errors.append(f"{where}: not JSON ({e.msg})")
+                    errors.append(f"{where}: not JSON ({e.msg}: column {e.colno})")
                     continue
                 if not isinstance(row, dict):
                     errors.append(f"{where}: expected a JSON object, got {type(row).__name__}")

@@ -43,6 +43,10 @@ def _naming(key: str, source: str) -> Iterator[None]:
         raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
 
 
+# What names a file (a training checkpoint, loose weights), not a folder or a hub repository.
+_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
 def check_source(value: str | None, key: str) -> None:
     """A local folder that does not exist is named as such (transformers' own error would talk
     about repository ids). A hub id is ``owner/name``; anything else is taken as local. With the
@@ -50,6 +54,8 @@ def check_source(value: str | None, key: str) -> None:
     anything slow runs (transformers would find out only when loading)."""
     if value is None or Path(value).expanduser().exists():
         return
+    if Path(value).suffix in _FILE_SUFFIXES:  # a checkpoint or weights file, never a hub id
+        raise InputNotFound(f"{key}={value}: no such file")
     if value.startswith((".", "/", "~")) or value.count("/") > 1:
         raise InputNotFound(f"{key}={value}: no such folder (a hub id is written owner/name)")
     if _hub_offline():

@@ -1,0 +1,50 @@
+"""Messages a user reads: a missing checkpoint file named as a file, JSON errors whole, "1 step",
+``python -m rolemrc.memory --help`` (issue 34, item 7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rolemrc.data.schemas import DataError
+from rolemrc.eval.generation import read_replies
+from rolemrc.train import summary_text
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+       "OMP_NUM_THREADS": "1"}
+
+
+def test_a_missing_checkpoint_file_is_named_a_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    done = subprocess.run([sys.executable, "evaluate.py", f"model.path={missing}", "limit=1",
+                           f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == f"error: model.path={missing}: no such file"
+
+
+def test_memory_help_prints_usage_and_exits_0() -> None:
+    done = subprocess.run([sys.executable, "-m", "rolemrc.memory", "--help"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and "--simulate" in done.stdout and "python -m rolemrc.memory" in done.stdout
+
+
+@pytest.mark.parametrize(("steps", "words"), [(1, "1 step,"), (2, "2 steps,"), (0, "0 steps,")])
+def test_the_run_summary_counts_steps_in_english(steps: int, words: str) -> None:
+    text = summary_text({"steps": steps, "run_dir": "/r", "export": None})
+    assert text.startswith(f"run summary: {words} "), text
+
+
+def test_a_json_error_is_not_cut_mid_sentence(tmp_path: Path) -> None:
+    replies = tmp_path / "replies.jsonl"
+    replies.write_text('{"id": "a", "reply": "fine"}\n{"id": "b", "reply": "a\tb"}\n', encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_replies(str(replies))
+    line = str(err.value).splitlines()[-1].strip()
+    assert line == f"{replies}:2: not JSON (Invalid control character at: column 24)", line

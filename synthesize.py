@@ -10,6 +10,8 @@ Stages (personas, profiles, match, dialogues, assemble) resume after a crash; ev
 cached on disk, so a rerun costs nothing. Output: <out_dir>/assemble/{sft,pairs,test}.jsonl.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -24,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     from rolemrc.synth.pipeline import run
 
     with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
-        run(load_config(cfg))
+        run(load_config(cfg), command=sys.argv)  # argv: the commands it prints repeat what was typed
 
 
 if __name__ == "__main__":

@@ -48,3 +48,19 @@ def test_a_json_error_is_not_cut_mid_sentence(tmp_path: Path) -> None:
         read_replies(str(replies))
     line = str(err.value).splitlines()[-1].strip()
     assert line == f"{replies}:2: not JSON (Invalid control character at: column 24)", line
+
+
+def test_a_mistyped_hub_id_fails_at_once_without_hf_hub_offline(tmp_path: Path) -> None:
+    """Offline by default (issue 34, item 3): no HF_HUB_OFFLINE in the environment, and a hub id
+    that is not in the cache ends in its one error line, with no retries against the hub."""
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")  # an empty cache
+    done = subprocess.run([sys.executable, "train.py", "model.path=meta-llama/Llama-3.1-8B-Instrut",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: model.path=meta-llama/Llama-3.1-8B-Instrut: cannot load it "
+                                "(no config.json of it in the local hub cache)."), lines[-1]
+    assert "HF_HUB_OFFLINE=0" in lines[-1]
+    assert not [ln for ln in lines[:-1] if "retry" in ln.lower() or "huggingface.co" in ln], lines

@@ -28,8 +28,9 @@ def _hub_offline() -> bool:
 
 
 def _offline_hint(key: str, source: str) -> str:
-    return (" The hub is switched off (HF_HUB_OFFLINE) and it is not in the local cache: download it "
-            f"where there is network (`hf download {source}`) or point {key} at a local folder.")
+    return (" rolemrc reads the hub only with HF_HUB_OFFLINE=0 set, and it is not in the local cache: "
+            f"rerun with HF_HUB_OFFLINE=0 to download it, download it where there is network "
+            f"(`hf download {source}`), or point {key} at a local folder.")
 
 
 @contextmanager

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import re
+import shlex
 import tempfile
 import time
 from collections.abc import Callable
@@ -512,8 +514,41 @@ def print_whole(console: Console, table: Table) -> None:
         console.width = before
 
 
-def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
-    """Run the configured stages; returns {stage: stats} (dry run: {stage: usage})."""
+def _hydra_path(path: Path) -> str:
+    """A path as a Hydra override value: quoted where Hydra's grammar would read its characters."""
+    text = str(path)
+    return text if re.fullmatch(r"[\w./~+-]+", text) else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def train_commands(out: Path, results: dict[str, Any], train_py: str = "train.py") -> list[str]:
+    """``python train.py ...`` for each finished output of this run that holds records (one
+    shell line each, data paths absolute and quoted; ``train_py`` as the synthesis script was named)."""
+    commands = []
+    if "assemble" in results:
+        stats = results["assemble"]
+        if stats.get("sft", 0) or stats.get("pairs", 0):
+            data_dir = (out / "assemble").resolve()
+            commands.append(shlex.join(["python", train_py, "data=local", f"data.dir={_hydra_path(data_dir)}"]))
+    for stage in roleplay.RUNNERS:
+        sft = (out / stage / "sft.jsonl").resolve()
+        if stage in results and sft.is_file() and sft.stat().st_size > 0:
+            commands.append(shlex.join(["python", train_py, f"data.sft=[{{path: {_hydra_path(sft)}}}]"]))
+    return commands
+
+
+def _real_run_command(command: Optional[list[str]]) -> Optional[str]:
+    """The command line that started a dry run, without its ``dry_run=true``."""
+    if not command:
+        return None
+    kept = [a for a in command[1:] if not re.fullmatch(r"\+*dry_run=(true|True|1)", a)]
+    return shlex.join(["python", command[0], *kept])
+
+
+def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[list[str]] = None) -> dict[str, Any]:
+    """Run the configured stages; returns {stage: stats} (dry run: {stage: usage}).
+
+    ``command``: the script and its arguments as typed (``sys.argv``), for the command lines
+    printed at the end (a dry run's real run, an incomplete run's rerun)."""
     console = console or Console()
     show = console.is_terminal if cfg.progress is None else cfg.progress
     results: dict[str, Any] = {}
@@ -565,19 +600,31 @@ def run(cfg: SynthConfig, console: Optional[Console] = None) -> dict[str, Any]:
             line = f"[{name}] {_fmt({k: v for k, v in stats.items() if k not in ('usage', 'seconds')})}"
             if u is not None:
                 line += f" | {u.line(cfg.dry_run)}"
-            console.print(escape(f"{line} | {stats['seconds']}s -> {d.path}"))
+            # A dry run's folder is scratch, deleted at exit: not named as where anything is.
+            where = "(dry run: nothing kept)" if cfg.dry_run else f"-> {d.path}"
+            console.print(escape(f"{line} | {stats['seconds']}s {where}"), soft_wrap=True)
         if cfg.dry_run:
             print_whole(console, dry_run_table(ctx.usage, cfg))
+            real = _real_run_command(command)
+            console.print(escape(f"dry run: nothing was written; the real run writes into {Path(cfg.out_dir).resolve()}"
+                                 + (f": {real}" if real else " (the same command without dry_run=true)")),
+                          soft_wrap=True)
             return {k: dataclasses.asdict(v) for k, v in ctx.usage.items()}
         if "assemble" in results:
             console.print(summary_table(results["assemble"]["counts"], ctx.assets.paper))
-            data_dir = (out / "assemble").resolve()
-            console.print(escape(f"train on it as it is: python train.py data=local data.dir={data_dir}"))
+        # train.py beside synthesize.py, named the way synthesize.py was: the command works where this one did
+        commands = train_commands(out, results, str(Path(command[0]).with_name("train.py")) if command else "train.py")
+        for train in commands:  # soft_wrap: a command is never broken across lines (it must paste whole)
+            console.print(escape(f"train on it as it is: {train}"), soft_wrap=True)
+        if not commands and results:
+            console.print(escape(f"no records kept in {out.resolve()}: nothing to train on yet"), style="yellow",
+                          soft_wrap=True)
         missing = {n: st["missing"] for n, st in results.items() if isinstance(st, dict) and st.get("missing")}
         if missing:
             # Promised records are missing: never exit 0 (what was built is written and kept).
+            rerun = shlex.join(["python", command[0], *command[1:]]) if command else "the same command"
             raise SynthIncomplete(
                 "synthesis incomplete: " + ", ".join(f"{n} {k} record(s) missing" for n, k in missing.items())
                 + f" after every retry (ids and reasons in {out}/<stage>/missing.jsonl); the other records are written;"
-                " rerun the same command to ask only for the missing ones")
+                f" to ask only for the missing ones, rerun: {rerun}")
     return results

@@ -194,7 +194,6 @@ def _write_outputs(ctx: Any, stage: str, roles: list[dict[str, Any]], rows: list
     write_jsonl(d.file("sft.jsonl"), ({"task": stage, "conversations": [
         {"role": "System", "content": systems[row["role"]]}, {"role": "User", "content": row["question"]},
         {"role": "Assistant", "content": row["generated"][0]}]} for row in rows))
-    ctx.console.print(f"{stage}: train on it as it is: python train.py 'data.sft=[{{path: {d.file('sft.jsonl')}}}]'")
 
 
 # ---------------------------------------------------------------- Context-Instruct

@@ -82,8 +82,14 @@ def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "from_run")), from_merged)
 
 
-def test_a_random_init_adapter_carries_its_base(tmp_path: Path) -> None:
+def test_a_random_init_adapter_carries_its_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped base is named relatively: the export folder moved elsewhere still loads through
+    peft (which resolves the name from the working directory: the export folder) and as evaluate.py's
+    ``model.path`` (rolemrc resolves it beside the adapter, from anywhere)."""
     from peft import AutoPeftModelForCausalLM
+
+    from rolemrc.eval.run import run as evaluate
+    from tests.eval.test_evaluate_run import compose_eval
 
     cfg = compose_train(["model.peft.enabled=true", "model.peft.r=4"])
     torch.manual_seed(0)
@@ -96,9 +102,20 @@ def test_a_random_init_adapter_carries_its_base(tmp_path: Path) -> None:
     adapter = export_state(cfg, state, tmp_path / "adapter", merge_lora=False)
     merged = export_state(cfg, state, tmp_path / "merged", merge_lora=True)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str((adapter / "base_model").resolve())
+    assert config["base_model_name_or_path"] == "base_model"
     assert (adapter / "base_model" / "config.json").is_file()
-    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(str(adapter))),
+    moved = tmp_path / "elsewhere" / "export"  # the run folder moved (or copied to another machine)
+    moved.parent.mkdir()
+    adapter.rename(moved)
+    monkeypatch.chdir(moved)
+    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(str(moved))),
+                               logits(AutoModelForCausalLM.from_pretrained(merged)), atol=1e-5, rtol=1e-5)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval"
+    evaluate(compose_eval(f"model.path={moved}", "limit=1", "generation.max_new_tokens=2", "generation.progress=false",
+                          "metrics.names=[bleu]", f"out_dir={out}"))
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 1
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(moved / "merged")),
                                logits(AutoModelForCausalLM.from_pretrained(merged)), atol=1e-5, rtol=1e-5)
 
 

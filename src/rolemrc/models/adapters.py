@@ -42,6 +42,9 @@ def adapter_base(adapter: str | Path) -> str:
             "(base_model_name_or_path is null): export the run merged (python export.py <checkpoint> --merge), "
             "or write the base model's hub id or folder into base_model_name_or_path")
     local = Path(base).expanduser()
+    beside = adapter / local
+    if not local.is_absolute() and beside.is_dir():  # a base shipped inside the export, named relatively
+        local = beside
     if not local.exists() and (base.startswith((".", "/", "~")) or base.count("/") > 1):
         raise ModelSourceError(f"{config_file}: base_model_name_or_path={base}: no such folder")
     if not (adapter / "adapter_model.safetensors").is_file() and not (adapter / "adapter_model.bin").is_file():

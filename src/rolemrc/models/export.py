@@ -19,6 +19,8 @@ from rolemrc.models.logprob_head import install_logprob_head, restore_linear_hea
 
 log = logging.getLogger(__name__)
 
+SHIPPED_BASE = "base_model"  # the folder, inside an adapter export, of a random-init run's base weights
+
 
 def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True,
                       base: str | None = None) -> Path:
@@ -28,7 +30,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     whose ``adapter_config.json`` names its base model, so ``peft.AutoPeftModelForCausalLM``
     loads it: ``base`` (the ``model.path`` it was loaded from: a hub id, or a folder written as
     an absolute path) or, for a random-init base, the base weights saved next to the adapter in
-    ``<out_dir>/base_model``. Writes into ``<out_dir>.partial`` and swaps it in at the end
+    ``<out_dir>/base_model``, named relatively (``"base_model"``) so the folder can be moved. Writes into ``<out_dir>.partial`` and swaps it in at the end
     (:func:`rolemrc.fileio.atomic_dir`), so an interrupted export never leaves a folder that looks
     complete and a previous export stays in place until the new one is; rerunning simply writes it again.
     """
@@ -65,14 +67,16 @@ def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) 
     if base is not None and Path(base).expanduser().exists():
         base = str(Path(base).expanduser().resolve())  # a folder: valid from any working directory
     for config in model.peft_config.values():
-        config.base_model_name_or_path = base or str(out.resolve() / "base_model")
+        # A shipped base is named relatively: the export folder can move. rolemrc resolves it beside
+        # the adapter; peft resolves it against the working directory (the export folder itself).
+        config.base_model_name_or_path = base or SHIPPED_BASE
     with warnings.catch_warnings():
         # peft looks for the base's config to see whether the vocabulary changed; a random-init
         # base is written just below (same vocabulary), so its warning would only mislead.
         warnings.filterwarnings("ignore", message="Could not find a config file in .*base_model", category=UserWarning)
         model.save_pretrained(partial, safe_serialization=True)
     if base is None:  # random init: the adapter means nothing without these very base weights
-        model.unload().save_pretrained(partial / "base_model", safe_serialization=True)
+        model.unload().save_pretrained(partial / SHIPPED_BASE, safe_serialization=True)
 
 
 def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:

@@ -4,6 +4,7 @@ run's model (:func:`export_state`) or from a checkpoint file/folder (:func:`expo
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -36,11 +37,12 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     """
     out = Path(out_dir)
     is_peft = hasattr(model, "get_base_model")
+    if is_peft and getattr(unwrap(model), "is_loaded_in_4bit", False):
+        # QLoRA: the adapter goes onto the full-precision base, as it would be served
+        return export_pretrained(_onto_full_precision_base(model, base), tokenizer, out, merge_lora, base)
     restore_linear_head(model)  # saved models are plain transformers models
     try:
         if is_peft and merge_lora:
-            if getattr(unwrap(model), "is_loaded_in_4bit", False):
-                raise ValueError("cannot merge LoRA into 4-bit weights; set model.peft.merge_on_export=false")
             to_save = model.merge_and_unload()
         else:
             to_save = model
@@ -59,6 +61,36 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
         install_logprob_head(model)
     log.info("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
     return out
+
+
+def _onto_full_precision_base(model: nn.Module, base: str | None) -> nn.Module:
+    """A QLoRA model's adapter on its base model loaded unquantized (in the dtype the run named,
+    ``model.dtype``), so that merging gives full-precision weights (as LLaMA-Factory and axolotl
+    export QLoRA) and an adapter export names a base anyone can load."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if base is None:
+        raise ValueError("a 4-bit (QLoRA) model without the path of its base weights cannot be exported")
+    name = model.active_adapter if isinstance(model.active_adapter, str) else "default"
+    adapter = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    dtype = unwrap(model).config.dtype
+    full = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), copy.deepcopy(model.peft_config[name]))
+    _load_adapter(full, adapter, "the live QLoRA model")
+    return full
+
+
+def _load_adapter(model: nn.Module, adapter: dict[str, torch.Tensor], origin: str) -> None:
+    """``adapter`` (every trainable tensor of a QLoRA run, by name) into ``model``'s, exactly."""
+    trainable = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(trainable) - set(adapter))
+    unexpected = sorted(set(adapter) - set(trainable))
+    if missing or unexpected:
+        raise ValueError(f"{origin}: adapter weights do not match the run's LoRA model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, p in trainable.items():
+            p.copy_(adapter[k].to(p.dtype))
 
 
 def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) -> None:
@@ -95,6 +127,12 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     from accelerate import init_empty_weights
 
     tokenizer = load_tokenizer(run_cfg.model)
+    merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
+    if run_cfg.model.quantization.load_in_4bit:  # QLoRA: its adapter onto the full-precision base
+        model = load_model(_unquantized(run_cfg.model), tokenizer)
+        trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+        _load_adapter(model, {k: v for k, v in state.items() if k in trainable or "lora_" in k}, origin)
+        return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
         model = load_model(skeleton_config(run_cfg.model), tokenizer)
     expected = model.state_dict()
@@ -109,8 +147,19 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
-    merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
     return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path)
+
+
+def _unquantized(model_cfg: Any) -> Any:
+    """A copy of a QLoRA run's ``model_cfg`` that loads its base weights unquantized, in ``model.dtype``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    cfg["quantization"]["load_in_4bit"] = False
+    cfg["gradient_checkpointing"] = False
+    if "kernels" in cfg:
+        cfg["kernels"] = "none"  # training kernels: an export does not need them
+    return OmegaConf.create(cfg)
 
 
 def skeleton_config(model_cfg: Any) -> Any:

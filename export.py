@@ -19,7 +19,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rolemrc.config import register
-from rolemrc.errors import InputNotFound, exit_on_user_error
+from rolemrc.entry import entry_point
+from rolemrc.errors import InputNotFound
 
 
 def main() -> None:
@@ -58,5 +59,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():  # bad input: one "error: ..." line, exit 1; bugs keep their traceback
+    with entry_point():  # bad input: one "error: ..." line, exit 1; known library noise filtered
         main()

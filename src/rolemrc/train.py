@@ -167,6 +167,5 @@ def export_after_fit(cfg: DictConfig, trainer: L.Trainer, module: Any) -> Path:
         export_state(cfg, state, out)
     trainer.strategy.barrier("export")
     if trainer.is_global_zero:
-        log.info("exported model: %s", out)
-        print(f"exported model: {out}")
+        log.info("exported model: %s", out)  # on the console once (Hydra's handler) and in the log
     return out

@@ -17,8 +17,17 @@ What is filtered, and why it asks nothing of a rolemrc user:
 - torch.distributed.checkpoint's "torch.distributed is disabled ... assuming the intent is to
   load/save in a single process": rolemrc reads sharded checkpoints on one process on purpose
   (export, ``model.path=<checkpoint>``).
-- lm-eval's "`pretrained` model kwarg is not of type `str`": rolemrc hands lm-eval the model it
-  already loaded (its advice about accelerate/parallelize does not apply).
+- lm-eval's "`pretrained` model kwarg is not of type `str`" and "Passed an already-initialized
+  model through `pretrained`": rolemrc hands lm-eval the model it already loaded (its advice about
+  accelerate/parallelize does not apply).
+- Lightning's advice to log validation metrics with ``sync_dist=True`` under DDP/FSDP: rolemrc
+  gathers the validation items across ranks itself before it logs ``val/*``.
+- bitsandbytes' "Failed to load CPU gemm_4bit_forward ... pip install kernels", logged when peft
+  imports bitsandbytes on a CPU with AVX512-BF16 (every LoRA run, 4-bit or not): an optional
+  faster CPU kernel; the 4-bit CPU path works without it.
+- httpx's INFO line per HTTP request (the judge, the synthesis client): rolemrc counts and reports
+  its requests itself.
+- absl's "Using default tokenizer." from rouge-score, once per ROUGE scorer.
 - transformers' "Loading weights" / "Writing model shards" progress bars when progress bars are
   off (``trainer.enable_progress_bar=false``) or the output is not a terminal (a log file).
 """
@@ -37,12 +46,18 @@ WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"),
     (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (load|save) in a "
      r"single process", UserWarning, r"torch\.distributed\.checkpoint\.utils"),
+    (r"It is recommended to use `self\.log\('val/[^']*', \.\.\., sync_dist=True\)`", UserWarning,
+     r"lightning\.pytorch\."),
 )
 # logger name -> the start of the messages dropped from it
 LOG_LINES: dict[str, tuple[str, ...]] = {
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip: For seamless cloud logging and experiment tracking, try "
                                               "installing [litlogger]",),
-    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",),
+    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",
+                                   "Passed an already-initialized model through `pretrained`"),
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    "httpx": ("HTTP Request: ",),
+    "absl": ("Using default tokenizer.",),
 }
 
 

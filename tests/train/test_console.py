@@ -1,5 +1,6 @@
-"""What a user reads on the console: a captured training run prints none of the known library
-noise (rolemrc.warnings) and ends with its numbers; a run stopped by trainer.max_steps validates
+"""What a user reads on the console: captured LoRA and DPO training runs, evaluate.py and
+export.py print no line outside the allow-list (tests/train/helpers.py: none of the known library
+noise, rolemrc.warnings) and a training run ends with its numbers; a run stopped by trainer.max_steps validates
 at its end; evaluation does not call the model it only runs trainable; a config key no run can
 satisfy is refused before Lightning is imported."""
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
+from tests.train.helpers import lines_outside_the_allow_list
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
        "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
@@ -36,6 +38,7 @@ def test_a_training_run_prints_no_known_noise_validates_at_max_steps_and_ends_wi
     printed = done.stdout + done.stderr
     for noise in NOISE:
         assert noise not in printed, (noise, printed[-3000:])
+    assert lines_outside_the_allow_list(printed) == [], printed[-3000:]
     # Lightning's own lines printed once, and once in Hydra's log file.
     for line in ("`Trainer.fit` stopped: `max_steps=2` reached.", "GPU available: False"):
         assert printed.count(line) == 1, printed[-3000:]
@@ -66,6 +69,23 @@ def test_a_training_run_prints_no_known_noise_validates_at_max_steps_and_ends_wi
     assert "trainable" not in printed and "parameters" in printed
     for noise in NOISE:
         assert noise not in printed, (noise, printed[-3000:])
+    assert lines_outside_the_allow_list(printed) == [], printed[-3000:]
+
+    # export.py on the LoRA run's checkpoint, merged: its one line.
+    exported = python("export.py", str(run), "--out", str(tmp_path / "merged"), "--merge")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert lines_outside_the_allow_list(exported.stdout + exported.stderr) == [], exported.stderr[-3000:]
+    assert exported.stdout == f"exported model: {tmp_path / 'merged'}\n" and exported.stderr == ""
+
+
+def test_a_dpo_run_prints_only_the_allowed_lines(tmp_path: Path) -> None:
+    """An ordinary DPO run (full fine-tuning, validation on, the progress bar in a log): nothing
+    outside the allow-list (tests/train/helpers.py), each line once."""
+    done = python("train.py", "objective=dpo", "trainer.max_steps=2", "data.max_length=96", "data.max_prompt_length=64",
+                  f"hydra.run.dir={tmp_path / 'dpo'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lines_outside_the_allow_list(done.stdout + done.stderr) == [], (done.stdout + done.stderr)[-3000:]
+    assert "run summary: 2 steps" in done.stdout
 
 
 def test_a_key_no_run_can_satisfy_is_refused_before_lightning_loads(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
             config.use_cache = training_cache
     finally:
         install_logprob_head(model)
-    log.info("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
+    log.debug("exported %s to %s", "LoRA adapter" if is_peft and not merge_lora else "model", out)
     return out
 
 

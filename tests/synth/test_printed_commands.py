@@ -18,7 +18,8 @@ from rich.console import Console
 from rolemrc.synth.config import load_config
 from rolemrc.synth.pipeline import SynthIncomplete, run
 from tests.synth.helpers import REPO, SynthServer, compose, small_overrides
-from tests.synth.test_roleplay import inputs, overrides  # noqa: F401  (inputs: the RoleLLM stages' fixture)
+from tests.synth.helpers import API_KEY
+from tests.synth.test_roleplay import RolePlayServer, inputs, overrides  # noqa: F401  (inputs: a fixture)
 
 
 def _env() -> dict[str, str]:
@@ -91,3 +92,27 @@ def test_a_roleplay_run_prints_its_train_command_whole(tmp_path: Path) -> None:
     (out / "context_instruct" / "sft.jsonl").write_text("")  # nothing kept: no command for it
     [command] = train_commands(out, {"rolegpt": {"rows": 1}, "context_instruct": {"kept": 0}})
     assert command == f"python train.py 'data.sft=[{{path: \"{out / 'rolegpt' / 'sft.jsonl'}\"}}]'"
+
+
+def test_an_incomplete_runs_printed_rerun_and_train_commands_work(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    """The RoleLLM stages through synthesize.py: RoleGPT's out-of-character replies leave records
+    missing (exit 1); the error's rerun command, pasted once the generator behaves, fills them in,
+    and the ``train on it`` command it prints trains on the stage's sft.jsonl."""
+    out = tmp_path / "out"
+    with RolePlayServer(api_key=API_KEY) as server:
+        argv = [*overrides(server, out, inputs), f"hydra.run.dir={tmp_path / 'hydra'}"]
+        first = subprocess.run([sys.executable, "synthesize.py", *argv], cwd=REPO, env=_env(), capture_output=True,
+                               text=True, timeout=600)
+        assert first.returncode == 1, first.stderr[-3000:]
+        error = first.stderr.strip().splitlines()[-1]
+        assert error.startswith("error: synthesis incomplete: rolegpt 2 record(s) missing"), error
+        rerun = _after(error, "to ask only for the missing ones, rerun: ")
+        server.fixed = True
+        again = _shell(rerun)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len((out / "rolegpt" / "sft.jsonl").read_text().splitlines()) == 6
+    [train] = [ln.split("train on it as it is: ", 1)[1] for ln in again.stdout.splitlines()
+               if "train on it as it is: " in ln and "rolegpt" in ln]
+    trained = _shell(f"{train} trainer.max_steps=1 data.val_fraction=0 hydra.run.dir='{tmp_path / 'train'}'")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "run summary: 1 step," in trained.stdout

@@ -37,6 +37,11 @@ class MissingAPIKey(UserError, RuntimeError):
     """An API key's environment variable is not set; the message names the variable."""
 
 
+class StorageError(UserError, OSError):
+    """A file or folder that cannot be written or read for a reason of the storage (a full disk,
+    a read-only or misnamed folder); the message names the path and what to do."""
+
+
 class DataUnavailable(UserError, ConnectionError):
     """A data set that cannot be fetched (the hub offline or unreachable, no local copy); the
     message names what needed it and how to make it available."""

@@ -9,12 +9,57 @@ complete (:func:`atomic_dir`, :func:`swap_in`).
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from rolemrc.errors import StorageError
+
+# Storage faults a user fixes (room, permissions, a read-only mount), not bugs.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def storage_error(err: OSError, path: str | Path, what: str, fix: str) -> StorageError | OSError:
+    """``err`` as a one-line :class:`~rolemrc.errors.StorageError` (``<path>: <what> failed:
+    <reason>; <fix>``) when it is a storage fault (:data:`STORAGE_ERRNOS`); else ``err`` itself."""
+    if isinstance(err, StorageError) or err.errno not in STORAGE_ERRNOS:
+        return err
+    reason = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+              errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or type(err).__name__)
+    return StorageError(f"{path}: {what} failed: {reason}; {fix}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Delete the temporary siblings ``.<name>.tmp<pid>`` of ``path`` (what :func:`atomic_open`
+    and :func:`atomic_save` write before the rename) left by a process that is no longer alive
+    on this machine (killed mid-write); a live writer's, or this process's, is left alone.
+    Returns what was deleted."""
+    path = Path(path)
+    pattern = re.compile(re.escape(f".{path.name}.tmp") + r"(\d+)")
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
+        found = pattern.fullmatch(tmp.name)
+        if found is None or int(found.group(1)) == os.getpid() or _pid_alive(int(found.group(1))):
+            continue
+        remove(tmp)
+        removed.append(tmp)
+    return removed
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rolemrc.checkpointing.verify import check_checkpoint, reading
+from rolemrc.checkpointing.verify import check_checkpoint, reading, storage_reader
 
 
 
@@ -30,7 +30,7 @@ def read_model_state(path: str | Path, prefix: str = "model.") -> dict[str, torc
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
 
-        reader = dcp.FileSystemReader(str(path))
+        reader = storage_reader(path)  # .metadata read without plain pickle (verify.read_metadata)
         meta = reader.read_metadata().state_dict_metadata
         head = "state_dict." + prefix
         template = {

@@ -5,7 +5,14 @@ path and what is wrong, not an ``EOFError`` from deep inside ``torch.load``.
 Cheap means the tensors are not read: a single-file checkpoint's zip directory is checked
 against the file's size and its pickle is unpickled with ``weights_only=True`` over a memory
 map; a sharded (DCP) folder's ``.metadata`` is read and every shard file it points at must
-exist and be long enough. Damage inside the tensor records (bytes overwritten, the file still of
+exist and be long enough.
+
+Nothing here unpickles arbitrary objects. ``.metadata`` is a plain pickle (torch's
+``FileSystemReader.read_metadata`` calls ``pickle.load``): it is read by :func:`read_metadata`,
+an unpickler that builds only DCP's metadata classes, torch dtypes/layouts/``Size`` and paths,
+so a crafted one is refused before it can run anything. The small non-tensor entries a DCP
+shard holds (optimizer hyper-parameters: torch's loader reads them with ``weights_only=False``)
+and Lightning's ``meta.pt`` must load with ``weights_only=True``. Damage inside the tensor records (bytes overwritten, the file still of
 its right size) shows only when the tensors are read: :func:`reading` turns what reading raises
 into a :class:`~rolemrc.errors.CheckpointError` naming the file. Bytes flipped inside a tensor's
 own data, headers intact, are not detected.
@@ -13,11 +20,14 @@ own data, headers intact, are not detected.
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from rolemrc.errors import CheckpointError, InputNotFound, UserError
 
@@ -53,18 +63,101 @@ def reading(path: str | Path) -> Iterator[None]:
         raise CheckpointError(f"{path}: corrupt, cannot be read ({_reason(err)})") from err
 
 
+# What a DCP ``.metadata`` pickle may build (torch 2.x writes exactly these): anything else,
+# e.g. ``os.system`` or ``builtins.eval``, is refused by find_class before it can be called.
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # name -> torch.layout, a table look-up
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only :data:`_DCP_GLOBALS` and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _DCP_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's metadata never holds "
+                                     "(refused: unpickling it could run code)")
+
+
+def read_metadata(path: str | Path) -> Any:
+    """The ``Metadata`` of the sharded (DCP) checkpoint folder ``path``, read without running any
+    code the file names (:class:`_MetadataUnpickler`) and checked for shape; a crafted or damaged
+    file is a :class:`~rolemrc.errors.CheckpointError` naming it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+
+    metadata = Path(path) / ".metadata"
+    try:
+        with metadata.open("rb") as fh:
+            meta = _MetadataUnpickler(fh).load()
+    except Exception as err:  # a truncated/corrupt/crafted pickle: EOFError, UnpicklingError, ...
+        raise CheckpointError(f"{metadata}: unreadable, the checkpoint is corrupt or not a checkpoint "
+                              f"({_first_line(err)})") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+        raise CheckpointError(f"{metadata}: not a sharded checkpoint's metadata (a {type(meta).__name__})")
+    for index, item in meta.storage_data.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(item, _StorageInfo)
+                and isinstance(item.relative_path, str) and isinstance(item.offset, int)
+                and isinstance(item.length, int) and item.offset >= 0 and item.length >= 0):
+            raise CheckpointError(f"{metadata}: malformed storage entry {index!r:.120}")
+        if Path(item.relative_path).name != item.relative_path or item.relative_path in ("", ".", ".."):
+            raise CheckpointError(f"{metadata}: storage entry {index.fqn} points outside the checkpoint folder "
+                                  f"({item.relative_path!r})")
+    if getattr(meta, "storage_meta", None) is None:  # as torch's reader does for old checkpoints
+        meta.storage_meta = StorageMeta()
+    return meta
+
+
+def storage_reader(path: str | Path) -> Any:
+    """A ``FileSystemReader`` for ``dcp.load`` whose ``read_metadata`` is :func:`read_metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta = read_metadata(self.path)
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return _SafeReader(str(path))
+
+
+def _check_plain(path: Path, what: str, data: Any) -> None:
+    """``data`` (a file or file-like) must load with ``torch.load(weights_only=True)``."""
+    import torch
+
+    try:
+        torch.load(data, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(err))
+        why = found.group(1).split(" Please use")[0].strip() if found else "it holds objects other than tensors"
+        raise CheckpointError(f"{path}: {what} is not plain data (torch.load with weights_only=True: {why}); "
+                              "refused: loading it could run code") from None
+    except Exception as err:
+        raise CheckpointError(f"{path}: {what} is corrupt ({_first_line(err)})") from None
+
+
 def _check_sharded(path: Path) -> None:
     metadata = path / ".metadata"
     if not metadata.is_file():
         raise CheckpointError(f"{path}: not a complete sharded checkpoint (no .metadata; an interrupted save?)")
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    try:
-        meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a truncated/corrupt pickle: any of EOFError, UnpicklingError, ...
-        raise CheckpointError(f"{metadata}: unreadable, the checkpoint is corrupt ({_first_line(err)})") from None
+    meta = read_metadata(path)
     needed: dict[str, int] = {}
-    for item in (meta.storage_data or {}).values():
+    for item in meta.storage_data.values():
         end = int(item.offset) + int(item.length)
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
     for relative, end in sorted(needed.items()):
@@ -74,6 +167,20 @@ def _check_sharded(path: Path) -> None:
         size = shard.stat().st_size
         if size < end:
             raise CheckpointError(f"{shard}: truncated ({size} bytes; .metadata places data up to byte {end})")
+    # torch's loader unpickles these entries with weights_only=False: they must be plain values
+    for index, item in meta.storage_data.items():
+        if not isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if item.transform_descriptors:
+            raise CheckpointError(f"{path}: entry {index.fqn} is stored through transforms "
+                                  f"{list(item.transform_descriptors)} that rolemrc cannot check; refused")
+        with (path / item.relative_path).open("rb") as fh:
+            fh.seek(item.offset)
+            blob = fh.read(item.length)
+        _check_plain(path / item.relative_path, f"entry {index.fqn}", io.BytesIO(blob))
+    extra = path / "meta.pt"  # Lightning's non-tensor entries (lightning.fabric's _METADATA_FILENAME)
+    if extra.is_file():
+        _check_plain(extra, "Lightning's meta.pt", extra)
 
 
 def _check_file(path: Path) -> None:
@@ -91,8 +198,6 @@ def _check_file(path: Path) -> None:
     for entry in entries:
         if entry.header_offset + entry.compress_size > size:
             raise CheckpointError(f"{path}: truncated ({size} bytes; entry {entry.filename} ends past the end)")
-    import pickle
-
     import torch
 
     try:

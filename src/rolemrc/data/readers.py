@@ -67,32 +67,81 @@ def _local_files(path: str) -> list[Path] | None:
     return None
 
 
-def iter_file(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, record)`` pairs; an undecodable line yields a RecordError instead."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def not_utf8(err: UnicodeDecodeError, line: bytes) -> str:
+    """What a :class:`UnicodeDecodeError` in one line means to whoever fixes the file."""
+    return (f"not UTF-8 text: byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line "
+            "(re-save the file as UTF-8)")
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
+
+def iter_file(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` pairs; an undecodable line (bad JSON, bytes that are not UTF-8)
+    yields a RecordError instead. An unreadable Parquet file is a :class:`DataError` naming it."""
+    if path.suffix == ".parquet":
+        yield from _iter_parquet(path)
         return
     if path.suffix == ".json":
-        text = path.read_text(encoding="utf-8")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            yield err.lineno, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
-            return
-        for i, row in enumerate(data if isinstance(data, list) else [data], start=1):
-            yield i, row
+        yield from _iter_json(path)
         return
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, start=1):
-            if not line.strip():
+    with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is that line's error, not the file's
+        for i, raw in enumerate(fh, start=1):
+            if not raw.strip():
                 continue
             try:
-                yield i, json.loads(line)
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield i, RecordError(not_utf8(err, raw))
+                continue
+            try:
+                yield i, json.loads(text)
             except json.JSONDecodeError as err:
                 yield i, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
+
+
+def _iter_json(path: Path) -> Iterator[tuple[int, Any]]:
+    """A ``.json`` file: one record or a list of them (numbered from 1). Bytes that are not UTF-8
+    spoil only the records holding them (each a RecordError naming the first such byte's line)."""
+    data = path.read_bytes()
+    try:
+        text, bad = data.decode("utf-8"), None
+    except UnicodeDecodeError as err:
+        start = data.rfind(b"\n", 0, err.start) + 1
+        line_no = data.count(b"\n", 0, err.start) + 1
+        bad = (f"not UTF-8 text: byte 0x{data[err.start]:02x} at line {line_no}, byte {err.start - start + 1} "
+               "(re-save the file as UTF-8)")
+        text = data.decode("utf-8", errors="surrogateescape")  # the rest of the file still parses
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        yield err.lineno, RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
+        return
+    for i, row in enumerate(parsed if isinstance(parsed, list) else [parsed], start=1):
+        if bad is not None and _has_surrogates(row):
+            yield i, RecordError(bad)
+        else:
+            yield i, row
+
+
+def _has_surrogates(value: Any) -> bool:
+    """Whether ``value`` (parsed JSON) holds a string with an undecodable byte (surrogateescape)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"{path}: not a readable Parquet file ({reason}); truncated or damaged? "
+                        "Write it again, or remove it from the data sources") from None
+    for i, row in enumerate(rows, start=1):
+        yield i, row
 
 
 def source_config(source: SourceConfig | Mapping[str, Any]) -> SourceConfig:

@@ -15,12 +15,13 @@ dtype and length in ``meta.json``):
   its optimizer step's normalisers), and the packing plans ``<stage>_pack<layout>`` (int32 row
   ids, best-fit decreasing at ``max_length``) with their offsets.
 - ``meta.json``: the key and what it covers, the data report, each array's dtype, length and
-  sha256; written last, so a folder without it is never trusted.
+  sha256, and ``meta_sha256`` (a sha256 of the rest, :func:`meta_checksum`); written last, so a
+  folder without it is never trusted, and one whose checksum or key does not match is rebuilt.
 
 Row ``i`` of a stage is the stable identity the sampler, the batches' ``index`` and the
 precomputed reference table use. The key (sha256) covers: each source's settings (path, weight,
-split, name, data files, format, RoCIT roles) and each file's identity (resolved path, size,
-mtime, and a sha256 of its first and last MiB; a hub dataset: the same of its Arrow cache files),
+split, name, data files, format, RoCIT roles) and each file's identity (resolved path, size and
+an xxh3-128 of all its bytes, :func:`content_hash`; a hub dataset: the same of its Arrow cache files),
 the seed, the validation holdout, the tokenizer (its ``tokenizer.json`` content), chat template
 and end-of-turn marker, ``max_length``, ``max_prompt_length``, ``on_error`` and the encoder's code
 (this module, readers, schemas, roles, templates, packing) and the tokenizers/transformers/jinja2
@@ -34,13 +35,17 @@ so their content is at hand, and a digest of it is a stricter key than the files
 
 Building: under a file lock (``<key>.lock``), into ``<key>.tmp-<pid>`` renamed into place when
 complete; a killed build leaves only a tmp folder that the next build removes. A store whose files
-do not match their recorded sizes and checksums is logged, removed and rebuilt. Input files are
+do not match their recorded sizes and checksums is logged, removed and rebuilt. A read-only
+``data.cache_dir`` holding a complete store is used as it is (no lock: nothing is written);
+storage faults (a full disk, a cache_dir that is a file or cannot be written) are a one-line
+:class:`~rolemrc.errors.StorageError` naming the folder and what to do. Input files are
 streamed in chunks through ``num_proc`` worker processes, so the build holds a few chunks, the
 per-record bookkeeping (a few ints each) and the output files' buffers, not the data.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -57,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from filelock import FileLock
 from tqdm.auto import tqdm
 
@@ -67,6 +73,8 @@ from rolemrc.data.readers import FORMATS, iter_source, mix, source_config, split
 from rolemrc.data.roles import rolebench_parser
 from rolemrc.data.schemas import PARSERS, DataError, RecordError
 from rolemrc.data.templates import ChatFormat, TemplateRenderError, check_pair_lengths
+from rolemrc.errors import ConfigError, StorageError
+from rolemrc.fileio import storage_error
 from rolemrc.objectives import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -75,7 +83,7 @@ FORMAT_VERSION = 1
 # The files whose code decides the rows (hashed into every key: an edit rebuilds).
 _ENCODER_FILES = ("store.py", "readers.py", "schemas.py", "roles.py", "templates.py", "packing.py")
 _ENCODER_PACKAGES = ("tokenizers", "transformers", "jinja2")
-SAMPLE_BYTES = 1 << 20  # hashed from the start and the end of every input file
+HASH_CHUNK = 8 << 20  # bytes read at a time when hashing an input file (content_hash)
 CHUNK = 64  # records per task handed to a worker
 SMALL_INPUT = 4 << 20  # local inputs below this many bytes are encoded in-process (no pool)
 
@@ -106,15 +114,21 @@ def default_num_proc() -> int:
 # ---------------------------------------------------------------------------------------------- key
 
 
+def content_hash(path: Path) -> str:
+    """xxh3-128 of every byte of ``path``, streamed (``HASH_CHUNK`` bytes at a time into one
+    reused buffer): the store key's view of a source file, so a change anywhere in it, size and
+    mtime kept, is a new key. Non-cryptographic: it detects changes, it does not resist forgery."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _file_identity(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        h.update(fh.read(SAMPLE_BYTES))
-        if st.st_size > 2 * SAMPLE_BYTES:
-            fh.seek(st.st_size - SAMPLE_BYTES)
-        h.update(fh.read(SAMPLE_BYTES))
-    return {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample_sha256": h.hexdigest()}
+    return {"file": str(path.resolve()), "size": path.stat().st_size, "xxh3_128": content_hash(path)}
 
 
 def _source_identity(source: SourceConfig) -> dict[str, Any]:
@@ -606,8 +620,16 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     _write_meta(folder, meta)
 
 
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """sha256 of ``meta`` without its ``meta_sha256`` entry, in a canonical form."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    """``meta.json``, the file that makes a store complete: written last, synced, renamed into place."""
+    """``meta.json``, the file that makes a store complete: written last with its own checksum,
+    synced, renamed into place."""
+    meta = {**meta, "meta_sha256": meta_checksum(meta)}
     tmp = folder / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     with tmp.open("rb") as fh:
@@ -631,23 +653,34 @@ class Store:
             self.meta = json.loads((folder / "meta.json").read_text())
         except (OSError, ValueError) as err:
             raise StoreError(f"meta.json unreadable ({err})") from err
+        if not isinstance(self.meta, dict) or self.meta.get("meta_sha256") != meta_checksum(self.meta):
+            raise StoreError("meta.json's checksum differs from its content (damaged, or written by other code)")
         if self.meta.get("format") != FORMAT_VERSION:
             raise StoreError(f"format {self.meta.get('format')} (this code writes {FORMAT_VERSION})")
-        self.kind = self.meta["kind"]
-        self.arrays: dict[str, np.ndarray] = {}
-        for name, info in self.meta["files"].items():
-            path = folder / f"{name}.bin"
-            try:
-                size = path.stat().st_size
-            except OSError as err:
-                raise StoreError(f"{path.name} missing") from err
-            if size != info["bytes"]:
-                raise StoreError(f"{path.name} has {size} bytes, {info['bytes']} written")
-            if verify and _file_sha256(path) != info["sha256"]:
-                raise StoreError(f"{path.name} checksum differs from the one written")
-            dtype = np.dtype(info["dtype"])
-            arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
-            self.arrays[name] = arr.reshape(info["shape"])
+        try:
+            key = f"{self.meta['kind']}-{store_key(self.meta['key_parts'])}"
+            if key != folder.name:
+                raise StoreError(f"meta.json's key {key} is not its folder's")
+            self.kind = self.meta["kind"]
+            self.arrays: dict[str, np.ndarray] = {}
+            for name, info in self.meta["files"].items():
+                self.arrays[name] = self._array(name, info, verify)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise StoreError(f"meta.json malformed ({type(err).__name__}: {err})") from err
+
+    def _array(self, name: str, info: dict[str, Any], verify: bool) -> np.ndarray:
+        path = self.folder / f"{name}.bin"
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise StoreError(f"{path.name} missing") from err
+        if size != info["bytes"]:
+            raise StoreError(f"{path.name} has {size} bytes, {info['bytes']} written")
+        if verify and _file_sha256(path) != info["sha256"]:
+            raise StoreError(f"{path.name} checksum differs from the one written")
+        dtype = np.dtype(info["dtype"])
+        arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        return arr.reshape(info["shape"])
 
     @property
     def report(self) -> dict[str, Any]:
@@ -730,18 +763,41 @@ class StoredPacks(Sequence):
         return [np.asarray(self.flat[int(a):int(b)]) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
 
+_ELSEWHERE = "set data.cache_dir to a writable folder with room (or data.cache=false to encode in memory)"
+
+
 def _root(cache_dir: str | Path | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not root.is_dir():
+        raise StorageError(f"data.cache_dir {root}: is a file, not a folder; point data.cache_dir at a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise StorageError(f"data.cache_dir {root}: a part of the path is a file, not a folder; "
+                           "point data.cache_dir at a folder") from None
+    except OSError as err:
+        raise storage_error(err, root, "creating data.cache_dir", _ELSEWHERE)
     return root
+
+
+def _read_only(err: OSError) -> bool:
+    return err.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _open_or_build(root: Path, key: str, build_into: Any) -> Store:
     """The store ``root/key``: reused when complete (verified against its recorded sizes and
     checksums), else built by ``build_into(folder)`` under the key's lock into a tmp folder renamed
-    into place when complete."""
+    into place when complete. Where the lock cannot be taken because ``root`` is read-only, a
+    complete store there is used as it is."""
     final = root / key
-    with FileLock(str(root / f"{key}.lock")):
+    try:
+        lock = FileLock(str(root / f"{key}.lock"))
+        lock.acquire()
+    except OSError as err:
+        if not _read_only(err):
+            raise storage_error(err, root, "taking the data store's lock", _ELSEWHERE)
+        return _open_read_only(root, final, err)
+    try:
         if final.exists():
             try:
                 store = Store(final)
@@ -753,22 +809,42 @@ def _open_or_build(root: Path, key: str, build_into: Any) -> Store:
         for stale in root.glob(f"{key}.tmp-*"):  # a killed build's leftovers (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f"{key}.tmp-{os.getpid()}"
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             log.info("data store: building %s", final)
             build_into(tmp)
             os.rename(tmp, final)
+        except OSError as err:  # a full disk, a folder made read-only: one line naming it
+            raise storage_error(err, root, "building the data store", f"free space there, or {_ELSEWHERE}")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return Store(final, verify=False)
+    finally:
+        lock.release()
+
+
+def _open_read_only(root: Path, final: Path, err: OSError) -> Store:
+    """A complete store in a ``data.cache_dir`` this process cannot write: used as it is (verified;
+    no lock needed, nothing is written); missing or damaged, a :class:`StorageError`."""
+    why = f"not writable ({err.strerror or err})"
+    if not final.exists():
+        raise StorageError(f"data.cache_dir {root}: {why} and it holds no store for these inputs ({final.name}); "
+                           f"{_ELSEWHERE}")
+    try:
+        store = Store(final)
+    except StoreError as damaged:
+        raise StorageError(f"data.cache_dir {root}: {why} and its store {final.name} is damaged ({damaged}); "
+                           f"{_ELSEWHERE}") from None
+    log.info("data store: reusing %s as it is (data.cache_dir is not writable: no lock taken)", final)
+    return store
 
 
 def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, num_proc: int | None) -> Store:
     """The store for ``spec``: reused when a complete one with its key exists (verified against its
     recorded sizes and checksums), else built under the key's lock and renamed into place."""
     if num_proc is not None and num_proc < 1:
-        raise ValueError(f"data.num_proc must be at least 1 (or null: this rank's CPUs), got {num_proc}")
+        raise ConfigError(f"data.num_proc must be at least 1 (or null: this rank's CPUs), got {num_proc}")
     root = _root(cache_dir)
     parts = spec.key_parts(chat)
     return _open_or_build(root, f"{spec.kind}-{store_key(parts)}",

@@ -107,6 +107,7 @@ class GenerationRun:
     missing: list[int] = field(default_factory=list)  # positions without a reply (file backend, on_missing=skip)
     requests: int = 0  # API requests sent (openai backend; retries included)
     faults: dict[str, int] = field(default_factory=dict)
+    unmatched: int = 0  # rows of a replies file (file backend) that no item was matched to
 
     @property
     def replies(self) -> list[str]:
@@ -551,6 +552,13 @@ class ReplyFile:
     by_question: dict[str, tuple[str, str]]  # a question string (the conversation's last user turn)
     rows: int
     paths: list[str]
+    wheres: list[str] = field(default_factory=list)  # "file:line" of every reply row
+    same_as: dict[str, str] = field(default_factory=dict)  # a row repeating an earlier one -> that row
+    used: set[str] = field(default_factory=set)  # rows some test item was matched to
+
+    def unmatched(self) -> list[str]:
+        """``file:line`` of the rows no test item was matched to (an unknown id or question)."""
+        return [w for w in self.wheres if self.same_as.get(w, w) not in self.used]
 
 
 def reply_paths(path: Any) -> list[str]:
@@ -581,13 +589,21 @@ def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
                 errors.append(f"{where}: a different reply for the same item as {old[1]} ({key!r:.80})")
         elif old is None:
             index[key] = (reply, where)
+        elif old[1] != where:
+            out.same_as.setdefault(where, old[1])
 
     for p in out.paths:
-        with open(p, encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
+        with open(p, "rb") as f:
+            for lineno, raw_bytes in enumerate(f, start=1):
+                if not raw_bytes.strip():
                     continue
                 where = f"{p}:{lineno}"
+                try:
+                    raw = raw_bytes.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    errors.append(f"{where}: not UTF-8 text (byte 0x{raw_bytes[e.start]:02x} at byte {e.start + 1} "
+                                  "of the line; re-save the file as UTF-8)")
+                    continue
                 try:
                     row = json.loads(raw)
                 except json.JSONDecodeError as e:
@@ -604,6 +620,7 @@ def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
                                   f"has: {', '.join(map(str, row)) or 'nothing'} (generation.reply_field)")
                     continue
                 out.rows += 1
+                out.wheres.append(where)
                 keyed = False
                 if row.get("id") is not None:
                     put(out.by_id, str(row["id"]), reply, where)
@@ -648,6 +665,8 @@ def match_replies(replies: ReplyFile, items: Sequence[TestItem], ids: Sequence[s
             found = replies.by_role_question.get((str(role).strip(), last))
         if found is None and not role and lasts[last] == 1:
             found = replies.by_question.get(last)
+        if found is not None and found[0] is not None:
+            replies.used.add(found[1])
         out.append(None if found is None else found[0])
     return out
 
@@ -659,6 +678,7 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
     The matched replies are written to ``<out_dir>/generations.jsonl`` (the run folder's layout)."""
     if g.on_missing not in ("error", "skip"):
         raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
+    shared = replies
     replies = replies or read_replies(g.path, g.reply_field)
     got = match_replies(replies, items, ids)
     missing = [k for k, r in enumerate(got) if r is None]
@@ -672,11 +692,22 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
     if missing:
         log.warning("generation.path: %d of %d test items have no reply and are left out (generation.on_missing=skip)",
                     len(missing), len(items))
+    # A shared file (several benchmarks read from it) is counted once, by its reader, at the end.
+    unmatched = count_unmatched(replies) if shared is None else 0
     gens = [Generation(i, it.task, r.strip(), None, None) for i, it, r in zip(ids, items, got) if r is not None]
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out_dir) / "generations.jsonl", "".join(x.to_json() + "\n" for x in gens))
-    return GenerationRun(gens, n_new=0, n_resumed=0, missing=missing)
+    return GenerationRun(gens, n_new=0, n_resumed=0, missing=missing, unmatched=unmatched)
+
+
+def count_unmatched(replies: ReplyFile) -> int:
+    """How many rows of ``replies`` no test item was matched to (logged with the first few)."""
+    unmatched = replies.unmatched()
+    if unmatched:
+        log.warning("generation.path: %d of %d reply rows match no test item (an unknown id or question; first: %s)",
+                    len(unmatched), replies.rows, ", ".join(unmatched[:3]))
+    return len(unmatched)
 
 
 # ---------------------------------------------------------------- the model being evaluated

@@ -193,6 +193,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "resumed": gen.n_resumed,
             "cut_at_max_new_tokens": gen.n_cut,
             "replies_missing": len(gen.missing),
+            "replies_unmatched": gen.unmatched,
             "generation_requests": gen.requests,
             "generation_faults": gen.faults,
             "judged_items": len(judged) if verdicts is not None else 0,

@@ -29,8 +29,8 @@ from rolemrc.errors import ConfigError
 from rolemrc.eval import characterllm, general, rolebench
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
-    check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
-    prepare_generation, read_replies,
+    check_backend, count_unmatched, generate, generate_remote, generation_label, item_id, load_eval_model,
+    model_label, prepare_generation, read_replies,
 )
 from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
@@ -59,6 +59,11 @@ class ModelContext:
         self.requests = 0
         self.missing = 0
         self._replies: Any = None
+
+    @property
+    def replies_file(self) -> Any:
+        """The replies file read (``generation.backend=file``), None before or without one."""
+        return self._replies
 
     @property
     def chat(self) -> Any:
@@ -162,6 +167,8 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
             meta["compare_checkpoint"] = resolved["compare.path"]
     doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut,
                      "replies_missing": ctx.missing, "generation_requests": ctx.requests}
+    if ctx.replies_file is not None:  # rows matched to no item of any benchmark read
+        doc["counts"]["replies_unmatched"] = count_unmatched(ctx.replies_file)
     paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
     log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, [[k, v] for k, v in scalars.items()],
                    ["metric", "value"])

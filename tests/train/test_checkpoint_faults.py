@@ -1,0 +1,189 @@
+"""Checkpoint files that could run code or lose work (issue 35, items 1, 4 and 8):
+
+- a sharded (DCP) checkpoint's ``.metadata`` is a plain pickle: a crafted one runs nothing when
+  given as ``train.py ckpt_path=<folder>``, ``ckpt_path=last`` or ``model.path=<run>`` (a marker
+  file its payload would create stays absent) and is one ``error:`` line naming it; the same for
+  the other pickles read before loading (a shard's non-tensor entries, which torch's loader
+  unpickles with ``weights_only=False``, and Lightning's ``meta.pt``);
+- ``.last.ckpt.tmp<pid>`` left by a killed save is deleted at the next save (a live writer's is kept);
+- a full disk during a checkpoint save is a one-line StorageError naming the checkpoint; the
+  previous checkpoint stays whole and no temporary file is left.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolemrc.checkpointing.io import AtomicCheckpointIO
+from rolemrc.checkpointing.state import read_model_state
+from rolemrc.checkpointing.verify import check_checkpoint
+from rolemrc.errors import CheckpointError, StorageError, UserError
+from rolemrc.models.source import hf_model_path
+from tests.conftest import ROOT, compose_train
+from tests.train.helpers import train_in_process
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+       "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+TINY = ["trainer.accelerator=cpu", "data.max_length=96", "data.val_fraction=0", "trainer.enable_progress_bar=false",
+        "logger=csv", "export.enabled=false", "callbacks=none"]
+
+
+class Payload:
+    """Unpickling this creates ``marker``: what a crafted checkpoint would do with any code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def dcp_folder(path: Path) -> Path:
+    """A sharded checkpoint as FSDP writes it: tensors and a non-tensor (bytes) entry."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": {"model.w": torch.randn(8, 8)}, "optimizer": {"lr": 0.5, "betas": (0.9, 0.99)}},
+             storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    return path
+
+
+def crafted_run(root: Path, marker: Path) -> Path:
+    """A run folder whose ``checkpoints/last.ckpt`` is a sharded checkpoint with a crafted ``.metadata``."""
+    run = root / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    ckpt = dcp_folder(run / "checkpoints" / "last.ckpt")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    return run
+
+
+def test_a_crafted_metadata_runs_nothing_through_the_entry_points(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    run = crafted_run(tmp_path, marker)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    want = f"{ckpt / '.metadata'}: unreadable, the checkpoint is corrupt or not a checkpoint"
+
+    # ckpt_path=last through train.py itself: the run folder is read before Hydra starts, then resolved
+    done = subprocess.run([sys.executable, "train.py", *TINY, "strategy=fsdp", "ckpt_path=last",
+                           f"hydra.run.dir={run}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {want}"), done.stderr[-3000:]
+    assert "refused: unpickling it could run code" in done.stderr
+    assert not marker.exists()
+
+    from rolemrc.train import run as train
+
+    for override in (f"ckpt_path={ckpt}", f"model.path={run}"):
+        with pytest.raises(CheckpointError, match="unreadable, the checkpoint is corrupt"):
+            train(compose_train([*TINY, "strategy=fsdp", override], run_dir=tmp_path / "other"))
+        assert not marker.exists(), override
+    for read in (hf_model_path, read_model_state, check_checkpoint):  # evaluate.py/probe.py, export.py
+        with pytest.raises(CheckpointError, match="unreadable"):
+            read(str(ckpt))
+    assert not marker.exists()
+
+
+def test_the_other_pickles_of_a_sharded_checkpoint_must_be_plain(tmp_path: Path) -> None:
+    """Its bytes entries (torch's loader unpickles them with weights_only=False) and Lightning's
+    meta.pt; a genuine folder with bytes entries passes and its weights read back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    good = dcp_folder(tmp_path / "good")
+    torch.save({"global_step": 3, "loops": {"fit_loop": {"epoch": 0}}}, good / "meta.pt")
+    assert check_checkpoint(good) == good
+    assert set(read_model_state(good)) == {"w"}
+
+    marker = tmp_path / "marker"
+    entry = tmp_path / "entry"  # the lr entry pointed at a crafted pickle in a new shard
+    shutil.copytree(good, entry)
+    meta = FileSystemReader(str(good)).read_metadata()  # our own, genuine file
+    blob = io.BytesIO()
+    torch.save(Payload(marker), blob)
+    (entry / "evil.distcp").write_bytes(blob.getvalue())
+    (index,) = [k for k in meta.storage_data if k.fqn == "optimizer.lr"]
+    meta.storage_data[index].relative_path = "evil.distcp"
+    meta.storage_data[index].offset, meta.storage_data[index].length = 0, len(blob.getvalue())
+    (entry / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"evil.distcp: entry optimizer.lr is not plain data .* refused"):
+        check_checkpoint(entry)
+
+    outside = tmp_path / "outside"  # an entry pointing out of the folder
+    shutil.copytree(good, outside)
+    meta.storage_data[index].relative_path = "../good/__0_0.distcp"
+    (outside / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="points outside the checkpoint folder"):
+        check_checkpoint(outside)
+
+    lightning = tmp_path / "meta_pt"
+    shutil.copytree(good, lightning)
+    torch.save({"global_step": Payload(marker)}, lightning / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"meta.pt: Lightning's meta.pt is not plain data"):
+        check_checkpoint(lightning)
+    assert not marker.exists()
+
+
+def test_a_killed_saves_temporary_file_is_removed_at_the_next_save(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leaked = folder / f".last.ckpt.tmp{dead.pid}"  # a save SIGKILLed before its rename
+    leaked.write_bytes(b"\0" * 4096)
+    live = folder / f".last.ckpt.tmp{os.getppid()}"  # a writer still at work
+    live.write_bytes(b"\0" * 16)
+    other = folder / f".hpc_ckpt_1.ckpt.tmp{dead.pid}"  # another checkpoint's: its own save cleans it
+    other.write_bytes(b"\0")
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, folder / "last.ckpt")
+    assert not leaked.exists() and live.exists() and other.exists()
+    assert torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]["w"].tolist() == [1.0, 1.0]
+
+
+class _Full(io.RawIOBase):
+    """A file on a disk with ``room`` bytes left: a larger write fails with ENOSPC."""
+
+    def __init__(self, fh, room: int) -> None:
+        self.fh, self.room = fh, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(b)
+        return self.fh.write(b)
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second save of a run finds the disk full: a StorageError naming the checkpoint and
+    what to do (the entry scripts print it as one ``error:`` line); the first checkpoint stays."""
+    import rolemrc.checkpointing.io as ckpt_io
+
+    saves = []
+    real_save = torch.save
+
+    def save(obj, fh, *args, **kwargs):
+        saves.append(fh)
+        return real_save(obj, _Full(fh, 1 << 16) if len(saves) > 1 else fh, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_io.torch, "save", save)
+    run = tmp_path / "run"
+    with pytest.raises(StorageError) as err:
+        train_in_process(run, *TINY, "trainer.max_steps=2", "runtime.checkpoint_every_n_steps=1")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert isinstance(err.value, UserError) and len(saves) == 2
+    assert str(err.value) == (f"{ckpt}: saving the checkpoint failed: no space left on the device; free space there "
+                              "(or set run_dir to a disk with room), then resume with ckpt_path=last")
+    monkeypatch.undo()
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 1
+    assert not list(ckpt.parent.glob(".last.ckpt.tmp*"))

@@ -187,3 +187,35 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error(tmp_path: Path, monke
     monkeypatch.undo()
     assert torch.load(ckpt, weights_only=True)["global_step"] == 1
     assert not list(ckpt.parent.glob(".last.ckpt.tmp*"))
+
+
+def test_a_model_folder_with_custom_code_is_refused_in_one_line(tmp_path: Path) -> None:
+    """``model.path`` naming a folder whose config maps to its own code (``auto_map``): transformers'
+    refusal (trust_remote_code off) is one ModelSourceError naming the key and what to do; the code never runs."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from rolemrc import asset
+    from rolemrc.config import typed
+    from rolemrc.errors import ModelSourceError
+    from rolemrc.models.loading import load_model
+
+    folder, marker = tmp_path / "custom", tmp_path / "marker"
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1)).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_custom", auto_map={"AutoConfig": "custom.MyConfig",
+                                                    "AutoModelForCausalLM": "custom.MyModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                      "from transformers import LlamaConfig as MyConfig, LlamaForCausalLM as MyModel\n")
+    cfg = compose_train([f"model.path={folder}"], run_dir=tmp_path / "run")
+    with pytest.raises(ModelSourceError) as err:
+        load_model(typed(cfg.model), tokenizer)
+    assert str(err.value) == (f"model.path={folder}: its config names custom code (auto_map) that transformers would "
+                              "have to run, refused: read that code, and only if you trust it set "
+                              "model.trust_remote_code=true")
+    assert not marker.exists()

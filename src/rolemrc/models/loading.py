@@ -42,6 +42,12 @@ def _naming(key: str, source: str) -> Iterator[None]:
     except OSError as err:
         hint = _offline_hint(key, source) if _hub_offline() else ""
         raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
+    except ValueError as err:  # transformers' refusal to run a model's own code (an auto_map in its config)
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ModelSourceError(f"{key}={source}: its config names custom code (auto_map) that transformers would "
+                               "have to run, refused: read that code, and only if you trust it set "
+                               "model.trust_remote_code=true") from None
 
 
 # What names a file (a training checkpoint, loose weights), not a folder or a hub repository.

@@ -106,10 +106,11 @@ def read_metadata(path: str | Path) -> Any:
     except Exception as err:  # a truncated/corrupt/crafted pickle: EOFError, UnpicklingError, ...
         raise CheckpointError(f"{metadata}: unreadable, the checkpoint is corrupt or not a checkpoint "
                               f"({_first_line(err)})") from None
-    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+    if not (isinstance(meta, Metadata) and isinstance(getattr(meta, "storage_data", None), dict)
+            and isinstance(getattr(meta, "state_dict_metadata", None), dict)):
         raise CheckpointError(f"{metadata}: not a sharded checkpoint's metadata (a {type(meta).__name__})")
     for index, item in meta.storage_data.items():
-        if not (isinstance(index, MetadataIndex) and isinstance(item, _StorageInfo)
+        if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str) and isinstance(item, _StorageInfo)
                 and isinstance(item.relative_path, str) and isinstance(item.offset, int)
                 and isinstance(item.length, int) and item.offset >= 0 and item.length >= 0):
             raise CheckpointError(f"{metadata}: malformed storage entry {index!r:.120}")

@@ -25,14 +25,16 @@ from rolemrc.errors import StorageError
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-def storage_error(err: OSError, path: str | Path, what: str, fix: str) -> StorageError | OSError:
-    """``err`` as a one-line :class:`~rolemrc.errors.StorageError` (``<path>: <what> failed:
-    <reason>; <fix>``) when it is a storage fault (:data:`STORAGE_ERRNOS`); else ``err`` itself."""
+def storage_error(err: OSError, path: str | Path, what: str, elsewhere: str) -> StorageError | OSError:
+    """``err`` as a one-line :class:`~rolemrc.errors.StorageError` when it is a storage fault
+    (:data:`STORAGE_ERRNOS`): ``<path>: <what> failed: <reason>; free space there (a full disk or
+    quota) / make it writable (the rest), or <elsewhere>``; any other error is returned as it is."""
     if isinstance(err, StorageError) or err.errno not in STORAGE_ERRNOS:
         return err
     reason = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
               errno.EROFS: "read-only file system"}.get(err.errno, err.strerror or type(err).__name__)
-    return StorageError(f"{path}: {what} failed: {reason}; {fix}")
+    remedy = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+    return StorageError(f"{path}: {what} failed: {reason}; {remedy}, or {elsewhere}")
 
 
 def _pid_alive(pid: int) -> bool:

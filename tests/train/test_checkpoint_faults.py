@@ -182,8 +182,8 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error(tmp_path: Path, monke
         train_in_process(run, *TINY, "trainer.max_steps=2", "runtime.checkpoint_every_n_steps=1")
     ckpt = run / "checkpoints" / "last.ckpt"
     assert isinstance(err.value, UserError) and len(saves) == 2
-    assert str(err.value) == (f"{ckpt}: saving the checkpoint failed: no space left on the device; free space there "
-                              "(or set run_dir to a disk with room), then resume with ckpt_path=last")
+    assert str(err.value) == (f"{ckpt}: saving the checkpoint failed: no space left on the device; free space there, "
+                              "or move the run folder to a disk with room; then resume with ckpt_path=last")
     monkeypatch.undo()
     assert torch.load(ckpt, weights_only=True)["global_step"] == 1
     assert not list(ckpt.parent.glob(".last.ckpt.tmp*"))

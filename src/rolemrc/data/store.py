@@ -815,7 +815,7 @@ def _open_or_build(root: Path, key: str, build_into: Any) -> Store:
             build_into(tmp)
             os.rename(tmp, final)
         except OSError as err:  # a full disk, a folder made read-only: one line naming it
-            raise storage_error(err, root, "building the data store", f"free space there, or {_ELSEWHERE}")
+            raise storage_error(err, root, "building the data store", _ELSEWHERE)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

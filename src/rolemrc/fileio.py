@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import json
 import os
 import re
@@ -22,7 +21,7 @@ from typing import IO, Any
 from rolemrc.errors import StorageError
 
 # Storage faults a user fixes (room, permissions, a read-only mount), not bugs.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def storage_error(err: OSError, path: str | Path, what: str, elsewhere: str) -> StorageError | OSError:
@@ -47,15 +46,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(path: str | Path) -> list[Path]:
-    """Delete the temporary siblings ``.<name>.tmp<pid>`` of ``path`` (what :func:`atomic_open`
-    and :func:`atomic_save` write before the rename) left by a process that is no longer alive
-    on this machine (killed mid-write); a live writer's, or this process's, is left alone.
-    Returns what was deleted."""
-    path = Path(path)
-    pattern = re.compile(re.escape(f".{path.name}.tmp") + r"(\d+)")
+def remove_stale_temps(folder: str | Path, name: str) -> list[Path]:
+    """Delete the temporary files ``.<target>.tmp<pid>`` in ``folder`` (what :func:`atomic_open`
+    and :func:`atomic_save` write before the rename) of targets whose name matches the regular
+    expression ``name``, left by a process that is no longer alive on this machine (killed
+    mid-write); a live writer's, or this process's, is left alone. Returns what was deleted."""
+    pattern = re.compile(r"\.(?:" + name + r")\.tmp(\d+)")
     removed = []
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
+    for tmp in Path(folder).glob(".*.tmp*"):
         found = pattern.fullmatch(tmp.name)
         if found is None or int(found.group(1)) == os.getpid() or _pid_alive(int(found.group(1))):
             continue

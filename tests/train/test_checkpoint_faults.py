@@ -141,10 +141,12 @@ def test_a_killed_saves_temporary_file_is_removed_at_the_next_save(tmp_path: Pat
     leaked.write_bytes(b"\0" * 4096)
     live = folder / f".last.ckpt.tmp{os.getppid()}"  # a writer still at work
     live.write_bytes(b"\0" * 16)
-    other = folder / f".hpc_ckpt_1.ckpt.tmp{dead.pid}"  # another checkpoint's: its own save cleans it
-    other.write_bytes(b"\0")
+    hpc = folder / f".hpc_ckpt_1.ckpt.tmp{dead.pid}"  # a killed SLURM save (the next is hpc_ckpt_2)
+    hpc.write_bytes(b"\0")
+    summary = folder / f".run_summary.json.tmp{dead.pid}"  # not a checkpoint's: not this writer's to judge
+    summary.write_bytes(b"{")
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, folder / "last.ckpt")
-    assert not leaked.exists() and live.exists() and other.exists()
+    assert not leaked.exists() and not hpc.exists() and live.exists() and summary.exists()
     assert torch.load(folder / "last.ckpt", weights_only=True)["state_dict"]["w"].tolist() == [1.0, 1.0]
 
 

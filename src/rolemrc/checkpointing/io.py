@@ -1,7 +1,8 @@
 """Checkpoint files that never look valid when half-written: single ``.ckpt`` files and
 sharded (DCP) folders are written beside their final name and swapped in complete
-(:func:`rolemrc.fileio.swap_in`); a temporary file a killed save left (``.last.ckpt.tmp<pid>``,
-up to a whole checkpoint) is deleted at the next save. A full disk (or a read-only folder) is a
+(:func:`rolemrc.fileio.swap_in`); a temporary file a killed save left in the folder
+(``.last.ckpt.tmp<pid>``, ``.hpc_ckpt_<n>.ckpt.tmp<pid>``: up to a whole checkpoint each) is
+deleted at the next save there. A full disk (or a read-only folder) is a
 :class:`~rolemrc.errors.StorageError` naming the checkpoint and what to do. Reading one back (``ckpt_path=``) that turns out damaged is a
 :class:`~rolemrc.errors.CheckpointError` naming it (:func:`rolemrc.checkpointing.verify.reading`)."""
 
@@ -50,7 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Single-file checkpoints written beside their name, fsynced, then renamed over it."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        for stale in remove_stale_temps(path):
+        # any checkpoint's of this folder: a killed hpc_ckpt_<n> save is followed by hpc_ckpt_<n+1>
+        for stale in remove_stale_temps(Path(path).parent, r".+\.ckpt"):
             log.info("removed %s, left by a killed checkpoint save", stale)
         try:
             with atomic_open(path, "wb") as fh:

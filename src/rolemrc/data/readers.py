@@ -67,7 +67,7 @@ def _local_files(path: str) -> list[Path] | None:
     return None
 
 
-def not_utf8(err: UnicodeDecodeError, line: bytes) -> str:
+def _not_utf8(err: UnicodeDecodeError, line: bytes) -> str:
     """What a :class:`UnicodeDecodeError` in one line means to whoever fixes the file."""
     return (f"not UTF-8 text: byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line "
             "(re-save the file as UTF-8)")
@@ -89,7 +89,7 @@ def iter_file(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                yield i, RecordError(not_utf8(err, raw))
+                yield i, RecordError(_not_utf8(err, raw))
                 continue
             try:
                 yield i, json.loads(text)

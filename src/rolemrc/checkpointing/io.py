@@ -3,8 +3,8 @@ sharded (DCP) folders are written beside their final name and swapped in complet
 (:func:`rolemrc.fileio.swap_in`); a temporary file a killed save left in the folder
 (``.last.ckpt.tmp<pid>``, ``.hpc_ckpt_<n>.ckpt.tmp<pid>``: up to a whole checkpoint each) is
 deleted at the next save there. A full disk (or a read-only folder) is a
-:class:`~rolemrc.errors.StorageError` naming the checkpoint and what to do. Reading one back (``ckpt_path=``) that turns out damaged is a
-:class:`~rolemrc.errors.CheckpointError` naming it (:func:`rolemrc.checkpointing.verify.reading`)."""
+:class:`~rolemrc.errors.StorageError` naming the checkpoint and what to do. Reading one back
+(``ckpt_path=``) that turns out damaged is a :class:`~rolemrc.errors.CheckpointError` naming it (:func:`rolemrc.checkpointing.verify.reading`)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,10 @@ Nothing here unpickles arbitrary objects. ``.metadata`` is a plain pickle (torch
 an unpickler that builds only DCP's metadata classes, torch dtypes/layouts/``Size`` and paths,
 so a crafted one is refused before it can run anything. The small non-tensor entries a DCP
 shard holds (optimizer hyper-parameters: torch's loader reads them with ``weights_only=False``)
-and Lightning's ``meta.pt`` must load with ``weights_only=True``. Damage inside the tensor records (bytes overwritten, the file still of
-its right size) shows only when the tensors are read: :func:`reading` turns what reading raises
+and Lightning's ``meta.pt`` must load with ``weights_only=True``.
+
+Damage inside the tensor records (bytes overwritten, the file still of its right size) shows
+only when the tensors are read: :func:`reading` turns what reading raises
 into a :class:`~rolemrc.errors.CheckpointError` naming the file. Bytes flipped inside a tensor's
 own data, headers intact, are not detected.
 """

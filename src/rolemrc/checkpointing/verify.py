@@ -81,12 +81,14 @@ _DCP_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only :data:`_DCP_GLOBALS` and torch dtypes."""
+    """``pickle.Unpickler`` that resolves only :data:`_DCP_GLOBALS` and torch dtypes, layouts and
+    memory formats."""
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        plain_values = (torch.dtype, torch.layout, torch.memory_format)  # torch.float32, torch.strided, ...
+        if module == "torch" and isinstance(getattr(torch, name, None), plain_values):
             return getattr(torch, name)
         if name in _DCP_GLOBALS.get(module, ()):
             return super().find_class(module, name)

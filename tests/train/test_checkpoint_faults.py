@@ -221,3 +221,23 @@ def test_a_model_folder_with_custom_code_is_refused_in_one_line(tmp_path: Path) 
                               "have to run, refused: read that code, and only if you trust it set "
                               "model.trust_remote_code=true")
     assert not marker.exists()
+
+
+def test_a_full_disk_on_one_rank_of_a_sharded_save_is_one_error(tmp_path: Path) -> None:
+    """What torch.distributed.checkpoint raises when a rank's write fails (a CheckpointException
+    holding each failed rank's exception) becomes the same StorageError; other failures stay as they are."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from rolemrc.checkpointing.io import _storage_fault
+
+    final = tmp_path / "checkpoints" / "last.ckpt"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    err = CheckpointException("save failed", {1: (full, traceback.StackSummary())})
+    converted = _storage_fault(err, final, "saving the sharded checkpoint")
+    assert isinstance(converted, StorageError) and str(converted).startswith(
+        f"{final}: saving the sharded checkpoint failed: no space left on the device; free space there")
+    bug = CheckpointException("save failed", {0: (KeyError("optimizer"), traceback.StackSummary())})
+    assert _storage_fault(bug, final, "saving the sharded checkpoint") is None
+    assert _storage_fault(OSError(errno.EIO, "I/O error"), final, "saving") is None

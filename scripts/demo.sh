@@ -16,7 +16,9 @@ $PY scripts/loss_summary.py "$DEMO/dpo" train/loss train/rewards/accuracies trai
 
 if [ -f evaluate.py ]; then
   echo "== 3/3 evaluation of the DPO export (local hf judge: verdicts meaningless, mechanics real)"
+  # BERTScore with the offline MiniLM (the default, roberta-large as the paper, needs the model hub)
   $PY evaluate.py model.path="$DEMO/dpo/export" judge=hf generation.max_new_tokens=48 generation.cpu_threads=1 \
+      metrics.bertscore.model=minilm \
       generation.progress=false hydra.run.dir="$DEMO/eval"
   echo "evaluation summary: $DEMO/eval/summary.md"
 fi

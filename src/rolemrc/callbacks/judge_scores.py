@@ -64,7 +64,7 @@ from rolemrc.eval.judge import (
     judge_items,
     make_judge,
 )
-from rolemrc.eval.metrics import METRICS, compute_metrics, ensure_wordnet
+from rolemrc.eval.metrics import METRICS, check_metrics, compute_metrics
 from rolemrc.fileio import atomic_write_text
 from rolemrc.data.test_items import generation_prompts, load_test_items
 from rolemrc.tasks import TASKS, balanced_subset
@@ -145,6 +145,8 @@ def judge_scalars(table: Mapping[str, DimensionSummary]) -> dict[str, float]:
     for dim, s in table.items():
         if s.accuracy is not None:
             out[f"judge/{dim}/accuracy"] = float(s.accuracy)
+        if s.paper_score is not None:  # judge.protocol=paper: the authors' figure
+            out[f"judge/{dim}/paper_score"] = float(s.paper_score)
         for status in STATUSES:
             out[f"judge/{dim}/n_{status}"] = float(getattr(s, f"n_{status}"))
     return out
@@ -183,8 +185,8 @@ class JudgeScores(L.Callback):
         unknown = sorted(set(self.metrics) - set(METRICS))
         if unknown:
             raise ValueError(f"judge_scores.metrics: unknown {unknown}; known: {', '.join(METRICS)}")
-        if "meteor" in self.metrics:
-            ensure_wordnet()  # now, not at the first validation round hours later
+        # METEOR's WordNet and Punkt data, BERTScore's encoder: now, not at the first validation round hours later
+        check_metrics(self.metrics)
         # An unknown key, a bad backend or a missing model name fails here, naming the key.
         self.judge = judge_config(plain(judge) or {}, where="judge_scores.judge")
         self.every_n_val = every_n_val
@@ -321,7 +323,8 @@ class JudgeScores(L.Callback):
         stops = set(self._stops)
         by_item: dict[str, dict[str, dict[str, Any]]] = {}
         for v in verdicts or []:
-            by_item.setdefault(v.item_id, {})[v.dimension] = {"verdict": v.verdict, "status": v.status}
+            if not v.repeat:  # judge.protocol=paper asks PI twice; the row shows the first answer
+                by_item.setdefault(v.item_id, {})[v.dimension] = {"verdict": v.verdict, "status": v.status}
         rows = []
         for k, (it, reply) in enumerate(zip(self._items, replies, strict=True)):
             rows.append({

@@ -42,7 +42,7 @@ from rolemrc.api import AnswerCache, Rejected
 from rolemrc.config import plain
 from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
-from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_config, make_judge
 
@@ -336,7 +336,21 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     if missing:
         res["missing"] = (f"CharacterLLM judge: {len(scores) - sum(missing.values())} of {len(scores)} scores obtained, "
                           f"missing {', '.join(f'{n} {s}' for s, n in missing.items())}")
+    # Answers that are final but carry no score (a greedy hf judge): the table has no number to show.
+    answered = sum(x.status in ("ok", "unparseable") for x in scores)
+    bad = sum(x.status == "unparseable" for x in scores)
+    check = "check judge.model and judge.max_tokens (raw answers in metrics.json, characterllm.scores)"
+    if answered and bad == answered and not missing:
+        res["unscored"] = (f"CharacterLLM judge: all {answered} answers were unparseable (no 'SCORE: <1-7>'), so "
+                           f"there is no score: {check}")
+    elif answered and bad * 2 > answered:
+        res["warning"] = (f"warning: CharacterLLM judge: {bad} of {answered} answers were unparseable; the means rest "
+                          f"on the other {answered - bad}: {check}")
     return res
+
+
+class NoScores(UserError, RuntimeError):
+    """The judge answered, but not one answer carried a score: a table of n/a is not a result."""
 
 
 def _f(x: float | None) -> str:

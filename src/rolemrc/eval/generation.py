@@ -109,9 +109,13 @@ class GenerationRun:
     faults: dict[str, int] = field(default_factory=dict)
     unmatched: int = 0  # rows of a replies file (file backend) that no item was matched to
 
+    strip: bool = False  # generation.strip_replies: score the replies with surrounding whitespace removed
+
     @property
     def replies(self) -> list[str]:
-        return [g.reply for g in self.generations]
+        """What is scored and judged: each reply as the backend returned it (``generations.jsonl``
+        keeps that), or ``str.strip()``-ed where ``generation.strip_replies=true`` asked for it."""
+        return [g.reply.strip() if self.strip else g.reply for g in self.generations]
 
     @property
     def n_cut(self) -> int:
@@ -302,7 +306,7 @@ def generate_hf(
         gens = []
         for i, ids in zip(indices, new_ids, strict=True):
             it = todo[i]
-            reply = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            reply = tokenizer.decode(ids, skip_special_tokens=True)  # as generated: never stripped
             gens.append(Generation(it.id, it.task, reply, len(ids), bool(ids) and ids[-1] in stops))
         store.append(gens)
         for g in gens:
@@ -386,7 +390,7 @@ def generate_vllm(
         for it, res in zip(todo, outputs, strict=True):
             comp = res.outputs[0]
             ids = list(comp.token_ids)
-            gens.append(Generation(it.id, it.task, comp.text.strip(), len(ids), comp.finish_reason == "stop"))
+            gens.append(Generation(it.id, it.task, comp.text, len(ids), comp.finish_reason == "stop"))
         store.append(gens)
         for g in gens:
             done[g.id] = g
@@ -474,7 +478,7 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
             for it in todo:
                 text = cache.get(keys[it.id], valid=_nonempty)
                 if text is not None:
-                    hits.append(Generation(it.id, it.task, text.strip(), None, None))
+                    hits.append(Generation(it.id, it.task, text, None, None))
             store.append(hits)
             for h in hits:
                 done[h.id] = h
@@ -503,7 +507,7 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
                         return
                     # Stored the moment it arrives (cache, then the run's file): a kill keeps it.
                     cache.put(keys[it.id], out.text or "", g.model)
-                    gen = Generation(it.id, it.task, (out.text or "").strip(), out.completion_tokens,
+                    gen = Generation(it.id, it.task, out.text or "", out.completion_tokens,
                                      None if out.finish_reason is None else out.finish_reason == "stop")
                     store.append([gen])
                     done[it.id] = gen
@@ -694,7 +698,8 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
                     len(missing), len(items))
     # A shared file (several benchmarks read from it) is counted once, by its reader, at the end.
     unmatched = count_unmatched(replies) if shared is None else 0
-    gens = [Generation(i, it.task, r.strip(), None, None) for i, it, r in zip(ids, items, got) if r is not None]
+    # Exactly as in the file: the authors' scripts score the reply as generated.
+    gens = [Generation(i, it.task, r, None, None) for i, it, r in zip(ids, items, got) if r is not None]
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out_dir) / "generations.jsonl", "".join(x.to_json() + "\n" for x in gens))
@@ -734,10 +739,14 @@ def generation_label(cfg: Any) -> str:
     """How the replies were made, for the report."""
     g = cfg.generation
     if g.backend == "file":
-        return f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
-    if g.backend == "openai":
-        return f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
-    return f"{g.backend}, greedy, max_new_tokens={g.max_new_tokens}"
+        label = f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
+    elif g.backend == "openai":
+        label = f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
+    else:
+        label = f"{g.backend}, greedy, max_new_tokens={g.max_new_tokens}"
+    if getattr(g, "strip_replies", False):
+        return label + "; replies stripped of surrounding whitespace before scoring (generation.strip_replies=true)"
+    return label + "; replies scored as generated (not stripped)"
 
 
 def check_backend(cfg: Any) -> None:
@@ -771,10 +780,10 @@ def generate_remote(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out
     if g.backend == "openai":
         check_settings(out_dir, {"model": model_label(cfg), "backend": "openai", **openai_settings(g)})
         chat_items = [ChatItem(i, it.task, chat_messages(it.question)) for i, it in zip(ids, items, strict=True)]
-        return generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress)
+        return _normalised(cfg, generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress))
     if g.backend == "file":
         check_settings(out_dir, {"backend": "file"})  # never overwrite generations of a model
-        return file_replies(g, items, ids, out_dir, replies)
+        return _normalised(cfg, file_replies(g, items, ids, out_dir, replies))
     raise ValueError(f"generate_remote: backend {g.backend!r} is local")
 
 
@@ -823,20 +832,27 @@ def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], token
     """Replies for every item, resuming from ``<out_dir>/generations.jsonl``."""
     g = cfg.generation
     if g.backend == "hf":
-        return generate_hf(
+        return _normalised(cfg, generate_hf(
             model, tokenizer, gen_items, cfg.out_dir,
             stop_ids=stops,
             batch_size=g.batch_size,
             max_new_tokens=g.max_new_tokens,
             progress=g.progress,
             restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
-        )
+        ))
 
-    return generate_vllm(
+    return _normalised(cfg, generate_vllm(
         cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
         stop_ids=stops,
         max_new_tokens=g.max_new_tokens,
         max_model_len=g.max_model_len,
         seed=cfg.seed,
         llm_kwargs=dict(plain(g.vllm_kwargs) or {}),
-    )
+    ))
+
+
+def _normalised(cfg: Any, run: GenerationRun) -> GenerationRun:
+    """``generation.strip_replies`` (default false: replies are scored as generated, as the
+    authors' scripts score them) applied to the run's :attr:`GenerationRun.replies`."""
+    run.strip = bool(getattr(cfg.generation, "strip_replies", False))
+    return run

@@ -8,8 +8,13 @@ accuracy is computed over parseable (``ok``) verdicts, and beside it (``accuracy
 with unparseable answers scored 0 as the public script did; failures are counted, never scored.
 
 ``judge.protocol=paper`` (``conf/judge/paper.yaml``) is the authors' protocol instead: one user
-message asking for the score only (rolemrc's wording, :func:`paper_messages`), read by
-:func:`parse_score`, one try per judgement (an unparseable answer is final, not cached).
+message asking for the score only (rolemrc's wording, :func:`paper_messages`, or the user's own
+templates, ``judge.templates``: :func:`load_templates`), one try per judgement (an unparseable or
+empty answer is final, not cached; a transport fault is still retried). Besides the strict 0/1
+reading (:func:`parse_score`, for ``accuracy``), each answer gets the figure RoleMRC's
+``evaluation/llm_judge.py`` computes (:func:`paper_int`: ``"Score:"`` removed, then Python's
+``int()``; anything else, an empty answer included, 0), and instruction-priority items are asked
+twice, as that script sends them; ``paper_score`` is the mean over those requests.
 
 Backends: :class:`OpenAIBackend` (any OpenAI-compatible server through
 :class:`rolemrc.api.ApiClient`: bounded concurrency, retries with backoff on faults, malformed
@@ -75,7 +80,8 @@ class JudgeItem:
     """One reply to judge on one dimension.
 
     ``messages`` is the conversation the reply answers (lowercase roles), ``reply`` the
-    generated next assistant turn.
+    generated next assistant turn. ``repeat`` > 0: the same question asked again (the paper
+    protocol asks instruction-priority items twice, as the authors' script).
     """
 
     item_id: str
@@ -84,11 +90,12 @@ class JudgeItem:
     messages: tuple[tuple[str, str], ...]  # (role, content); a tuple so the item is hashable
     reply: str
     reference: str | None = None
+    repeat: int = 0
 
     @property
     def key(self) -> str:
-        """``"<item_id>/<dimension>"``, unique within one evaluation."""
-        return f"{self.item_id}/{self.dimension.short}"
+        """``"<item_id>/<dimension>"`` (``#<n>`` for a repeat), unique within one evaluation."""
+        return f"{self.item_id}/{self.dimension.short}" + (f"#{self.repeat}" if self.repeat else "")
 
 
 def judge_items(
@@ -287,6 +294,108 @@ PAPER_CRITERIA: dict[tuple[Dimension, str | None], str] = {
 _PAPER_LABELS = {"system": "System Instruction", "user": "User Query", "assistant": "LLM Response"}
 
 
+def paper_conversation(item: JudgeItem) -> str:
+    """The conversation as the authors' judge prompt quotes it: one ``<Label>: "<content>"`` line per turn."""
+    return "".join(f'{_PAPER_LABELS[role]}: "{content}"\n' for role, content in item.messages)
+
+
+# Phrases the authors' script removes from the nested rule (the system message's second sentence).
+_RULE_PHRASES = ("You love to", "You will", "You must", "You prefer to", "You would like to", "You are used to",
+                 "You should", "You are in the habit of")
+
+
+def nested_rule(item: JudgeItem) -> str:
+    """The NI rule as the authors' prompt names it: the first message's text after its first ``". "``
+    up to the next one, with the phrases above removed and a final ``.`` dropped ("" if none)."""
+    first = item.messages[0][1] if item.messages else ""
+    pieces = first.split(". ")
+    rule = pieces[1] if len(pieces) > 1 else ""
+    for phrase in _RULE_PHRASES:
+        rule = rule.replace(phrase, "")
+    return rule[:-1] if rule.endswith(".") else rule
+
+
+# judge.templates placeholders (the authors' names, so their templates run unchanged), per dimension.
+TEMPLATE_FIELDS: dict[str, str] = {
+    "conversations": "the conversation, one `System Instruction: \"...\"` / `User Query: \"...\"` / "
+                     "`LLM Response: \"...\"` line per turn",
+    "response": "the reply being judged, exactly as generated",
+    "range": "KB only: within | outside (the question and the character's knowledge range)",
+    "content": "NI only: the nested rule (the system message's second sentence, 'You must ...' phrases removed)",
+    "type": "MT only: unanswerable | answerable (what the last reply should be)",
+}
+_DIM_FIELDS: dict[str, set[str]] = {
+    "KB": {"conversations", "response", "range"}, "RS": {"conversations", "response"},
+    "NI": {"conversations", "response", "content"}, "MT": {"conversations", "response", "type"},
+    "PI": {"conversations", "response"},
+}
+
+
+def template_values(item: JudgeItem) -> dict[str, str]:
+    """The placeholder values of ``judge.templates`` for one item."""
+    values = {"conversations": paper_conversation(item), "response": item.reply}
+    dim = item.dimension
+    if dim is Dimension.KB:
+        values["range"] = expectation_of(item.task) or ""
+    elif dim is Dimension.NI:
+        values["content"] = nested_rule(item)
+    elif dim is Dimension.MT:
+        values["type"] = "unanswerable" if expectation_of(item.task) == "refuse" else "answerable"
+    return values
+
+
+def load_templates(path: str | Path, where: str = "judge.templates") -> dict[str, str]:
+    """``{dimension short name: template}`` from a YAML/JSON file, validated: known dimensions,
+    strings, only that dimension's placeholders (:data:`TEMPLATE_FIELDS`), ``{response}`` present.
+    Any fault is a :class:`rolemrc.errors.ConfigError` naming the file and the key."""
+    import string
+
+    import yaml
+
+    from rolemrc.errors import ConfigError
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{where}={path}: no such file (a YAML or JSON mapping KB/RS/NI/MT/PI -> prompt template)")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}={p}: not YAML/JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{where}={p}: expected a mapping of dimension (KB, RS, NI, MT, PI) to a template string")
+    out: dict[str, str] = {}
+    for key, text in raw.items():
+        dim = str(key).strip().upper()
+        if dim not in _DIM_FIELDS:
+            raise ConfigError(f"{where}={p}: key {key!r} is not a dimension; use KB, RS, NI, MT or PI")
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{where}={p}: {key}: the template must be a non-empty string")
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+        except ValueError as e:
+            raise ConfigError(f"{where}={p}: {key}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
+        bad = sorted(n for n in names if n not in _DIM_FIELDS[dim])
+        if bad:
+            raise ConfigError(f"{where}={p}: {key}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; "
+                              f"{dim} templates may use {', '.join('{' + f + '}' for f in sorted(_DIM_FIELDS[dim]))}")
+        if "response" not in names:
+            raise ConfigError(f"{where}={p}: {key}: the template never shows the reply ({{response}})")
+        out[dim] = text
+    return out
+
+
+def templated_messages(templates: Mapping[str, str]) -> Callable[[JudgeItem, bool], list[Message]]:
+    """The paper protocol's prompts with the user's templates (rolemrc's wording for other dimensions)."""
+
+    def messages(item: JudgeItem, show_reference: bool = False) -> list[Message]:
+        text = templates.get(item.dimension.short)
+        if text is None:
+            return paper_messages(item, show_reference)
+        return [{"role": "user", "content": text.format(**template_values(item))}]
+
+    return messages
+
+
 def paper_messages(item: JudgeItem, show_reference: bool = False) -> list[Message]:
     """One user message asking for the score only (the paper's protocol, rolemrc's wording)."""
     expectation = expectation_of(item.task) if item.dimension in (Dimension.KB, Dimension.MT, Dimension.PI) else None
@@ -294,7 +403,7 @@ def paper_messages(item: JudgeItem, show_reference: bool = False) -> list[Messag
         rubric = PAPER_CRITERIA[(item.dimension, expectation)]
     except KeyError:
         raise ValueError(f"no judge criterion for {item.dimension.short} with expectation {expectation!r}") from None
-    convo = "\n".join(f'{_PAPER_LABELS[role]}: "{content}"' for role, content in item.messages)
+    convo = paper_conversation(item).rstrip("\n")
     parts = [
         "A language model plays a character in the conversation below.",
         convo,
@@ -312,12 +421,25 @@ _SCORE = re.compile(r"[01]")
 
 def parse_score(text: str | None) -> int | None:
     """0/1 from a score-only answer: ``"Score:"`` removed, then exactly ``0`` or ``1`` (surrounding
-    whitespace allowed), else None. The authors' ``int()`` also took other integers (``"2"``
-    added 2 to a 0/1 mean); those are unparseable here."""
+    whitespace allowed), else None: the strict reading behind ``accuracy``. The authors' reading
+    is :func:`paper_int`."""
     if text is None:
         return None
     m = _SCORE.fullmatch(text.replace("Score:", "").strip())
     return int(m.group(0)) if m else None
+
+
+def paper_int(text: str | None) -> int | None:
+    """The score RoleMRC's ``llm_judge.py`` reads from an answer: every ``"Score:"`` removed, then
+    Python's ``int()`` (so ``" 1\n"``, ``"01"``, ``"+1"``, ``"-1"``, ``"2"`` and non-ASCII digits such
+    as ``"１"`` are numbers); None where that fails (their script scores it 0 and counts it as a
+    bad response), an empty or missing answer included."""
+    if text is None:
+        return None
+    try:
+        return int(text.replace("Score:", ""))
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -328,6 +450,8 @@ class Protocol:
     messages: Callable[[JudgeItem, bool], list[Message]]
     parse: Callable[[str | None], int | None]
     retry_unparseable: bool  # ask again when an answer does not parse (paper: no, one try as theirs)
+    # paper: each answer also scored as the authors' script scores it (paper_int), PI asked twice
+    paper: bool = False
 
     def check(self, text: str) -> int:
         v = self.parse(text)
@@ -338,14 +462,36 @@ class Protocol:
 
 PROTOCOLS: dict[str, Protocol] = {
     "verdict": Protocol("verdict", judge_messages, parse_verdict, retry_unparseable=True),
-    "paper": Protocol("paper", paper_messages, parse_score, retry_unparseable=False),
+    "paper": Protocol("paper", paper_messages, parse_score, retry_unparseable=False, paper=True),
 }
 
 
-def protocol_of(name: str, where: str = "judge") -> Protocol:
+def protocol_of(name: str, where: str = "judge", templates: str | Path | None = None) -> Protocol:
+    """The protocol ``name``; ``templates`` (``judge.templates``, paper protocol only): the user's prompts."""
+    from dataclasses import replace
+
     if name not in PROTOCOLS:
         raise ValueError(f"{where}.protocol must be one of {', '.join(PROTOCOLS)}, got {name!r}")
-    return PROTOCOLS[name]
+    proto = PROTOCOLS[name]
+    if templates is None:
+        return proto
+    if not proto.paper:
+        from rolemrc.errors import ConfigError
+
+        raise ConfigError(f"{where}.templates asks for score-only prompts: use it with {where}.protocol=paper "
+                          f"(judge=paper), not {where}.protocol={name}")
+    return replace(proto, messages=templated_messages(load_templates(templates, f"{where}.templates")))
+
+
+def paper_requests(items: Sequence[JudgeItem]) -> list[JudgeItem]:
+    """The requests the authors' script sends for ``items``: each once, instruction-priority (PI)
+    items twice (their loop appends a PI query in two places)."""
+    out: list[JudgeItem] = []
+    for it in items:
+        out.append(it)
+        if it.dimension is Dimension.PI:
+            out.append(JudgeItem(it.item_id, it.task, it.dimension, it.messages, it.reply, it.reference, repeat=1))
+    return out
 
 
 # ---------------------------------------------------------------- results
@@ -364,6 +510,10 @@ class Verdict:
     attempts: int
     cached: bool = False
     error: str | None = None
+    # paper protocol: the authors' score of this answer (paper_int, unparseable or empty = 0);
+    # None for other protocols and for judgements without an answer (failed, not sent)
+    paper_score: int | None = None
+    repeat: int = 0  # > 0: a repeated request (paper protocol: PI's second); only paper_score counts it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -425,6 +575,12 @@ class RunStats:
     requests: int = 0  # sends attempted by the backend (retries included)
     faults: dict[str, int] = field(default_factory=dict)  # by kind (rolemrc.api.FAULT_KINDS)
 
+    def fault_text(self) -> str:
+        """The faults in words; the client's ``rejected`` (an answer that does not parse) is called
+        ``unparseable``, as everywhere in the judge's report."""
+        text = fault_summary(self.faults)
+        return text.replace("rejected", "unparseable")
+
     def missing(self, verdicts: Sequence[Verdict], final_unparseable: bool) -> dict[str, int]:
         """Judgements without a verdict that a rerun could still obtain, by status."""
         bad = ("failed", "budget_exhausted") + (() if final_unparseable else ("unparseable",))
@@ -435,9 +591,9 @@ class Judge:
     """Judges items with a backend, through the on-disk cache (valid answers only)."""
 
     def __init__(self, backend: Backend, cache_dir: str | Path | None, show_reference: bool = False,
-                 progress: bool = False, protocol: str = "verdict") -> None:
+                 progress: bool = False, protocol: str = "verdict", templates: str | Path | None = None) -> None:
         self.backend = backend
-        self.protocol = protocol_of(protocol)
+        self.protocol = protocol_of(protocol, templates=templates)
         self.cache = AnswerCache(Path(cache_dir) / CACHE_FILE) if cache_dir is not None else None
         self.show_reference = show_reference
         self.progress = progress  # a bar over the prompts not in the cache
@@ -452,9 +608,15 @@ class Judge:
         raise RuntimeError("Judge.judge() called inside a running event loop; use `await judge.ajudge(items)`")
 
     async def ajudge(self, items: Sequence[JudgeItem]) -> list[Verdict]:
+        """One verdict per item; the paper protocol adds the authors' repeated requests
+        (:func:`paper_requests`), each a verdict of its own with ``repeat`` > 0."""
+        if self.protocol.paper:
+            items = paper_requests([it for it in items if not it.repeat])
         sampling = self.backend.sampling()
         prompts = [self.protocol.messages(it, self.show_reference) for it in items]
-        keys = [cache_key(self.backend.model_id, p, sampling) for p in prompts]
+        # A repeat is a request of its own (its own answer, its own cache entry).
+        keys = [cache_key(self.backend.model_id, p, {**sampling, "repeat": it.repeat} if it.repeat else sampling)
+                for it, p in zip(items, prompts)]
         stats = RunStats(prompts=len(items))
 
         texts: dict[str, str] = {}
@@ -497,23 +659,31 @@ class Judge:
         counts_after = Counter(getattr(self.backend, "counts", {}))
         stats.faults = {k: n for k, n in (counts_after - counts_before).items() if k in FAULT_KINDS}
 
+        def paper(status: str, text: str | None) -> int | None:
+            # The authors' figure: their int() reading, 0 for an answer it cannot read; no answer, no score.
+            if not self.protocol.paper or status not in ("ok", "unparseable"):
+                return None
+            return paper_int(text) or 0
+
         verdicts = []
         for it, k in zip(items, keys):
             ans = answers.get(k)
             attempts = ans.attempts if ans is not None else 0
-            base = dict(item_id=it.item_id, task=it.task, dimension=it.dimension.short, attempts=attempts)
+            base = dict(item_id=it.item_id, task=it.task, dimension=it.dimension.short, attempts=attempts,
+                        repeat=it.repeat)
             if k in texts:
                 verdicts.append(Verdict(**base, verdict=self.protocol.parse(texts[k]), status="ok", raw=texts[k],
-                                        cached=ans is None))
+                                        cached=ans is None, paper_score=paper("ok", texts[k])))
             else:
                 assert ans is not None
-                verdicts.append(Verdict(**base, verdict=None, status=ans.status, raw=ans.text, error=ans.error))
+                verdicts.append(Verdict(**base, verdict=None, status=ans.status, raw=ans.text, error=ans.error,
+                                        paper_score=paper(ans.status, ans.text)))
         self.last_stats = stats
         log.info("judge: %d prompts, %d from cache, %d requests sent; faults: %s", stats.prompts, stats.cache_hits,
-                 stats.requests, fault_summary(stats.faults))
-        bad = {s: n for s in STATUSES[1:] if (n := sum(v.status == s for v in verdicts))}
-        if bad:
-            log.warning("judge: %s of %d judgements have no verdict (not scored)", bad, len(verdicts))
+                 stats.requests, stats.fault_text())
+        line = no_verdict_line(verdicts, self.protocol.paper)
+        if line:
+            log.warning("%s", line)
         return verdicts
 
     def close(self) -> None:
@@ -525,6 +695,20 @@ class Judge:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def no_verdict_line(verdicts: Sequence[Verdict], paper: bool = False) -> str | None:
+    """``judge: 60 of 60 judgements have no verdict: 60 unparseable (...)``, or None when all have one."""
+    counts = Counter(v.status for v in verdicts)
+    bad = [(s, counts[s]) for s in STATUSES[1:] if counts[s]]
+    if not bad:
+        return None
+    words = {"unparseable": "unparseable", "failed": "failed", "budget_exhausted": "not sent (judge.max_requests spent)"}
+    n = sum(c for _, c in bad)
+    what = ", ".join(f"{c} {words[s]}" for s, c in bad)
+    scored = ("unparseable answers are scored 0 in paper_score only, as the authors' script did; failed and unsent "
+              "ones are never scored" if paper else "none of them is scored")
+    return f"judge: {n} of {len(verdicts)} judgements have no verdict: {what}; {scored}"
 
 
 # ---------------------------------------------------------------- OpenAI-compatible backend
@@ -575,11 +759,12 @@ class OpenAIBackend:
 
         async def one(i: int, messages: list[Message]) -> Answer:
             body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
-            out = await client.chat(body, tag=f"{tag} {i}", check=send_check)
+            # Paper protocol: an empty answer is an answer (scored 0 by the authors), not a fault to retry.
+            out = await client.chat(body, tag=f"{tag} {i}", check=send_check, empty_ok=self.protocol.paper)
             if out.ok and send_check is None and not _passes(check, out.text):
                 self.counts["rejected"] += 1
                 ans = Answer("unparseable", text=out.text, attempts=out.attempts,
-                             error="rejected: the answer does not parse (not asked again)")
+                             error="unparseable: the answer does not parse (not asked again)")
             elif out.ok:
                 ans = Answer("ok", text=out.text, attempts=out.attempts)
             elif out.status == "budget_exhausted":
@@ -709,7 +894,7 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
         out = JudgeConfig(**raw)
     if out.backend not in JUDGE_BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {out.backend!r}")
-    protocol_of(out.protocol, where)
+    protocol_of(out.protocol, where, templates=out.templates)  # the templates file validated here
     if out.backend == "openai" and not out.model:
         raise ValueError(f"{where}.backend=openai needs {where}.model (the served model name)")
     return out
@@ -752,7 +937,7 @@ def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = No
     else:
         backend = OpenAIBackend(j)
     return Judge(backend, cache_dir=j.cache_dir or cache_dir, show_reference=j.show_reference, progress=progress,
-                 protocol=j.protocol)
+                 protocol=j.protocol, templates=j.templates)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -770,6 +955,11 @@ class DimensionSummary:
     n_unparseable: int = 0
     n_failed: int = 0
     n_budget_exhausted: int = 0
+    # judge=paper: the mean of the authors' scores over their requests (PI twice), the figure
+    # to compare with the paper's Figure 4; None for other protocols or without any answer
+    paper_score: float | None = None
+    n_paper_requests: int = 0  # answers in paper_score (repeats included)
+    n_paper_bad: int = 0  # of those, answers the authors' int() cannot read (scored 0; their "bad responses")
     by_task: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -781,6 +971,13 @@ class DimensionSummary:
 
 
 def _counts(vs: Sequence[Verdict]) -> dict[str, Any]:
+    scored = [v for v in vs if v.paper_score is not None]
+    paper = {
+        "paper_score": (sum(v.paper_score for v in scored) / len(scored)) if scored else None,  # type: ignore[misc]
+        "n_paper_requests": len(scored),
+        "n_paper_bad": sum(paper_int(v.raw) is None for v in scored),
+    }
+    vs = [v for v in vs if not v.repeat]  # the accuracies: one judgement per (item, dimension)
     ok = [v.verdict for v in vs if v.status == "ok"]
     n_bad = sum(v.status == "unparseable" for v in vs)
     return {
@@ -790,6 +987,7 @@ def _counts(vs: Sequence[Verdict]) -> dict[str, Any]:
         "n_unparseable": n_bad,
         "n_failed": sum(v.status == "failed" for v in vs),
         "n_budget_exhausted": sum(v.status == "budget_exhausted" for v in vs),
+        **paper,
     }
 
 

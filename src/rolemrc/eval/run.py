@@ -16,7 +16,6 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig
 
-from rolemrc.api import fault_summary
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
@@ -25,7 +24,9 @@ from rolemrc.eval.generation import (
     prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
 )
 from rolemrc.eval.judge import JudgeIncomplete, aggregate, check_judge, judge_config, judge_items, make_judge
-from rolemrc.eval.metrics import BertScoreConfig, MetricsResult, compute_metrics, rouge_info, rouge_l, rouge_scores
+from rolemrc.eval.metrics import (
+    BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_info, rouge_l, rouge_scores,
+)
 from rolemrc.eval.report import log_to_loggers, print_console, write_report  # noqa: F401 - print_console re-exported
 from rolemrc.eval.suites import run_suites, wants_suites
 from rolemrc.eval.verifiers import agreement, verify_all
@@ -57,16 +58,19 @@ def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Seque
         return rouge_l(replies, refs, m.rouge_use_stemmer, m.rouge_target)
     if not m.names:
         return None
-    bs = m.bertscore
     return compute_metrics(
         replies, refs,
         metrics=list(m.names),
-        bertscore=BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device),
+        bertscore=_bertscore(m.bertscore),
         meteor_tokenizer=m.meteor_tokenizer,
         rouge_use_stemmer=m.rouge_use_stemmer,
         rouge_target=m.rouge_target,
         bleu_undefined=m.bleu_undefined,
     )
+
+
+def _bertscore(bs: Any) -> BertScoreConfig:
+    return BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device)
 
 
 def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
@@ -92,6 +96,8 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
     for dim, s in (judge_table or {}).items():
         if s.accuracy is not None:
             out[f"judge/{dim}/accuracy"] = s.accuracy
+        if s.paper_score is not None:  # judge=paper: the authors' figure (Figure 4)
+            out[f"judge/{dim}/paper_score"] = s.paper_score
         out[f"judge/{dim}/n_unparseable"] = float(s.n_unparseable)
         out[f"judge/{dim}/n_failed"] = float(s.n_failed)
     return out
@@ -122,6 +128,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     items, rolebench = load_test_items(cfg.data, cfg.limit)
+    if not (rolebench or cfg.metrics.rouge_only):  # METEOR's data, BERTScore's encoder: before anything slow
+        check_metrics(list(cfg.metrics.names), cfg.metrics.meteor_tokenizer, _bertscore(cfg.metrics.bertscore))
     ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
     log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
 
@@ -221,7 +229,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             # Promised work is missing: never exit 0. Generations, metrics and the verdicts obtained are kept.
             raise JudgeIncomplete(
                 f"judge: {len(verdicts) - sum(missing.values())} of {len(verdicts)} verdicts obtained, missing "
-                f"{', '.join(f'{n} {s}' for s, n in missing.items())} (faults: {fault_summary(judge_stats.faults)}); "
+                f"{', '.join(f'{n} {s}' for s, n in missing.items())} (faults: {judge_stats.fault_text()}); "
                 f"the report in {out_dir} holds what was obtained; rerun the same command to ask only for the rest"
             )
     return {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -174,8 +175,13 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
                    ["metric", "value"])
 
     print_console(paths["summary.md"], sections=sections)
+    cl = doc.get("characterllm") or {}
+    if cl.get("warning"):
+        print(cl["warning"], file=sys.stderr, flush=True)
     if incomplete:
         raise JudgeIncomplete("; ".join(incomplete) + f"; the report in {out_dir} holds what was obtained; rerun the "
                               "same command to ask only for the rest")
+    if cl.get("unscored"):  # every answer final and without a score: never exit 0 on a table of n/a
+        raise characterllm.NoScores(f"{cl['unscored']}; the report in {out_dir} holds the answers")
     return {"out_dir": str(out_dir), "paths": {k: str(p) for k, p in paths.items()}, "results": doc,
             "scalars": scalars}

@@ -1,0 +1,117 @@
+"""GRPO loss and advantages: values derived by hand, gradients, argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rolemrc.objectives.grpo import group_advantages, grpo_loss
+
+F64 = torch.float64
+
+
+def test_first_iteration_ratio_is_one_and_gradient_is_the_policy_gradient():
+    """old=None: ratio exp(logp - logp.detach()) = 1, loss = -mean over sequences of A; d loss/d logp_t =
+    -A_i / (len_i * B) for grpo, -A_i / total tokens for dapo."""
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, 0.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([2.0, -1.0], dtype=F64)
+    out = grpo_loss(logps, adv, mask, loss_type="grpo")
+    assert out.loss.item() == pytest.approx(-(2.0 - 1.0) / 2)
+    out.loss.backward()
+    expected = torch.tensor([[-2 / 6, -2 / 6, -2 / 6], [1 / 4, 1 / 4, 0.0]], dtype=F64)
+    torch.testing.assert_close(logps.grad, expected)
+    logps.grad = None
+    out = grpo_loss(logps, adv, mask, loss_type="dapo")
+    assert out.loss.item() == pytest.approx((-2.0 * 3 + 1.0 * 2) / 5)
+    out.loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.4] * 3, [0.2, 0.2, 0.0]], dtype=F64))
+    assert out.metrics["clip_ratio/region_mean"].item() == 0 and "kl" not in out.metrics
+
+
+def test_clipping_by_sign_of_the_advantage():
+    """ratio e^0.5 ~ 1.65 > 1 + 0.28: with A = +1 the clipped term (1.28) wins and carries no gradient;
+    with A = -1 the unclipped -ratio*A is the larger loss and keeps its gradient. ratio e^-0.5 ~ 0.61 < 0.8:
+    clipped for A = -1 (loss 0.8), not for A = +1."""
+    logps = torch.tensor([[0.5], [0.5], [-0.5], [-0.5]], dtype=F64, requires_grad=True)
+    old = torch.zeros(4, 1, dtype=F64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=F64)
+    mask = torch.ones(4, 1)
+    out = grpo_loss(logps, adv, mask, old_per_token_logps=old, epsilon=0.2, epsilon_high=0.28, loss_type="bnpo")
+    per_token = out.per_token_loss.detach().squeeze(1)
+    torch.testing.assert_close(per_token, torch.tensor([-1.28, math.exp(0.5), 0.8, -math.exp(-0.5)], dtype=F64))
+    out.loss.backward()
+    grad = logps.grad.squeeze(1)
+    assert grad[0] == 0 and grad[2] == 0
+    assert grad[1].item() == pytest.approx(math.exp(0.5) / 4) and grad[3].item() == pytest.approx(-math.exp(-0.5) / 4)
+    assert out.metrics["clip_ratio/high_mean"].item() == 0.25 and out.metrics["clip_ratio/low_mean"].item() == 0.25
+    assert out.metrics["clip_ratio/region_mean"].item() == 0.5
+    # delta caps the ratio where the min keeps the unclipped one (A < 0, ratio e^0.5)
+    capped = grpo_loss(logps, adv, mask, old_per_token_logps=old, epsilon_high=0.28, loss_type="bnpo", delta=1.5)
+    assert capped.per_token_loss[1].item() == pytest.approx(1.5)
+
+
+def test_k3_kl_term_and_dr_grpo_normaliser():
+    """ref - logp = ln 2 -> kl = 2 - ln2 - 1; ref = logp -> 0. dr_grpo divides the token sum by B x max length."""
+    logps = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]], dtype=F64)
+    ref = logps + torch.tensor([[math.log(2), 0.0], [0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.zeros(2, dtype=F64)
+    out = grpo_loss(logps, adv, mask, ref_per_token_logps=ref, beta=0.5, loss_type="dr_grpo", max_completion_length=4)
+    kl = 1 - math.log(2)
+    assert out.metrics["kl"].item() == pytest.approx(kl / 3)
+    assert out.loss.item() == pytest.approx(0.5 * kl / (2 * 4))
+
+
+def test_global_totals_make_micro_batches_add_up():
+    g = torch.Generator().manual_seed(0)
+    logps, old = torch.randn(4, 5, generator=g, dtype=F64), torch.randn(4, 5, generator=g, dtype=F64)
+    adv, mask = torch.randn(4, generator=g, dtype=F64), torch.ones(4, 5)
+    mask[1, 3:] = 0
+    for loss_type, totals in (("grpo", {"num_sequences": 4}), ("dr_grpo", {"num_sequences": 4}),
+                              ("dapo", {"num_tokens": mask.sum()})):
+        kw = dict(loss_type=loss_type, max_completion_length=5)
+        whole = grpo_loss(logps, adv, mask, old_per_token_logps=old, **kw).loss
+        parts = sum(grpo_loss(logps[s], adv[s], mask[s], old_per_token_logps=old[s], **kw, **totals).loss
+                    for s in (slice(0, 1), slice(1, 4)))
+        torch.testing.assert_close(parts, whole)
+
+
+def test_group_advantages_by_hand():
+    """Group (1, 0): mean 1/2, std sqrt(1/2) -> +-(1/2)/(sqrt(1/2) + 1e-4); group (1, 1): 0, zero std."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64)
+    out = group_advantages(rewards, 2)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(out.advantages, torch.tensor([a, -a, 0.0, 0.0], dtype=F64))
+    assert out.is_std_zero.tolist() == [False, False, True, True]
+    torch.testing.assert_close(group_advantages(rewards, 2, "none").advantages,
+                               torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=F64))
+    batch_std = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64).std()
+    torch.testing.assert_close(group_advantages(rewards, 2, "batch").advantages,
+                               torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=F64) / (batch_std + 1e-4))
+
+
+def test_unscorable_reward_is_left_out_not_zero():
+    """A NaN reward is no 0: the group's baseline is the other completions' mean and its advantage is 0."""
+    out = group_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.5]), 4, "none")
+    torch.testing.assert_close(out.advantages, torch.tensor([0.5, 0.0, -0.5, 0.0]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"loss_type": "ppo"}, "unknown loss_type"),
+    ({"beta": 0.1}, "needs ref_per_token_logps"),
+    ({"loss_type": "dr_grpo"}, "max_completion_length"),
+    ({"old_per_token_logps": torch.zeros(2, 2)}, "old_per_token_logps has shape"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_loss(torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), **kwargs)
+
+
+def test_bad_groups_and_scale():
+    with pytest.raises(ValueError, match="groups of num_generations=4"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        group_advantages(torch.zeros(4), 2, "std")

@@ -305,7 +305,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parts", ["rolemrc.build", "rolemrc.parts", "rolemrc.strategies", "rolemrc.resume"]),
     ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
-                         "rolemrc.synth"]),
+                         "rolemrc.synth", "rolemrc.rewards"]),
     ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
                                        "rolemrc.config", "rolemrc.config_suites", "rolemrc.tasks", "rolemrc.rng",
                                        "rolemrc.errors", "rolemrc.loggers", "rolemrc.entry", "rolemrc.sweep",

@@ -1,0 +1,26 @@
+"""Role-play rewards for online RL (issue 33's building blocks): composable callables, weighted
+and logged one by one, as TRL's GRPOTrainer logs them.
+
+A reward function is any callable with TRL's reward-function signature (:data:`RewardFn`)::
+
+    fn(*, prompts: list[list[dict]], completions: list[str], **columns) -> list[float | None]
+
+``prompts[i]`` is the conversation up to the assistant's turn (``{"role", "content"}`` messages),
+``completions[i]`` the sampled reply, ``columns`` the prompt records' other fields, one list each
+(``task``, ``rule``, ``reference``, ...; accept ``**kwargs`` for the ones you do not use). ``None``
+means "does not apply to this completion" (e.g. no rule): it is left out of that reward's mean and of
+the sum, never counted as 0.
+
+``verifier`` (:class:`VerifierReward`): the nested-rule checks of ``rolemrc.eval.verifiers``.
+``judge`` (:class:`JudgeReward`): the five-dimension judge through ``rolemrc.eval.judge.make_judge``.
+Any callable by dotted path (``_target_``). :class:`RewardSet` weights and sums them and returns
+the per-reward values and TRL's metric names; :func:`disagreement_rate` is the judge-vs-verifier
+reward-hacking alarm. Nothing here trains yet: there is no ``objective=grpo``.
+"""
+
+from rolemrc.rewards.combine import RewardFn, RewardScores, RewardSet, build_rewards, disagreement_rate, load_target
+from rolemrc.rewards.judge import JUDGE_ON_FAILURE, JudgeReward, JudgeRewardError
+from rolemrc.rewards.verifier import VERIFIER_MODES, VerifierReward
+
+__all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardScores", "RewardSet",
+           "VerifierReward", "build_rewards", "disagreement_rate", "load_target"]

@@ -1,0 +1,168 @@
+"""Weighted rewards, their per-reward values and metrics, built from a plain config mapping."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rolemrc.objectives.grpo import nanstd
+from rolemrc.rewards.judge import JudgeReward
+from rolemrc.rewards.verifier import VerifierReward
+
+
+class RewardFn(Protocol):
+    """TRL's reward-function signature: keyword-only ``prompts`` (conversations up to the assistant's
+    turn), ``completions`` (strings) and the prompt records' other fields as lists; one float or
+    ``None`` (not applicable) per completion."""
+
+    def __call__(self, *, prompts: Sequence[Any], completions: Sequence[str],
+                 **columns: Sequence[Any]) -> Sequence[float | None]: ...
+
+
+@dataclass
+class RewardScores:
+    """``per_reward`` ``[N, K]`` (NaN: not applicable / not obtained); ``rewards`` ``[N]``: the
+    weighted sum over the rewards that apply (NaN where none does: unscorable, advantage 0);
+    ``metrics``: ``rewards/<name>/mean`` and ``/std`` (over the completions it applies to),
+    ``reward``, ``reward_std``, and ``rewards/disagreement/<judge>_vs_<verifier>`` where both scored
+    some completion (NaN when none, so a logger shows a gap, not a rate of 0)."""
+
+    names: list[str]
+    per_reward: Tensor
+    rewards: Tensor
+    metrics: dict[str, float]
+
+
+def disagreement_rate(judge: Sequence[float | None], verifier: Sequence[float | None]) -> tuple[float | None, int]:
+    """(rate, n) over completions both scored: judge says met (>= 0.5) but the rules are not all met
+    (verifier < 1), or the reverse. A judge that agrees less and less with the program checks while
+    its reward rises is being gamed. ``None`` when no completion has both."""
+    pairs = [(j, v) for j, v in zip(judge, verifier, strict=True)
+             if j is not None and v is not None and not math.isnan(j) and not math.isnan(v)]
+    if not pairs:
+        return None, 0
+    return sum((j >= 0.5) != (v >= 1.0) for j, v in pairs) / len(pairs), len(pairs)
+
+
+class RewardSet:
+    """Named rewards with weights (TRL's ``reward_funcs`` / ``reward_weights``, summed then normalised)."""
+
+    def __init__(self, rewards: Mapping[str, Callable[..., Sequence[float | None]]],
+                 weights: Mapping[str, float] | None = None) -> None:
+        if not rewards:
+            raise ValueError("no rewards given")
+        self.rewards = dict(rewards)
+        weights = dict(weights or {})
+        unknown = sorted(set(weights) - set(self.rewards))
+        if unknown:
+            raise ValueError(f"weights for unknown reward(s) {', '.join(unknown)}; rewards: {', '.join(self.rewards)}")
+        self.weights = {name: float(weights.get(name, 1.0)) for name in self.rewards}
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str],
+                 columns: Mapping[str, Sequence[Any]] | None = None) -> RewardScores:
+        columns = dict(columns or {})
+        n = len(completions)
+        names = list(self.rewards)
+        per = torch.full((n, len(names)), float("nan"), dtype=torch.float64)
+        values: dict[str, list[float | None]] = {}
+        for k, name in enumerate(names):
+            got = list(self.rewards[name](prompts=list(prompts), completions=list(completions), **columns))
+            if len(got) != n:
+                raise ValueError(f"reward {name!r} returned {len(got)} values for {n} completions")
+            for i, v in enumerate(got):
+                if v is not None and not isinstance(v, (int, float)):
+                    raise TypeError(f"reward {name!r} returned {v!r} for completion {i}; expected a float or None")
+            values[name] = got
+            per[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in got], dtype=torch.float64)
+        w = torch.tensor([self.weights[name] for name in names], dtype=torch.float64)
+        unscorable = torch.isnan(per).all(dim=1)
+        rewards = (per * w).nansum(dim=1)
+        rewards[unscorable] = float("nan")
+
+        metrics: dict[str, float] = {}
+        for k, name in enumerate(names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+        metrics["reward"] = torch.nanmean(rewards).item()
+        metrics["reward_std"] = nanstd(rewards).item()
+        for jn in (nm for nm in names if isinstance(self.rewards[nm], JudgeReward)):
+            for vn in (nm for nm in names if isinstance(self.rewards[nm], VerifierReward)):
+                rate, _ = disagreement_rate(values[jn], values[vn])
+                metrics[f"rewards/disagreement/{jn}_vs_{vn}"] = float("nan") if rate is None else rate
+        return RewardScores(names, per, rewards, metrics)
+
+    def close(self) -> None:
+        for fn in self.rewards.values():
+            if hasattr(fn, "close"):
+                fn.close()
+
+
+def load_target(path: str, where: str = "reward") -> Callable[..., Any]:
+    """The callable a dotted path names (``pkg.module.fn`` or ``pkg.module.Class.method``)."""
+    module_name, _, attr = path.rpartition(".")
+    parts: list[str] = []
+    while module_name:
+        try:
+            obj: Any = importlib.import_module(module_name)
+            break
+        except ModuleNotFoundError as e:
+            if e.name is None or not module_name.startswith(e.name):
+                raise  # a module the target imports is missing: not a bad path
+            module_name, _, head = module_name.rpartition(".")
+            parts.insert(0, head)
+    else:
+        raise ValueError(f"{where}._target_={path!r}: no importable module in that path")
+    for name in [*parts, attr]:
+        if not hasattr(obj, name):
+            raise ValueError(f"{where}._target_={path!r}: {obj.__name__!r} has no attribute {name!r}")
+        obj = getattr(obj, name)
+    if not callable(obj):
+        raise ValueError(f"{where}._target_={path!r} is not callable")
+    return obj
+
+
+_KEYS = {"verifier": {"type", "weight", "mode"},
+         "judge": {"type", "weight", "judge", "dimension", "on_failure", "wait_s", "max_waits"}}
+
+
+def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Path | None = None) -> RewardSet:
+    """A :class:`RewardSet` from ``{name: {type: verifier|judge, weight, ...}}`` or
+    ``{name: {_target_: dotted.path, weight, **kwargs}}`` (the kwargs bound to the callable).
+    Unknown keys and types are ValueErrors naming ``rewards.<name>.<key>``."""
+    rewards: dict[str, Callable[..., Sequence[float | None]]] = {}
+    weights: dict[str, float] = {}
+    for name, raw in spec.items():
+        where = f"rewards.{name}"
+        entry = dict(raw)
+        weights[name] = float(entry.get("weight", 1.0))
+        if "_target_" in entry:
+            if "type" in entry:
+                raise ValueError(f"{where}: give either type or _target_, not both")
+            kwargs = {k: v for k, v in entry.items() if k not in ("_target_", "weight")}
+            fn = load_target(str(entry["_target_"]), where)
+            rewards[name] = functools.partial(fn, **kwargs) if kwargs else fn
+            continue
+        kind = entry.get("type")
+        if kind not in _KEYS:
+            raise ValueError(f"{where}.type must be one of {', '.join(_KEYS)} (or give _target_), got {kind!r}")
+        unknown = sorted(set(entry) - _KEYS[kind])
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                             f"known: {', '.join(sorted(_KEYS[kind]))}")
+        if kind == "verifier":
+            rewards[name] = VerifierReward(entry.get("mode", "all"))
+        else:
+            if "judge" not in entry:
+                raise ValueError(f"{where}.judge is required (a judge config, as evaluate.py's judge:)")
+            rewards[name] = JudgeReward(entry["judge"], cache_dir=cache_dir, dimension=entry.get("dimension"),
+                                        on_failure=entry.get("on_failure", "raise"),
+                                        wait_s=float(entry.get("wait_s", 30.0)), max_waits=entry.get("max_waits", 10))
+    return RewardSet(rewards, weights)

@@ -1,0 +1,19 @@
+"""Reward callables named by dotted path in the tests (``_target_: tests.rewards.helpers...``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def length_reward(*, prompts: Any, completions: list[str], scale: float = 1.0, **columns: Any) -> list[float | None]:
+    """``scale`` x words of the completion; None for an empty completion (not applicable)."""
+    return [scale * len(c.split()) if c.strip() else None for c in completions]
+
+
+def seen_columns(*, prompts: Any, completions: list[str], **columns: Any) -> list[float]:
+    """Records what it was called with (for the signature test)."""
+    seen_columns.calls.append({"prompts": prompts, "completions": completions, **columns})
+    return [0.0] * len(completions)
+
+
+seen_columns.calls = []  # type: ignore[attr-defined]

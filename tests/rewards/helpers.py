@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolemrc.rewards import completion_texts
 
-def length_reward(*, prompts: Any, completions: list[str], scale: float = 1.0, **columns: Any) -> list[float | None]:
+
+def length_reward(*, prompts: Any, completions: list[Any], scale: float = 1.0, **columns: Any) -> list[float | None]:
     """``scale`` x words of the completion; None for an empty completion (not applicable)."""
-    return [scale * len(c.split()) if c.strip() else None for c in completions]
+    return [scale * len(c.split()) if c.strip() else None for c in completion_texts(completions)]
 
 
 def seen_columns(*, prompts: Any, completions: list[str], **columns: Any) -> list[float]:

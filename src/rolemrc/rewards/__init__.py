@@ -6,7 +6,8 @@ A reward function is any callable with TRL's reward-function signature (:data:`R
     fn(*, prompts: list[list[dict]], completions: list[str], **columns) -> list[float | None]
 
 ``prompts[i]`` is the conversation up to the assistant's turn (``{"role", "content"}`` messages),
-``completions[i]`` the sampled reply, ``columns`` the prompt records' other fields, one list each
+``completions[i]`` the sampled reply (a string, or TRL's conversational form: a list of messages ending
+with the assistant's; :func:`completion_texts` gives the strings), ``columns`` the prompt records' other fields, one list each
 (``task``, ``rule``, ``reference``, ...; accept ``**kwargs`` for the ones you do not use). ``None``
 means "does not apply to this completion" (e.g. no rule): it is left out of that reward's mean and of
 the sum, never counted as 0.
@@ -20,7 +21,8 @@ reward-hacking alarm. Nothing here trains yet: there is no ``objective=grpo``.
 
 from rolemrc.rewards.combine import RewardFn, RewardScores, RewardSet, build_rewards, disagreement_rate, load_target
 from rolemrc.rewards.judge import JUDGE_ON_FAILURE, JudgeReward, JudgeRewardError
+from rolemrc.rewards.text import completion_text, completion_texts
 from rolemrc.rewards.verifier import VERIFIER_MODES, VerifierReward
 
-__all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardScores", "RewardSet",
-           "VerifierReward", "build_rewards", "disagreement_rate", "load_target"]
+__all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardScores",
+           "RewardSet", "VerifierReward", "build_rewards", "completion_text", "completion_texts", "disagreement_rate", "load_target"]

@@ -21,6 +21,7 @@ from typing import Any
 
 from rolemrc.errors import UserError
 from rolemrc.eval.judge import Judge, Verdict, judge_items, make_judge
+from rolemrc.rewards.text import completion_texts
 from rolemrc.tasks import Dimension
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,14 @@ class JudgeReward:
         self.on_failure, self.wait_s, self.max_waits = on_failure, wait_s, max_waits
         self.last_missing: Counter[str] = Counter()  # judgements without a verdict in the last call, by status
 
-    def __call__(self, *, prompts: Sequence[Sequence[Mapping[str, Any]]], completions: Sequence[str],
+    def __call__(self, *, prompts: Sequence[Sequence[Mapping[str, Any]]], completions: Sequence[Any],
                  task: Sequence[str] | None = None, reference: Sequence[str | None] | None = None,
                  **columns: Any) -> list[float | None]:
         if task is None:
             raise ValueError("the judge reward needs each prompt's task (the `task` column)")
         refs = [None] * len(completions) if reference is None else list(reference)
         records = [{"task": t, "question": list(p), "reference": r} for p, t, r in zip(prompts, task, refs, strict=True)]
-        items = judge_items(records, list(completions))
+        items = judge_items(records, completion_texts(completions))
         if self.dimension is not None:
             items = [it for it in items if it.dimension == self.dimension]
         verdicts = self._judge(items)

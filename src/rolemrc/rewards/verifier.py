@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rolemrc.eval.verifiers import RULE_TYPES, verify
+from rolemrc.rewards.text import completion_texts
 
 VERIFIER_MODES: tuple[str, ...] = ("all", "fraction")
 
@@ -21,14 +22,15 @@ class VerifierReward:
             raise ValueError(f"verifier mode must be one of {', '.join(VERIFIER_MODES)}, got {mode!r}")
         self.mode = mode
 
-    def __call__(self, *, prompts: Sequence[Any], completions: Sequence[str], rule: Sequence[Any] | None = None,
+    def __call__(self, *, prompts: Sequence[Any], completions: Sequence[Any], rule: Sequence[Any] | None = None,
                  **columns: Any) -> list[float | None]:
         rules = [None] * len(completions) if rule is None else list(rule)
         if len(rules) != len(completions):
             raise ValueError(f"{len(completions)} completions but {len(rules)} rules")
         parsed = [self._rules(i, r) for i, r in enumerate(rules)]
+        texts = completion_texts(completions)
         out: list[float | None] = []
-        for rs, text in zip(parsed, completions, strict=True):
+        for rs, text in zip(parsed, texts, strict=True):
             if not rs:
                 out.append(None)
                 continue

@@ -73,6 +73,7 @@ def test_skip_leaves_the_completion_unscored_and_counts_it_and_the_alarm_is_logg
         # the judge says "met" for the reply with a comma: 1 disagreement in 3 scored by both
         assert out.metrics["rewards/disagreement/judge_vs_rules"] == pytest.approx(1 / 3)
         assert out.metrics["rewards/judge/mean"] == pytest.approx(2 / 3)
+        assert out.metrics["rewards/judge/missing"] == 1.0 and "rewards/rules/missing" not in out.metrics
         rewards.close()
 
 

@@ -32,6 +32,7 @@ class RewardScores:
     """``per_reward`` ``[N, K]`` (NaN: not applicable / not obtained); ``rewards`` ``[N]``: the
     weighted sum over the rewards that apply (NaN where none does: unscorable, advantage 0);
     ``metrics``: ``rewards/<name>/mean`` and ``/std`` (over the completions it applies to),
+    ``rewards/<name>/missing`` for a judge (judgements without a verdict, ``on_failure: skip``),
     ``reward``, ``reward_std``, and ``rewards/disagreement/<judge>_vs_<verifier>`` where both scored
     some completion (NaN when none, so a logger shows a gap, not a rate of 0)."""
 
@@ -91,6 +92,8 @@ class RewardSet:
         for k, name in enumerate(names):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
             metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+            if isinstance(self.rewards[name], JudgeReward):  # skipped judgements: reported, not scored
+                metrics[f"rewards/{name}/missing"] = float(sum(self.rewards[name].last_missing.values()))
         metrics["reward"] = torch.nanmean(rewards).item()
         metrics["reward_std"] = nanstd(rewards).item()
         for jn in (nm for nm in names if isinstance(self.rewards[nm], JudgeReward)):

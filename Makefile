@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test docs bench bench-data bench-gpu gpu-site clean
+.PHONY: setup demo test docs bench bench-data bench-gpu gpu-site gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -50,17 +50,58 @@ bench-data: $(STAMP)
 	$(PY) benchmarks/data_scale.py $(BENCH_DATA_ARGS)
 
 # One CUDA device (docs/benchmarks/gpu.md). Runs with the interpreter given, e.g. on a GPU node
-# without this venv: make bench-gpu GPU_PYTHON=python3. Where that node's image lacks hydra-core
-# and omegaconf and has no package index, `make gpu-site` here first: it copies them (pure
-# Python, 4 MB, the pinned versions) from this venv into .gpu-site/, which travels with the checkout.
+# without this venv: make bench-gpu GPU_PYTHON=python3. Where that node's image lacks packages
+# and has no package index, `make gpu-wheels` here first: it downloads into .whl/ (git-ignored)
+# the py3.12 wheels the device image lacks (GPU_WHEELS), which travel with the checkout
+# (carry .whl) and install there into /tmp/site (GPU_SITE; `make gpu-check` does this itself).
+# GPU_WHEELS_EXTRA=transformers-pins adds transformers/tokenizers at our pins, for an image
+# whose versions do not serve.
 GPU_PYTHON ?= $(PY)
+GPU_SITE ?= /tmp/site
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 trl==1.16.0 datasets==5.2.0 dill==0.4.1 \
+	multiprocess==0.70.19 liger-kernel==0.8.5
+GPU_WHEELS_EXTRA ?=
+GPU_WHEEL_PIN_transformers-pins := transformers==5.23.0 tokenizers==0.23.3
+GPU_WHEELS_LIMIT_MIB := 64
+PIP_DOWNLOAD := $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform any -d .whl
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PIP_DOWNLOAD) $(GPU_WHEELS) $(foreach x,$(GPU_WHEELS_EXTRA),$(GPU_WHEEL_PIN_$(x)))
+	# antlr4-python3-runtime 4.9.3 (hydra's and omegaconf's pin) is published as an sdist only:
+	# built here into a pure-Python wheel
+	$(PYTHON) -m pip wheel -q --no-deps --no-binary=:all: -w .whl antlr4-python3-runtime==4.9.3
+	@ls -l .whl | awk 'NR>1 {printf "  %9d  %s\n", $$5, $$9}'
+	@whl=$$(du -cb .whl/*.whl | tail -1 | cut -f1); \
+	 tree=$$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1); \
+	 total=$$((whl + tree)); \
+	 printf 'wheels %.1f MiB + tracked checkout %.1f MiB = %.1f MiB of the %d MiB a device call carries\n' \
+	   $$(echo "$$whl/1048576" | bc -l) $$(echo "$$tree/1048576" | bc -l) $$(echo "$$total/1048576" | bc -l) \
+	   $(GPU_WHEELS_LIMIT_MIB); \
+	 if [ $$total -gt $$(( $(GPU_WHEELS_LIMIT_MIB) * 1048576 )) ]; then \
+	   echo "error: .whl/ and the checkout exceed $(GPU_WHEELS_LIMIT_MIB) MiB" >&2; exit 1; fi
+
+# Where no wheels were carried, the old way still works: hydra/omegaconf/antlr4 copied from this venv.
 SITE_PACKAGES = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 gpu-site: $(STAMP)
 	rm -rf .gpu-site && mkdir -p .gpu-site
 	cp -r $(SITE_PACKAGES)/hydra $(SITE_PACKAGES)/omegaconf $(SITE_PACKAGES)/antlr4 .gpu-site/
 
+# Installs .whl/ (if present) into $(GPU_SITE), then runs the benchmark with it on the path.
+define gpu_install
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl || exit 1; fi
+endef
 bench-gpu:
-	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/.gpu-site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py $(GPU_ARGS)
+	@$(gpu_install)
+	PYTHONPATH=$(CURDIR)/src:$(GPU_SITE):$(CURDIR)/.gpu-site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py $(GPU_ARGS)
+
+# The prepared GPU check (README, GPU check): parts tests, memory, speed into
+# benchmarks/results/gpu_check.json, ~8 minutes on one H100; rerun to finish what was cut short.
+gpu-check:
+	@$(gpu_install)
+	PYTHONPATH=$(CURDIR)/src:$(GPU_SITE):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Run outputs only: never data, nor the data store cache ($ROLEMRC_CACHE_DIR, ~/.cache/rolemrc).
 clean:

@@ -26,6 +26,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # stack.md: keep freed memory in the process (2-3x faster CPU steps); every contender runs with it.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736", "MALLOC_TOP_PAD_": "1073741824"}
+# benchmarks/gpu.py: FlopCounterMode adds Python work to every op, which a GPU step's time would
+# include; there it counts only the first ROLEMRC_BENCH_FLOP_STEPS steps (the warm-up), and the timed
+# steps' FLOPs are their tokens x the counted steps' FLOPs per token. Unset: every step is counted.
+FLOP_STEPS = int(os.environ.get("ROLEMRC_BENCH_FLOP_STEPS", "0")) or None
 
 
 # The benchmark models (random init, Llama architecture, GQA 8/2 heads, hidden 512):
@@ -312,11 +316,18 @@ class _Steps:
         slots = sum(r[3] for r in measured)
         pairs = sum(r[4] for r in measured)
         times = [b[0] - a[0] for a, b in zip(self.records[warmup - 1 :], measured)]
-        flops = sum(self.flops[warmup:])
+        step_flops = self.flops[warmup:]
+        counted = "every timed step"
+        if FLOP_STEPS is not None and FLOP_STEPS <= warmup:  # counted on the warm-up steps only
+            per_token = sum(self.flops[:FLOP_STEPS]) / max(sum(r[1] for r in self.records[:FLOP_STEPS]), 1.0)
+            step_flops = [per_token * r[1] for r in measured]
+            counted = f"the first {FLOP_STEPS} (warm-up) steps, per token"
+        flops = sum(step_flops)
         return {
             "flops": flops,  # model FLOPs of the timed steps
+            "flops_counted_on": counted,
             "flops_per_step": flops / len(measured),
-            "step_flops": self.flops[warmup:],
+            "step_flops": step_flops,
             "steps": len(measured),
             "seconds": round(seconds, 3),
             "step_seconds": [round(t, 3) for t in times],
@@ -351,7 +362,8 @@ def lightning_timer() -> Any:
             self.train_start = time.perf_counter()  # after the module's on_fit_start (reference precompute)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            self.span.start()
+            if FLOP_STEPS is None or len(self.steps.records) < FLOP_STEPS:
+                self.span.start()
 
         def precompute_seconds(self) -> float:
             return round(self.train_start - self.fit_start, 3)
@@ -385,7 +397,8 @@ def hf_timer(model: Any, pairs: bool) -> Any:
             self.span = FlopSpan()
 
         def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
-            self.span.start()
+            if FLOP_STEPS is None or len(self.steps.records) < FLOP_STEPS:
+                self.span.start()
 
         def hook(self, module, args, kwargs) -> None:  # noqa: ANN001
             if not module.training:  # reference forwards (eval mode / no grad) are not counted

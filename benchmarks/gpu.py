@@ -13,7 +13,10 @@ peak RSS on CPU). MFU = model FLOPs on non-padding tokens / time / the device's 
 (rolemrc.callbacks.throughput.peak_flops): ``6 x`` the non-embedding parameters (lm_head included)
 per policy input token plus ``12 x layers x attention width`` per causal (query, key) pair inside
 each sequence (packed rows are credited with their per-conversation attention only). The DPO
-reference forward is not counted, so DPO MFU understates the device's work. TRL rows (SFTTrainer
+reference forward is not counted, so DPO MFU understates the device's work. Beside it, "executed"
+TFLOP/s: what FlopCounterMode counted the device doing (recomputation, the reference forward, the
+attention kernels' formulas), over the same time; on CUDA counted on the warm-up steps only (per
+token, so the timed steps run without the counter's per-op overhead). TRL rows (SFTTrainer
 without checkpointing; DPOTrainer with precompute_ref_log_probs, without checkpointing; both bf16)
 run when ``trl`` and ``datasets`` are installed and are skipped, saying so, when not.
 
@@ -119,6 +122,8 @@ def main() -> None:
         trl_note = "TRL rows skipped: trl and datasets are not installed here"
     else:
         plan += [("sft", "trl_no_gc"), ("dpo", "trl_pre_no_gc")]
+    if args.device == "cuda":  # FlopCounterMode on the warm-up steps only: the timed steps run without it
+        os.environ["ROLEMRC_BENCH_FLOP_STEPS"] = str(args.warmup)
     rows: dict[str, dict] = {}
     for kind, name in plan:
         r = run_contender(kind, name, work, log_dir, "gpu")
@@ -127,13 +132,26 @@ def main() -> None:
             peak = peak_flops(r.get("device_name"))
             r["model_tflops_per_s"] = round(flops / r["seconds"] / 1e12, 3)
             r["mfu"] = round(flops / r["seconds"] / peak, 4) if peak else None
+            # FLOP/s the device executed (FlopCounterMode: recomputation, the reference forward and
+            # full-row attention count; skipped work does not), beside the model FLOPs' rate
+            r["executed_tflops_per_s"] = round(r["flop_per_s"] / 1e12, 3) if "flop_per_s" in r else None
         rows[f"{kind}/{name}"] = r
+        lines = write_results(out, rows, plan, args, spec, data, trl_note, started)  # after each row: a cut run keeps them
+    print("\n" + "\n".join(lines) + f"\nwrote {out}")
+    if any("error" in r for r in rows.values() if r):
+        failed = [k for k, r in rows.items() if "error" in r]
+        if any(k.endswith("/ours") for k in failed):
+            raise SystemExit(f"benchmarks/gpu.py: rolemrc rows failed: {', '.join(failed)}")
 
+
+def write_results(out: Path, rows: dict[str, dict], plan: list[tuple[str, str]], args: argparse.Namespace, spec: Spec,
+                  data: dict, trl_note: str | None, started: float) -> list[str]:
+    """The table and ``out`` (JSON) for the rows run so far."""
     label = "tiny Llama [--tiny: figures mean nothing]" if args.tiny else MODEL_LABELS[args.size]
     lines = [f"{label}; "
              f"{data['model']['parameters'] / 1e9:.2f}B parameters; bf16-mixed, fp32 masters, FSDP2 on 1 device; "
              f"{args.steps} timed steps after {args.warmup}",
-             f"  {'row':18s} {'tokens/s':>9s} {'pairs/s':>8s} {'MFU':>6s} {'TFLOP/s':>8s} {'peak mem':>10s}"]
+             f"  {'row':18s} {'tokens/s':>9s} {'pairs/s':>8s} {'MFU':>6s} {'TFLOP/s':>8s} {'executed':>8s} {'peak mem':>10s}"]
     for key, r in rows.items():
         if "error" in r:
             lines.append(f"  {key:18s} FAILED ({r['error']}; log {r.get('log')})")
@@ -141,22 +159,19 @@ def main() -> None:
         mem = f"{r['peak_cuda_mib'] / 1024:.1f} GiB" if "peak_cuda_mib" in r else f"{r['peak_rss_mib'] / 1024:.1f} GiB RSS"
         pairs = f"{r['pairs_per_s']:8.3f}" if "pairs_per_s" in r else f"{'':8s}"
         mfu = f"{r['mfu']:6.1%}" if r.get("mfu") is not None else f"{'n/a':>6s}"
-        lines.append(f"  {key:18s} {r['tokens_per_s']:9.0f} {pairs} {mfu} {r['model_tflops_per_s']:8.2f} {mem:>10s}")
+        executed = f"{r['executed_tflops_per_s']:8.2f}" if r.get("executed_tflops_per_s") is not None else f"{'n/a':>8s}"
+        lines.append(f"  {key:18s} {r['tokens_per_s']:9.0f} {pairs} {mfu} {r['model_tflops_per_s']:8.2f} {executed} {mem:>10s}")
     if trl_note:
         lines.append(f"  {trl_note}")
     device = next((r.get("device_name") for r in rows.values() if r.get("device_name")), args.device)
     lines.append(f"device: {device}; command: python benchmarks/gpu.py {' '.join(sys.argv[1:])}")
-    result = {"rows": rows, "spec": dict(spec.__dict__), "data": data, "trl": trl_note or "run", "table": lines,
+    result = {"rows": rows, "planned": [f"{k}/{n}" for k, n in plan], "spec": dict(spec.__dict__), "data": data, "trl": trl_note or "run", "table": lines,
               "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "device": device,
               "versions": {m: _version(m) for m in ("torch", "transformers", "lightning", "trl", "rolemrc")},
               "total_minutes": round((time.time() - started) / 60, 1)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print("\n" + "\n".join(lines) + f"\nwrote {out}")
-    if any("error" in r for r in rows.values() if r):
-        failed = [k for k, r in rows.items() if "error" in r]
-        if any(k.endswith("/ours") for k in failed):
-            raise SystemExit(f"benchmarks/gpu.py: rolemrc rows failed: {', '.join(failed)}")
+    return lines
 
 
 def _version(name: str) -> str | None:

@@ -377,7 +377,8 @@ def measure_child(overrides: list[str], out: Path, work: Path, device: str) -> N
     timed = range(1, MEMORY_STEPS - 1)  # steps 2 .. N-1 (the last one runs under the FLOP counter)
     seconds = probe.ends[MEMORY_STEPS - 2] - probe.ends[0]
     tokens = sum(probe.tokens[i] for i in timed)
-    per_token, _, per_pair = probe.coeffs or (0.0, 0.0, 0.0)
+    body, head, per_pair = probe.coeffs or (0.0, 0.0, 0.0)
+    per_token = body + head  # torchtitan: 6 x parameters, the head included, per input token
     model_flops = sum(per_token * probe.tokens[i] + per_pair * probe.pairs[i] for i in timed)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_flops(name, str(cfg.trainer.precision)) if cuda else None

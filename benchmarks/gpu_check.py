@@ -15,7 +15,8 @@ can be run again on the same machine and keeps what it finished when cut short. 
 
 Each part has its own time budget (``--budget tests=100,memory=230,speed=150`` seconds); a part cut
 short is marked ``timeout`` with what it finished, and the next run of the script skips what is
-``done`` (``--redo`` runs it all again). Results of another device are not mixed in.
+``done`` (``--redo`` runs it all again: after a fix, or where a committed ``gpu_check.json`` of the
+same device kind is in the checkout). Results of another device are not mixed in.
 
 On the device (the device tool's ``run`` from the repository root, after ``make gpu-wheels`` here,
 which fills the git-ignored ``.whl/``; carry ``[".whl"]``, ``timeout_s`` 600)::
@@ -202,10 +203,12 @@ def simulated_table() -> dict[str, Any]:
     return json.loads(SIMULATED.read_text()) if SIMULATED.is_file() else {"cases": {}}
 
 
-def simulate(case: str, overrides: list[str], log: Path, timeout: float) -> dict[str, Any]:
-    """``python -m rolemrc.memory <overrides> --simulate --json`` in a child process: its last line."""
+def simulate(case: str, overrides: list[str], log: Path, timeout: float, scratch: Path) -> dict[str, Any]:
+    """``python -m rolemrc.memory <overrides> --simulate --json`` in a child process: its last line
+    (its output in ``scratch``, then appended to ``log``)."""
     cmd = [sys.executable, "-m", "rolemrc.memory", *overrides, "--simulate", "--json"]
-    out = log.with_name(f"sim_{case}.log")
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / f"sim_{case}.log"
     out.unlink(missing_ok=True)
     code, seconds = run_logged(cmd, out, timeout)
     log.open("a").write(out.read_text(errors="replace"))
@@ -258,7 +261,7 @@ def part_memory(res: Results, args: argparse.Namespace, budget: float) -> None:
             entry["simulated"] = {**known, "where": f"precomputed on CPU ({SIMULATED.name}, torch {known['torch']}; "
                                                     f"measured with torch {torch.__version__})"}
         else:
-            entry["simulated"] = {**simulate(name, overrides, args.log, deadline - time.monotonic()),
+            entry["simulated"] = {**simulate(name, overrides, args.log, deadline - time.monotonic(), args.work),
                                   "where": "simulated in this run"}
         m, s = entry["measured"].get("measured_gib"), entry["simulated"].get("simulated_gib")
         entry.update({"measured_gib": m, "simulated_gib": s})
@@ -460,12 +463,13 @@ def precompute_simulations() -> None:
     import torch
 
     table = simulated_table()
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check_simulations.log"
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "rolemrc-gpu-check-simulations"
+    log = scratch / "simulations.log"
     for name, overrides in CASES.items():
         old = table["cases"].get(name, {})
         if old.get("overrides") == overrides and "simulated_gib" in old:
             continue
-        sim = simulate(name, overrides, log, 3600)
+        sim = simulate(name, overrides, log, 3600, scratch)
         if "error" in sim:
             raise SystemExit(f"simulation of {name} failed: {sim}")
         table["cases"][name] = {**sim, "overrides": overrides, "torch": torch.__version__, "date": now()}

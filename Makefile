@@ -97,7 +97,7 @@ bench-gpu:
 	@$(gpu_install)
 	PYTHONPATH=$(CURDIR)/src:$(GPU_SITE):$(CURDIR)/.gpu-site:$$PYTHONPATH $(GPU_PYTHON) benchmarks/gpu.py $(GPU_ARGS)
 
-# The prepared GPU check (README, GPU check): parts tests, memory, speed into
+# The prepared GPU check (docs/benchmarks/gpu.md): parts tests, memory, speed into
 # benchmarks/results/gpu_check.json, ~8 minutes on one H100; rerun to finish what was cut short.
 gpu-check:
 	@$(gpu_install)

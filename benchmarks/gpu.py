@@ -21,8 +21,8 @@ without checkpointing; DPOTrainer with precompute_ref_log_probs, without checkpo
 run when ``trl`` and ``datasets`` are installed and are skipped, saying so, when not.
 
 Needs only torch, transformers, lightning, peft and rolemrc with hydra-core + omegaconf (pure
-Python; on a machine without a package index, bring them as wheels, see the README's Performance
-section). Every row runs in its own process, one after the other.
+Python; on a machine without a package index, bring them as wheels: make gpu-wheels,
+docs/benchmarks/gpu.md). Every row runs in its own process, one after the other.
 """
 
 from __future__ import annotations

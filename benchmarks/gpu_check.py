@@ -167,13 +167,23 @@ def tail(log: Path, lines: int = 15) -> str:
 # ---------------------------------------------------------------- part: tests
 
 def part_tests(res: Results, args: argparse.Namespace, budget: float) -> None:
-    junit = args.work / "junit.xml"
+    import importlib.util
+    import re
+
+    junit, out = args.work / "junit.xml", args.work / "pytest.log"
     junit.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-o", "addopts=-ra",
            f"--junitxml={junit}", "tests/gpu"]
-    code, seconds = run_logged(cmd, args.log, budget)
+    if importlib.util.find_spec("pytest_timeout") is not None:  # the device image has it: no test eats the part
+        cmd.insert(-1, "--timeout=90")
+    code, seconds = run_logged(cmd, out, budget)
+    args.log.open("a").write(out.read_text(errors="replace"))
     p = res.part("tests")
     p.update({"command": "python -m pytest -m gpu tests/gpu", "seconds": seconds, "exit_code": code})
+    if not junit.is_file():  # cut short: what pytest -v printed of the tests that finished
+        seen = re.findall(r"^(tests/gpu/\S+) (PASSED|FAILED|SKIPPED|ERROR)", out.read_text(errors="replace"), re.M)
+        p["finished_before_cut"] = {name: outcome for name, outcome in seen}
     if junit.is_file():
         counts = {"passed": 0, "failed": 0, "skipped": 0}
         failures, times = [], {}

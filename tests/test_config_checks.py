@@ -11,15 +11,16 @@ import pytest
 
 from rolemrc.config import check_train_config
 from rolemrc.errors import ConfigError
+from rolemrc.objectives.dpo import LOSS_TYPES
 from tests.conftest import ROOT, compose_train
 
 BAD = [
-    (["objective=dpo", "objective.loss_type=ipx"], r"objective.loss_type must be one of sigmoid, ipo, hinge, got 'ipx'"),
+    (["objective=dpo", "objective.loss_type=ipx"], r"objective.loss_type must be one of sigmoid, ipo, hinge, exo_pair, .*, got 'ipx'"),
     (["objective=dpo", "objective.beta=0"], r"objective.beta must be > 0, got 0"),
     (["objective=dpo", "objective.beta=-0.1"], r"objective.beta must be > 0"),
     (["objective=dpo", "objective.label_smoothing=0.5"], r"objective.label_smoothing must be in \[0, 0.5\)"),
     (["objective=dpo", "objective.loss_type=ipo", "objective.label_smoothing=0.1"],
-     r"objective.label_smoothing only applies to objective.loss_type=sigmoid, not ipo"),
+     r"objective.label_smoothing only applies to objective.loss_type=sigmoid\|robust\|exo_pair\|aot\|aot_unpaired, not ipo"),
     (["objective=dpo", "objective.sft_weight=-1"], r"objective.sft_weight must be >= 0"),
     (["objective=dpo", "objective.reference=cached"], r"objective.reference must be one of copy, adapter, precomputed"),
     (["objective=dpo", "objective.reference=adapter"], r"objective.reference=adapter needs a LoRA model"),
@@ -67,6 +68,6 @@ def test_train_py_refuses_before_loading_anything(tmp_path) -> None:
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
-    assert errors == ["error: objective.loss_type must be one of sigmoid, ipo, hinge, got 'ipx'"], proc.stderr[-2000:]
+    assert errors == [f"error: objective.loss_type must be one of {', '.join(LOSS_TYPES)}, got 'ipx'"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(run_dir.glob("data_report_*.json")) and not (run_dir / "checkpoints").exists()

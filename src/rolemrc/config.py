@@ -92,9 +92,13 @@ class DPOObjectiveConfig(ObjectiveConfig):
     """``objective=dpo``: preference pairs against a frozen reference."""
 
     name: str = "dpo"
-    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    # One of rolemrc.objectives.dpo.LOSS_TYPES (TRL 1.16's DPO loss types), or a list of them
+    # combined with loss_weights (TRL's MPO), e.g. [sigmoid, bco_pair] with [0.8, 0.2].
+    loss_type: Any = "sigmoid"
+    loss_weights: Optional[list[float]] = None  # None: 1 per loss type
     beta: float = 0.1
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # sigmoid (cDPO), robust, exo_pair (needs > 0), aot, aot_unpaired
+    discopop_tau: float = 0.05  # discopop's temperature (the DiscoPOP paper's and TRL's default)
     sft_weight: float = 0.0  # optional NLL term on the chosen response
     reference: str = "copy"  # copy | adapter | precomputed
     reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/ref_cache
@@ -105,17 +109,30 @@ class DPOObjectiveConfig(ObjectiveConfig):
         before anything loads), so a bad value is named at once, not at the first training step."""
         # Here, not at module level: the loss functions import torch, which what reads this
         # module without training (synthesize.py, data readers) need not pay for at start.
-        from rolemrc.objectives.dpo import LOSS_TYPES
+        from rolemrc.objectives.dpo import LOSS_TYPE_ALIASES, LOSS_TYPES, SMOOTHED, loss_terms
 
-        one_of("objective.loss_type", self.loss_type, LOSS_TYPES)
+        types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type or [])
+        if not types:
+            raise ConfigError("objective.loss_type names no loss")
+        for t in types:
+            one_of("objective.loss_type", LOSS_TYPE_ALIASES.get(t, t), LOSS_TYPES)
+        try:
+            terms = loss_terms(types, self.loss_weights)
+        except ValueError as e:
+            raise ConfigError(f"objective.loss_type/loss_weights: {e}") from None
+        names = [t for t, _ in terms]
         one_of("objective.reference", self.reference, REFERENCE_MODES)
         if not self.beta > 0:
             raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ConfigError(f"objective.label_smoothing only applies to objective.loss_type=sigmoid, "
-                              f"not {self.loss_type}")
+        if self.label_smoothing and not set(names) & set(SMOOTHED):
+            raise ConfigError(f"objective.label_smoothing only applies to objective.loss_type="
+                              f"{'|'.join(SMOOTHED)}, not {self.loss_type}")
+        if "exo_pair" in names and not self.label_smoothing > 0:
+            raise ConfigError("objective.loss_type=exo_pair needs objective.label_smoothing > 0 (the EXO paper: 1e-3)")
+        if not self.discopop_tau > 0:
+            raise ConfigError(f"objective.discopop_tau must be > 0, got {self.discopop_tau}")
         if self.sft_weight < 0:
             raise ConfigError(f"objective.sft_weight must be >= 0, got {self.sft_weight}")
 

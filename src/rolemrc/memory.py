@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import open_dict
 
 from rolemrc import ASSETS
-from rolemrc.config import check_train_config, checkpointing_setting, register, upgrade_train_config
+from rolemrc.config import OBJECTIVES, check_train_config, checkpointing_setting, register, upgrade_train_config
 from rolemrc.entry import entry_point
 from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate, simulate_in_subprocess
 from rolemrc.models.family import memory_shape
@@ -114,13 +114,13 @@ def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, ch
 
 def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, int]:
     """(GB per device, devices, tokens per micro-batch) of the configured run."""
-    dpo = cfg.objective.name == "dpo"
-    tokens = cfg.data.batch_size * cfg.data.max_length * (2 if dpo else 1)
+    entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
+    tokens = cfg.data.batch_size * cfg.data.max_length * (2 if entry.pairs else 1)
     gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
     fsdp = cfg.strategy.name == "fsdp"
     gb = estimate_gb(
         arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens, checkpointing=checkpointing,
-        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=dpo and cfg.objective.reference == "copy",
+        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=entry.reference and cfg.objective.reference == "copy",
         lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
         qlora=cfg.model.quantization.load_in_4bit,
     )

@@ -159,7 +159,7 @@ def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> l
     full = int(cfg.data.max_length)
     length = length or full
     tok = min(5, vocab - 1)
-    if cfg.objective.name == "sft":
+    if not _entry(cfg).pairs:
         return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
     prompt = int(cfg.data.get("max_prompt_length") or full // 2) * length // full
     response = max(1, length - prompt)
@@ -172,11 +172,12 @@ def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> 
     from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, row_totals
 
     rows = _rows(cfg, batch_size, vocab, length)
-    share = cfg.objective.name != "sft" and bool(cfg.objective.get("share_prompt", False))
+    pairs = _entry(cfg).pairs
+    share = pairs and bool(cfg.objective.get("share_prompt", False))
     if cfg.data.get("packing") or share:
         batch = PackedCollator(0, share)(rows)
     else:
-        batch = (SFTCollator(0) if cfg.objective.name == "sft" else PairCollator(0))(rows)
+        batch = (PairCollator(0) if pairs else SFTCollator(0))(rows)
     # Packed rows (and shared-prompt pairs) run as full causal rows: the per-piece kernels read the
     # piece boundaries back from the tensor (values fake tensors have not) and hold no more memory
     # than one causal row (model.packed_attention=mask, a [T x T] additive mask, would hold more).
@@ -186,7 +187,7 @@ def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> 
     if "attention_mask" in batch and bool(batch["attention_mask"].all()):
         del batch["attention_mask"]
     totals = [row_totals(r) for r in rows]
-    if cfg.objective.name == "sft":
+    if not pairs:
         batch["step_tokens"] = torch.tensor(float(sum(t[0] for t in totals)), dtype=torch.float64)
     else:
         batch["step_pairs"] = torch.tensor(float(len(rows)), dtype=torch.float64)
@@ -238,27 +239,33 @@ def _mask_counts(batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
 
 # ---------------------------------------------------------------- the step
 
-def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The loss of one micro-batch as the module's ``training_step`` computes it (without the
-    trainer's logging and scaling)."""
-    from rolemrc.objectives.dpo import dpo_loss, preference_loss
-    from rolemrc.objectives.logprobs import token_nll
+def _entry(cfg: Any) -> Any:
+    """The objective's registry entry: what it trains on (pairs or not), whether it has a reference."""
+    from rolemrc.config import OBJECTIVES
 
-    o = module.objective
-    if o.name == "sft":
-        seq = module.sequence_logps(module.model, batch, batch["index"].shape[0])
-        return token_nll(seq.logps, batch["step_tokens"])
-    b = batch["index"].shape[0]
-    policy, counts = module.pair_logps(module.model, batch)
-    if module.mode == "precomputed":  # the reference log-probs are a table lookup
-        ref = torch.zeros_like(policy)
-    else:
-        ref = _ReferencePass(module)(batch)
-    out = dpo_loss(policy[:b], policy[b:], ref[:b], ref[b:], beta=o.beta, loss_type=o.loss_type,
-                   label_smoothing=o.label_smoothing)
-    loss, _ = preference_loss(out.losses, policy[:b], sft_weight=o.sft_weight, num_pairs=batch["step_pairs"],
-                              num_chosen_tokens=batch["step_chosen_tokens"])
-    return loss
+    return OBJECTIVES[cfg.objective.name]
+
+
+def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of one micro-batch as the module's ``training_step`` computes it: its own
+    ``step_loss`` (without the trainer's logging and scaling), whatever the objective."""
+    return module.step_loss(batch)[0]
+
+
+def _simulated_reference(module: Any) -> None:
+    """A module with a reference (``reference_logps``) gets it as the step will run it: a precomputed
+    one is a table lookup (zeros of the log-probs' shape: no weights, no forward); a copy or an
+    adapter runs its forward as a module call (:class:`_ReferencePass`)."""
+    if not hasattr(module, "reference_logps"):
+        return
+    if getattr(module, "mode", None) == "precomputed":
+        def lookup(batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+            n = 2 * batch["index"].shape[0]
+            return torch.zeros(n, dtype=torch.float32, device=batch["input_ids"].device)
+
+        module.__dict__["reference_logps"] = lookup
+    else:  # in the instance's __dict__: nn.Module.__setattr__ would register it as a submodule instead
+        module.__dict__["reference_logps"] = _ReferencePass(module, module.reference_logps)
 
 
 class _ReferencePass(torch.nn.Module):
@@ -266,12 +273,13 @@ class _ReferencePass(torch.nn.Module):
     top-level FSDP unit in one step (the adapter reference reuses the policy's) for the next
     iteration unless it runs inside another module's forward."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, logps: Any) -> None:
         super().__init__()
         self.__dict__["module"] = module  # not a submodule: nothing to register
+        self.__dict__["logps"] = logps  # the module's own reference_logps (bound method)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.module.reference_logps(batch, "train")
+    def forward(self, batch: dict[str, torch.Tensor], stage: str = "train") -> torch.Tensor:
+        return self.logps(batch, stage)
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -299,13 +307,15 @@ def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, An
         # build_module names a precomputed reference's cache folder after it; nothing is written
         # (the simulation holds no precomputed reference) and no run folder exists.
         run_cfg.run_dir = tempfile.gettempdir()
-        if cfg.objective.name != "sft" and cfg.objective.reference == "precomputed":
+        precomputed = _entry(cfg).reference and cfg.objective.reference == "precomputed"
+        if precomputed:
             run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
     module = build_module(run_cfg, model)
-    if cfg.objective.name != "sft" and cfg.objective.reference == "precomputed":
+    if precomputed:
         from rolemrc.modules.reference import Reference
 
         module.reference, module.mode = Reference(), "precomputed"  # no reference weights held
+    _simulated_reference(module)
     return module, len(tokenizer)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rolemrc.objectives import DPOOutput, average_logps, dpo_loss
+from rolemrc.objectives.dpo import loss_terms, split_sft
 
 LOG2 = math.log(2.0)
 
@@ -125,7 +126,7 @@ def test_average_logps_for_ipo():
 
 def test_argument_validation():
     pi_c, pi_r, ref_c, ref_r = pairs()
-    with pytest.raises(ValueError, match="sigmoid, ipo, hinge"):
+    with pytest.raises(ValueError, match="sigmoid, ipo, hinge, exo_pair"):
         dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type="kto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only applies"):
         dpo_loss(pi_c, pi_r, ref_c, ref_r, loss_type="ipo", label_smoothing=0.1)
@@ -136,3 +137,87 @@ def test_argument_validation():
         dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.0)
     with pytest.raises(ValueError, match="shape"):
         dpo_loss(pi_c, pi_r, ref_c, ref_r[:1])
+
+
+# ---------------------------------------------------------------- TRL 1.16's other loss types, by hand
+# With pairs() and beta = 1/2: log-ratios c = pi_c - ref_c = [1, -1], r = pi_r - ref_r = [1 - 2 ln2, -1],
+# margins h = c - r = [2 ln2, 0]; sigma(ln 2) = 2/3, -logsigmoid(x) = softplus(-x).
+
+
+def sp(x: float) -> float:
+    """softplus(x) = log(1 + e^x) = -logsigmoid(-x)."""
+    return math.log1p(math.exp(x))
+
+
+def sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def losses_of(loss_type, **kw):
+    pi_c, pi_r, ref_c, ref_r = pairs()
+    return dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=kw.pop("beta", 0.5), loss_type=loss_type, **kw).losses
+
+
+HAND = {
+    # -logsig(beta c) - logsig(-beta r): pair 0 sp(-1/2) + sp(1/2 - ln2); pair 1 sp(1/2) + sp(-1/2)
+    "bco_pair": ({}, [sp(-0.5) + sp(0.5 - LOG2), sp(0.5) + sp(-0.5)]),
+    # -logsig(beta c) - 1/2 logsig(-beta c) - 1/2 logsig(-beta r)
+    "nca_pair": ({}, [sp(-0.5) + 0.5 * sp(0.5) + 0.5 * sp(0.5 - LOG2), sp(0.5) + 0.5 * sp(-0.5) + 0.5 * sp(-0.5)]),
+    # (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2 with 1/(2 beta) = 1: pair 0 0 + (2 - 2 ln2)^2; pair 1 4 + 0
+    "sppo_hard": ({}, [(2 - 2 * LOG2) ** 2, 4.0]),
+    # 1 - sig(beta c) + sig(beta r)
+    "apo_zero": ({}, [1 - sig(0.5) + sig(0.5 - LOG2), 1.0]),
+    # sig(beta c) + 1 - sig(beta h): pair 0 sig(1/2) + 1 - 2/3; pair 1 sig(-1/2) + 1/2
+    "apo_down": ({}, [sig(0.5) + 1 / 3, sig(-0.5) + 0.5]),
+    # ((1 - eps) sp(-x) - eps sp(x)) / (1 - 2 eps), eps = 0.1, x = beta h: pair 0 (0.9 ln(3/2) - 0.1 ln 3) / 0.8;
+    # pair 1 (0.9 - 0.1) ln2 / 0.8 = ln 2
+    "robust": ({"label_smoothing": 0.1}, [(0.9 * math.log(1.5) - 0.1 * math.log(3.0)) / 0.8, LOG2]),
+    # sum over {w, l} of q log(q / p), q = (sig(x), sig(-x)), p = (1 - eps, eps), eps = 0.01
+    "exo_pair": ({"label_smoothing": 0.01}, [
+        2 / 3 * (math.log(2 / 3) - math.log(0.99)) + 1 / 3 * (math.log(1 / 3) - math.log(0.01)),
+        -LOG2 - 0.5 * math.log(0.99 * 0.01)]),
+    # sp(-x) (1 - m) + e^-x m, m = sig(x / tau), tau = 0.5: pair 0 ln(3/2)(1 - sig(2 ln2)) + 1/2 sig(2 ln2)
+    # with sig(2 ln2) = 4/5; pair 1 m = 1/2: (ln2 + 1) / 2
+    "discopop": ({"discopop_tau": 0.5}, [math.log(1.5) / 5 + 0.5 * 0.8, (LOG2 + 1) / 2]),
+    # policy log-ratios [2, 1] and reference ones [2 - 2 ln2, 1], each sorted:
+    # [1, 2] - [2 - 2 ln2, 1] = [2 ln2 - 1, 1]
+    "aot": ({}, [sp(0.5 - LOG2), sp(-0.5)]),
+    # c sorted [-1, 1], r sorted [-1, 1 - 2 ln2]: deltas [0, 2 ln2]
+    "aot_unpaired": ({}, [LOG2, math.log(1.5)]),
+}
+
+
+@pytest.mark.parametrize("loss_type", list(HAND))
+def test_trl_loss_types_hand_values(loss_type):
+    kw, want = HAND[loss_type]
+    torch.testing.assert_close(losses_of(loss_type, **kw), torch.tensor(want, dtype=torch.float64))
+
+
+def test_length_normalised_losses_average_each_log_ratio_by_its_tokens():
+    # chosen tokens [2, 1], rejected [1, 1]: per-token c = [1/2, -1], r = [1 - 2 ln2, -1], differences
+    # [2 ln2 - 1/2, 0]
+    tokens = {"chosen_tokens": torch.tensor([2, 1]), "rejected_tokens": torch.tensor([1, 1])}
+    d0 = 2 * LOG2 - 0.5
+    torch.testing.assert_close(losses_of("sigmoid_norm", **tokens), torch.tensor([sp(-0.5 * d0), LOG2], dtype=torch.float64))
+    # IPO, beta = 1/4: target 2
+    torch.testing.assert_close(losses_of("ipo", beta=0.25, **tokens), torch.tensor([(d0 - 2) ** 2, 4.0], dtype=torch.float64))
+
+
+def test_a_weighted_combination_is_the_weighted_sum():
+    both = losses_of(["sigmoid", "hinge"], loss_weights=[0.8, 0.2])
+    torch.testing.assert_close(both, 0.8 * losses_of("sigmoid") + 0.2 * losses_of("hinge"))
+    # weights default to one each; TRL < 1.0's name aot_pair is aot_unpaired
+    torch.testing.assert_close(losses_of(["sigmoid", "aot_pair"]), losses_of("sigmoid") + losses_of("aot_unpaired"))
+
+
+def test_loss_terms_and_the_sft_term():
+    assert loss_terms("sigmoid") == [("sigmoid", 1.0)]
+    assert split_sft(loss_terms(["sigmoid", "sft"], [1.0, 0.5]), sft_weight=0.25) == ([("sigmoid", 1.0)], 0.75)
+    pi_c, pi_r, ref_c, ref_r = pairs()
+    for bad, match in [(dict(loss_type=["sigmoid", "sigmoid"]), "twice"),
+                       (dict(loss_type=["sigmoid", "hinge"], loss_weights=[1.0]), "1 weights for 2"),
+                       (dict(loss_type="sft"), "not a per-pair loss"),
+                       (dict(loss_type="exo_pair"), "label_smoothing > 0"),
+                       (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau")]:
+        with pytest.raises(ValueError, match=match):
+            dpo_loss(pi_c, pi_r, ref_c, ref_r, **bad)

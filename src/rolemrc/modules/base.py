@@ -138,6 +138,18 @@ class PolicyModule(L.LightningModule):
             self.log(key, value.float(), prog_bar=key in prog_bar, batch_size=1, reduce_fx="sum",
                      sync_dist=self.trainer.world_size > 1, on_step=True, on_epoch=False)
 
+    # ---- the step: one function, used by training and by the memory simulation -------------
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the step's loss and of its logged metrics (``train/<name>``
+        -> share). :meth:`training_step` logs and scales them; ``python -m rolemrc.memory --simulate``
+        (:mod:`rolemrc.memory_sim`) runs exactly this, so each objective is simulated as itself."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, shares = self.step_loss(batch)
+        self.log_step_shares(batch, {**shares, "train/loss": loss}, prog_bar=("train/loss",))
+        return loss * self.backward_scale()
+
     # ---- validation: per-item statistics, reduced once over the whole set ---------------
     def on_validation_epoch_start(self) -> None:
         self._val_items: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -24,7 +24,7 @@ from torch import nn
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.dpo import average_logps, dpo_loss, pair_mean, preference_loss
+from rolemrc.objectives.dpo import average_logps, dpo_loss, loss_terms, pair_mean, preference_loss, split_sft
 from rolemrc.objectives.logprobs import SequenceLogProbs
 
 log = logging.getLogger(__name__)
@@ -89,49 +89,62 @@ class DPOModule(PolicyModule):
         b = batch["index"].shape[0]
         policy, counts = self.pair_logps(self.model, batch)
         ref = self.reference_logps(batch, stage)
-        if o.loss_type == "ipo":  # IPO compares length-normalised log-probs
-            pol_in, ref_in = average_logps(policy, counts), average_logps(ref, counts)
-        else:
-            pol_in, ref_in = policy, ref
-        out = dpo_loss(pol_in[:b], pol_in[b:], ref_in[:b], ref_in[b:],
-                       beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing)
+        pair_terms, _ = split_sft(loss_terms(o.loss_type, o.loss_weights))
+        if pair_terms:
+            out = dpo_loss(policy[:b], policy[b:], ref[:b], ref[b:], beta=o.beta,
+                           loss_type=[t for t, _ in pair_terms], loss_weights=[w for _, w in pair_terms],
+                           label_smoothing=o.label_smoothing, chosen_tokens=counts[:b], rejected_tokens=counts[b:],
+                           discopop_tau=o.discopop_tau)
+            losses = out.losses
+        else:  # loss_type=sft alone: the NLL term is the whole loss
+            losses = policy[:b] * 0.0
         # rewards/* as TRL logs them whatever the loss: beta * (policy - reference) of the SUMMED
         # log-probs. IPO's length-normalised rewards (what its loss compares) get names of their own.
         chosen = o.beta * (policy[:b] - ref[:b]).detach()
         rejected = o.beta * (policy[b:] - ref[b:]).detach()
-        terms = {"loss": out.losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
+        terms = {"loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
                  "rewards/accuracies": (chosen > rejected).double(), "rewards/margins": chosen - rejected,
                  "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_tokens": counts[:b]}
-        if o.loss_type == "ipo":
-            terms.update({"rewards_per_token/chosen": out.chosen_rewards,
-                          "rewards_per_token/rejected": out.rejected_rewards,
-                          "rewards_per_token/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
-                          "rewards_per_token/margins": out.chosen_rewards - out.rejected_rewards})
+        if self._per_token:
+            per_chosen = average_logps(chosen, counts[:b])
+            per_rejected = average_logps(rejected, counts[b:])
+            terms.update({"rewards_per_token/chosen": per_chosen, "rewards_per_token/rejected": per_rejected,
+                          "rewards_per_token/accuracies": (per_chosen > per_rejected).double(),
+                          "rewards_per_token/margins": per_chosen - per_rejected})
         return terms
+
+    @property
+    def _per_token(self) -> bool:
+        """Whether a loss compares length-averaged log-probs (ipo, sigmoid_norm): their rewards are logged too."""
+        return any(t in ("ipo", "sigmoid_norm") for t, _ in loss_terms(self.objective.loss_type))
+
+    @property
+    def sft_weight(self) -> float:
+        """The chosen NLL term's weight: ``sft_weight`` plus loss type ``sft``'s weight."""
+        o = self.objective
+        return split_sft(loss_terms(o.loss_type, o.loss_weights), o.sft_weight)[1]
 
     @property
     def pair_metrics(self) -> tuple[str, ...]:
         """The per-pair means logged as train/<name>, val/<name>."""
-        return _PAIR_METRICS + (_PER_TOKEN_METRICS if self.objective.loss_type == "ipo" else ())
+        return _PAIR_METRICS + (_PER_TOKEN_METRICS if self._per_token else ())
 
     @property
     def val_columns(self) -> tuple[str, ...]:
         return ("loss", *self.pair_metrics, "chosen_tokens")
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's loss (:func:`~rolemrc.objectives.dpo.preference_loss`): the mean pair loss
-        over the global batch, plus ``sft_weight`` x the chosen responses' token-mean NLL over the
-        global batch, each divided by the step's totals (pairs, chosen tokens: this micro-batch's
-        share of the step's loss); the logged metrics are per-pair means over the step."""
+        over the global batch, plus the chosen NLL weight x the chosen responses' token-mean NLL
+        over the global batch, each divided by the step's totals (pairs, chosen tokens: this
+        micro-batch's share of the step's loss); the logged metrics are per-pair means over the step."""
         terms = self._pair_terms(batch, "train")
-        loss, nll = preference_loss(terms["loss"], terms["logps/chosen"], sft_weight=self.objective.sft_weight,
+        loss, nll = preference_loss(terms["loss"], terms["logps/chosen"], sft_weight=self.sft_weight,
                                     num_pairs=batch["step_pairs"], num_chosen_tokens=batch["step_chosen_tokens"])
         shares = {f"train/{k}": pair_mean(terms[k].detach().double(), batch["step_pairs"]) for k in self.pair_metrics}
         if nll is not None:
             shares["train/nll_chosen"] = nll
-        shares["train/loss"] = loss
-        self.log_step_shares(batch, shares, prog_bar=("train/loss",))
-        return loss * self.backward_scale()
+        return loss, shares
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         terms = self._pair_terms(batch, "val")
@@ -140,7 +153,7 @@ class DPOModule(PolicyModule):
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         cols = dict(zip(self.val_columns, values.unbind(-1)))
         out = {k: pair_mean(cols[k]) for k in self.pair_metrics}
-        out["loss"], nll = preference_loss(cols["loss"], cols["logps/chosen"], sft_weight=self.objective.sft_weight,
+        out["loss"], nll = preference_loss(cols["loss"], cols["logps/chosen"], sft_weight=self.sft_weight,
                                            num_chosen_tokens=cols["chosen_tokens"].sum())
         if nll is not None:
             out["nll_chosen"] = nll
@@ -150,6 +163,6 @@ class DPOModule(PolicyModule):
 # Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
 _PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                  "logps/chosen", "logps/rejected")
-# IPO only: beta * (policy - reference) of the length-averaged log-probs its loss compares.
+# ipo / sigmoid_norm only: beta * (policy - reference) of the length-averaged log-probs their losses compare.
 _PER_TOKEN_METRICS = ("rewards_per_token/chosen", "rewards_per_token/rejected", "rewards_per_token/accuracies",
                       "rewards_per_token/margins")

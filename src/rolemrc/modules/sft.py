@@ -18,13 +18,11 @@ from rolemrc.objectives.logprobs import token_nll
 
 
 class SFTModule(PolicyModule):
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])
         share = token_nll(seq.logps, batch["step_tokens"])  # this micro-batch's share of the step's mean
         # train/tokens: the step's label tokens (each micro-batch's count, summed over the step)
-        self.log_step_shares(batch, {"train/loss": share, "train/tokens": seq.num_tokens.sum()},
-                             prog_bar=("train/loss",))
-        return share * self.backward_scale()
+        return share, {"train/tokens": seq.num_tokens.sum()}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         seq = self.sequence_logps(self.model, batch, batch["index"].shape[0])

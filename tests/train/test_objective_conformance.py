@@ -1,0 +1,185 @@
+"""Equal to the peer: each preference objective's first-step loss and logged metrics against TRL
+1.16's trainer on the same tiny model, tokens and settings.
+
+One build (module-scoped): our module on the sample pairs, its policy moved off the reference by a
+seeded perturbation (so rewards, margins and accuracies are not all zero), and one micro-batch of
+the run's own loader. TRL's trainer gets copies of the same weights and the same rows (its
+collators' layout: prompt + response, right-padded, the response marked), and its
+``compute_loss`` runs on them; its ``_metrics`` / ``store_metrics`` are what it logs.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import open_dict
+
+from rolemrc.config import typed
+from rolemrc.objectives.logprobs import IGNORE_INDEX
+from rolemrc.train import setup
+from tests.conftest import FAST, compose_train
+
+pytestmark = pytest.mark.xdist_group("objective_conformance")
+
+PAIRS = ["data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0", "export.enabled=false",
+         "data.batch_size=4", "trainer.max_steps=1"]
+TOL = 1e-5
+
+
+def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.02) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def _build(tmp: Path, *overrides: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    parts = setup(compose_train([*FAST, *PAIRS, *overrides], run_dir=tmp / "run"))
+    module = parts.module
+    # float64 on both sides: TRL's fused head and ours sum ~100 token log-probs of ~-4 each in
+    # different orders, which in float32 alone differs by ~1e-3 on a sequence's log-prob.
+    for model in [module.model, *getattr(module, "reference", None).models()] if hasattr(module, "reference") else [module.model]:
+        model.double()
+    _perturb(module.model)
+    parts.datamodule.setup("fit")
+    batch = next(iter(parts.datamodule.train_dataloader()))
+    assert float(batch["step_pairs"]) == batch["index"].shape[0]  # one micro-batch is the whole step
+    return parts, batch
+
+
+def _ours(module: Any, batch: dict[str, torch.Tensor], objective: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """Our step's loss and logged metrics (train/<name> -> value) under the objective settings given."""
+    node = copy.deepcopy(module.objective)
+    for key, value in objective.items():
+        setattr(node, key, value)
+    node.__post_init__()
+    saved, module.objective = module.objective, node
+    try:
+        with torch.no_grad():
+            loss, shares = module.step_loss(batch)
+    finally:
+        module.objective = saved
+    return float(loss), {k.removeprefix("train/"): float(v) for k, v in shares.items()}
+
+
+def _compare(ours: dict[str, float], theirs: dict[str, float], names: tuple[str, ...]) -> None:
+    for name in names:
+        assert name in ours, f"{name} is not logged (TRL logs it)"
+        assert abs(ours[name] - theirs[name]) <= TOL * max(1.0, abs(theirs[name])), (name, ours[name], theirs[name])
+
+
+# ---------------------------------------------------------------- DPO: every loss type of TRL 1.16
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    return _build(tmp_path_factory.mktemp("dpo"), "objective=dpo")
+
+
+def _trl_dpo(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[float, dict[str, float]]:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    module = parts.module
+    # The reference log-probs go in as TRL's precomputed ones (precompute_ref_log_probs): TRL 1.16's
+    # reference forward (its fused head with log_probs alone) is the one part of its step that is
+    # not exact in float64 (test_trls_reference_forward_is_ours_within_its_float32_head).
+    with torch.no_grad():
+        ref = module.reference_logps(batch, "train")
+    config = DPOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+                       precompute_ref_log_probs=True,
+                       per_device_train_batch_size=batch["index"].shape[0], max_length=None, save_strategy="no",
+                       **args)
+    dummy = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(model=copy.deepcopy(module.model), args=config,
+                             train_dataset=dummy, processing_class=parts.chat.tokenizer)
+        trainer.model.train()
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                  "completion_mask": (batch["labels"] != IGNORE_INDEX).long()}
+        b = batch["index"].shape[0]
+        inputs["ref_chosen_logps"], inputs["ref_rejected_logps"] = ref[:b], ref[b:]
+        with torch.no_grad():
+            loss = trainer.compute_loss(trainer.model, inputs)
+    return float(loss), {k: v[0] for k, v in trainer._metrics["train"].items()}
+
+
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+
+# (our objective keys, TRL's DPOConfig arguments): each TRL 1.16 loss type, and weighted combinations.
+DPO_CASES = {
+    "sigmoid": ({}, {}),
+    "hinge": ({}, {}),
+    "ipo": ({}, {}),
+    "exo_pair": ({"label_smoothing": 1e-3}, {"label_smoothing": 1e-3}),
+    "nca_pair": ({}, {}),
+    "robust": ({"label_smoothing": 0.1}, {"label_smoothing": 0.1}),
+    "bco_pair": ({}, {}),
+    "sppo_hard": ({}, {}),
+    "aot": ({"label_smoothing": 0.1}, {"label_smoothing": 0.1}),
+    "aot_unpaired": ({}, {}),
+    "apo_zero": ({}, {}),
+    "apo_down": ({}, {}),
+    "discopop": ({"discopop_tau": 0.1}, {"discopop_tau": 0.1}),
+    "sigmoid_norm": ({}, {}),
+    "sft": ({}, {}),
+}
+
+
+@pytest.mark.parametrize("loss_type", list(DPO_CASES))
+def test_each_dpo_loss_type_equals_trls_first_step(dpo, loss_type: str) -> None:
+    parts, batch = dpo
+    module = parts.module
+    ours_extra, trl_extra = DPO_CASES[loss_type]
+    loss, ours = _ours(module, batch, {"loss_type": loss_type, "beta": 0.3, **ours_extra})
+    trl_loss, theirs = _trl_dpo(parts, batch, beta=0.3, loss_type=[loss_type], **trl_extra)
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    _compare(ours, theirs, DPO_METRICS)
+    assert 0.0 < theirs["rewards/accuracies"] < 1.0  # the perturbed policy: a test that can fail
+
+
+@pytest.mark.parametrize(("types", "weights"), [(["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]),
+                                                (["ipo", "apo_zero"], None)])
+def test_weighted_combinations_equal_trls_mpo(dpo, types: list[str], weights: list[float] | None) -> None:
+    parts, batch = dpo
+    module = parts.module
+    loss, ours = _ours(module, batch, {"loss_type": types, "loss_weights": weights, "beta": 0.2})
+    trl_loss, theirs = _trl_dpo(parts, batch, beta=0.2, loss_type=types, loss_weights=weights)
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    _compare(ours, theirs, DPO_METRICS)
+
+
+def test_trls_reference_forward_is_ours_within_its_float32_head(dpo) -> None:
+    """What the precomputed reference log-probs above stand in for: TRL's own reference forward
+    (float32 log-probs of its fused head) gives the reference log-probs we compute within 1e-4 relative."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    parts, batch = dpo
+    ref_model = copy.deepcopy(parts.module.ref_model)
+    add_fused_lm_head(ref_model)
+    labels = batch["input_ids"].masked_fill(batch["labels"] == IGNORE_INDEX, IGNORE_INDEX)
+    with torch.no_grad():
+        theirs = ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
+                           fused_lm_head=True).log_probs.sum(1).double()
+        ours = parts.module.reference_logps(batch, "train")
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=0)
+
+
+def test_a_combination_is_configured_with_hydra_overrides(tmp_path: Path) -> None:
+    cfg = compose_train(["objective=dpo", "objective.loss_type=[sigmoid,bco_pair]", "objective.loss_weights=[0.8,0.2]"],
+                        run_dir=tmp_path)
+    objective = typed(cfg.objective)
+    assert list(objective.loss_type) == ["sigmoid", "bco_pair"] and list(objective.loss_weights) == [0.8, 0.2]
+    with open_dict(cfg):
+        cfg.objective.loss_weights = [1.0]
+    from rolemrc.config import check_train_config
+    from rolemrc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loss_weights has 1 weights for 2 loss types"):
+        check_train_config(cfg)

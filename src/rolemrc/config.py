@@ -76,7 +76,7 @@ class ObjectiveConfig:
     (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
     fails at compose time naming ``beta``."""
 
-    name: str = MISSING  # sft | dpo
+    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo
     logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
 
 
@@ -140,6 +140,40 @@ class DPOObjectiveConfig(ObjectiveConfig):
 REFERENCE_MODES = ("copy", "adapter", "precomputed")
 
 
+@dataclass
+class SimPOObjectiveConfig(ObjectiveConfig):
+    """``objective=simpo``: reference-free pairs over length-normalised log-probs (TRL's CPO
+    ``loss_type=simpo``); no reference model."""
+
+    name: str = "simpo"
+    beta: float = 2.0  # reward scale (SimPO paper: 2.0-2.5; TRL CPO's beta)
+    gamma: float = 1.0  # target reward margin (TRL CPO's simpo_gamma; the paper's gamma)
+    label_smoothing: float = 0.0  # conservative loss (TRL CPO's label_smoothing)
+    sft_weight: float = 0.0  # NLL on the chosen responses (TRL CPO's cpo_alpha; SimPO: 0)
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.sft_weight < 0:
+            raise ConfigError(f"objective.sft_weight must be >= 0, got {self.sft_weight}")
+
+
+@dataclass
+class ORPOObjectiveConfig(ObjectiveConfig):
+    """``objective=orpo``: NLL on the chosen sequences + ``beta`` x the log odds ratio,
+    reference-free (TRL's ORPOTrainer); no reference model."""
+
+    name: str = "orpo"
+    beta: float = 0.1  # the paper's lambda (TRL ORPOConfig's beta)
+    nll_on_prompt: bool = True  # the NLL over prompt + response, as TRL and the authors' code (needs data.packing=false)
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
+
+
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
     if value not in options:
@@ -160,6 +194,8 @@ class Objective:
 OBJECTIVES: dict[str, Objective] = {
     "sft": Objective(SFTObjectiveConfig, "rolemrc.modules.sft:SFTModule", pairs=False),
     "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", pairs=True, reference=True),
+    "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", pairs=True),
+    "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", pairs=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 

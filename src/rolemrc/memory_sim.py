@@ -230,10 +230,12 @@ class _KnownMasks(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _mask_counts(batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
-    from rolemrc.objectives.logprobs import IGNORE_INDEX, shift_labels
+def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
+    """The scored positions of the module's step (its ``trained_labels``: an objective that scores
+    more than the responses, ORPO's prompt NLL, says so there)."""
+    from rolemrc.objectives.logprobs import IGNORE_INDEX
 
-    labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
+    labels = module.trained_labels(batch)
     return {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
 
 
@@ -400,7 +402,7 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
         m.eval()
     warm = _batch(cfg, 1, vocab, 16)  # a tiny step first: AdamW's states exist in the tracked step
     batch = _batch(cfg, batch_size, vocab)
-    counts = {**_mask_counts(warm), **_mask_counts(batch)}
+    counts = {**_mask_counts(module, warm), **_mask_counts(module, batch)}
     _configure(module, mesh)
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode

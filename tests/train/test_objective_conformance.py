@@ -43,7 +43,8 @@ def _build(tmp: Path, *overrides: str) -> tuple[Any, dict[str, torch.Tensor]]:
     module = parts.module
     # float64 on both sides: TRL's fused head and ours sum ~100 token log-probs of ~-4 each in
     # different orders, which in float32 alone differs by ~1e-3 on a sequence's log-prob.
-    for model in [module.model, *getattr(module, "reference", None).models()] if hasattr(module, "reference") else [module.model]:
+    reference = getattr(module, "reference", None)
+    for model in [module.model, *(reference.models() if reference is not None else [])]:
         model.double()
     _perturb(module.model)
     parts.datamodule.setup("fit")
@@ -183,3 +184,92 @@ def test_a_combination_is_configured_with_hydra_overrides(tmp_path: Path) -> Non
 
     with pytest.raises(ConfigError, match="loss_weights has 1 weights for 2 loss types"):
         check_train_config(cfg)
+
+
+# ---------------------------------------------------------------- SimPO and ORPO: TRL's CPO and ORPO trainers
+
+def _trl_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our pair batch in the CPO/ORPO trainers' layout (chosen_* and rejected_* rows, labels -100
+    outside the responses)."""
+    b = batch["index"].shape[0]
+    out = {}
+    for side, rows in (("chosen", slice(0, b)), ("rejected", slice(b, 2 * b))):
+        out[f"{side}_input_ids"] = batch["input_ids"][rows]
+        out[f"{side}_attention_mask"] = batch["attention_mask"][rows]
+        out[f"{side}_labels"] = batch["labels"][rows]
+    return out
+
+
+def _trl_reference_free(trainer_class: Any, config_class: Any, parts: Any, batch: dict[str, torch.Tensor],
+                        **args: Any) -> tuple[float, dict[str, float]]:
+    from datasets import Dataset
+
+    config = config_class(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+                          per_device_train_batch_size=batch["index"].shape[0], save_strategy="no", **args)
+    dummy = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_class(model=copy.deepcopy(parts.module.model), args=config, train_dataset=dummy,
+                                processing_class=parts.chat.tokenizer)
+        trainer.model.train()
+        with torch.no_grad():
+            loss, metrics = trainer.get_batch_loss_metrics(trainer.model, _trl_pairs(batch), train_eval="train")
+    return float(loss), metrics
+
+
+@pytest.fixture(scope="module")
+def simpo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    return _build(tmp_path_factory.mktemp("simpo"), "objective=simpo")
+
+
+@pytest.fixture(scope="module")
+def orpo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    return _build(tmp_path_factory.mktemp("orpo"), "objective=orpo")
+
+
+PREF_METRICS = DPO_METRICS
+
+
+def _response_logps(module: Any, batch: dict[str, torch.Tensor], n: int) -> Any:
+    saved = module.objective.nll_on_prompt
+    module.objective.nll_on_prompt = False
+    try:
+        return module.sequence_logps(module.model, batch, n)
+    finally:
+        module.objective.nll_on_prompt = saved
+
+
+@pytest.mark.parametrize(("ours_args", "trl_args"), [
+    ({"beta": 2.0, "gamma": 1.0}, {"beta": 2.0, "simpo_gamma": 1.0, "cpo_alpha": 0.0}),
+    ({"beta": 2.5, "gamma": 1.4, "sft_weight": 0.5, "label_smoothing": 0.1},
+     {"beta": 2.5, "simpo_gamma": 1.4, "cpo_alpha": 0.5, "label_smoothing": 0.1}),
+])
+def test_simpo_equals_trls_cpo_simpo_first_step(simpo, ours_args, trl_args) -> None:
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    parts, batch = simpo
+    assert not hasattr(parts.module, "reference") and not hasattr(parts.module, "ref_model")  # reference-free
+    loss, ours = _ours(parts.module, batch, ours_args)
+    trl_loss, theirs = _trl_reference_free(CPOTrainer, CPOConfig, parts, batch, loss_type="simpo", **trl_args)
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    _compare(ours, theirs, PREF_METRICS + (("nll_loss",) if trl_args["cpo_alpha"] else ()))
+    assert 0.0 < theirs["rewards/accuracies"] < 1.0
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_orpo_equals_trls_orpo_first_step(orpo, beta: float) -> None:
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    parts, batch = orpo
+    assert not hasattr(parts.module, "reference")
+    loss, ours = _ours(parts.module, batch, {"beta": beta})
+    trl_loss, theirs = _trl_reference_free(ORPOTrainer, ORPOConfig, parts, batch, beta=beta)
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    _compare(ours, theirs, PREF_METRICS + ("nll_loss", "log_odds_ratio", "log_odds_chosen"))
+    # without the prompt in the NLL: only the NLL term changes, to the chosen responses' token mean
+    loss_r, ours_r = _ours(parts.module, batch, {"beta": beta, "nll_on_prompt": False})
+    b = batch["index"].shape[0]
+    with torch.no_grad():  # the responses' log-probs, as the base module scores them
+        logps, counts = _response_logps(parts.module, batch, 2 * b)
+    nll = float(-logps[:b].sum() / counts[:b].sum())
+    assert abs(ours_r["nll_loss"] - nll) < 1e-9 and abs(loss_r - (loss - ours["nll_loss"] + nll)) < 1e-9

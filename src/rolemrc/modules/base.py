@@ -87,22 +87,30 @@ class PolicyModule(L.LightningModule):
         self._sharded = False
 
     # ---- forward -------------------------------------------------------------------------
-    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], n: int) -> SequenceLogProbs:
+    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], n: int,
+                       sequence_ids: torch.Tensor | None = None) -> SequenceLogProbs:
         """Summed log-probs of the labelled tokens of each of the batch's ``n`` sequences, and
         their counts (``[n]`` fp32, ``[n]`` long).
 
         The lm_head is applied only at labelled positions, in chunks (never ``[B*T, V]``
         logits). Packed batches (``segments``, ``sequence_ids``, ``position_ids`` from
         :class:`~rolemrc.data.collate.PackedCollator`) attend within each piece only, and a
-        piece's last token is never trained to predict the next piece's first.
+        piece's last token is never trained to predict the next piece's first. ``sequence_ids``
+        (``[B, T]``, -1 for none) overrides which of the ``n`` sums each position adds to.
         """
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.objective.logprob_chunk_size
         hidden = policy_hidden(model, decoder, batch, self.packs_with_context(), self.packed_attention)
+        ids = batch.get("sequence_ids") if sequence_ids is None else sequence_ids
+        return head(hidden, labels=self.trained_labels(batch), sequence_ids=ids, num_sequences=n)
+
+    def trained_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labels the head scores, aligned with the hidden states (``-100``: not scored). The
+        memory simulation counts the scored positions from these too."""
         labels = batch.get("shifted_labels")
         if labels is None:
             labels = shift_labels(batch["labels"], batch.get("sequence_ids"))
-        return head(hidden, labels=labels, sequence_ids=batch.get("sequence_ids"), num_sequences=n)
+        return labels
 
     def packs_with_context(self) -> bool:
         """Whether packed pieces may see a context span (shared-prompt DPO); SFT: never."""

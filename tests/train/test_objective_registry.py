@@ -29,8 +29,12 @@ class ToyObjectiveConfig(ObjectiveConfig):
 
 
 class ToyModule(SFTModule):
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return super().training_step(batch, batch_idx) * self.objective.scale
+    steps = 0  # step_loss calls: the memory simulation runs the objective's own step
+
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        type(self).steps += 1
+        loss, shares = super().step_loss(batch)
+        return loss * self.objective.scale, {**shares, "train/toy_scale": torch.tensor(self.objective.scale)}
 
 
 @pytest.fixture
@@ -51,6 +55,20 @@ def test_a_registered_objective_trains_through_the_builders(toy, train_cfg) -> N
     assert run.datamodule.kind == "sft"  # pairs=False: conversations
     fit(run)
     assert len(series(run.cfg.run_dir, "train/loss")) == 2
+    assert series(run.cfg.run_dir, "train/toy_scale") == [0.25, 0.25]  # its own step's metrics, logged
+
+
+def test_the_memory_simulation_runs_the_objectives_own_step(toy, train_cfg) -> None:
+    """``python -m rolemrc.memory ... --simulate`` builds the module the entry names and runs its
+    ``step_loss``: the toy objective is simulated as itself, not as SFT."""
+    from rolemrc.memory_sim import simulate
+
+    cfg = train_cfg("data.batch_size=2", "data.max_length=64")
+    with_objective(cfg, OmegaConf.structured(ToyObjectiveConfig(scale=0.25)))
+    before = ToyModule.steps
+    sim = simulate(cfg, checkpointing=False)
+    assert ToyModule.steps - before == 2  # the warm-up step and the tracked one
+    assert sim.rows == 2 and sim.tokens == 2 * 64 and sim.peak_bytes > 0
 
 
 def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> None:
@@ -65,5 +83,35 @@ def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> Non
 def test_an_unregistered_objective_is_named(train_cfg) -> None:
     cfg = train_cfg()
     with_objective(cfg, OmegaConf.create({"name": "toy"}))
-    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'sft'\], got 'toy'"):
+    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'orpo', 'sft', 'simpo'\], got 'toy'"):
         check_train_config(cfg)
+
+
+@pytest.mark.parametrize(("objective", "names"), [
+    ("simpo", ("rewards/chosen", "rewards/margins", "logps/chosen")),
+    ("orpo", ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies")),
+])
+def test_reference_free_objectives_train_without_a_reference(train_cfg, objective: str, names) -> None:
+    """SimPO and ORPO through the builders: pairs, no reference built, TRL's metric names logged."""
+    run = setup(train_cfg(f"objective={objective}", "trainer.max_steps=2", "export.enabled=false",
+                          "data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0"))
+    assert run.datamodule.kind == "pairs"
+    assert not hasattr(run.module, "reference") and run.module.models_to_shard() == [run.module.model]
+    fit(run)
+    for name in ("loss", *names):
+        values = series(run.cfg.run_dir, f"train/{name}")
+        assert len(values) == 2 and all(v == v for v in values), name  # logged each step, no NaN
+
+
+def test_a_simpo_recipe_is_simulated_without_a_reference_copy() -> None:
+    """The memory simulation of SimPO holds the policy's shards only; DPO's copy adds its own."""
+    from rolemrc.memory_sim import simulate
+    from tests.conftest import compose_train
+    from tests.test_memory_sim import TINY, _shard_bytes
+
+    base = [*TINY, "data.max_prompt_length=128", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
+            "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
+    simpo = simulate(compose_train([*base, "objective=simpo"]), checkpointing=False)
+    shards, _ = _shard_bytes(compose_train(base), 2)
+    assert simpo.after_backward["Sharded Param"] == shards  # fp32 masters only: no reference copy
+    assert simpo.rows == 2 * 2 and simpo.tokens == 4 * 256  # chosen and rejected rows

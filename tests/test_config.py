@@ -42,7 +42,7 @@ def test_every_combination_composes(model: str, objective: str, data: str) -> No
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose(experiment: str) -> None:
-    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith("dpo") else []
+    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo")) else []
     cfg = compose_train([f"experiment={experiment}", *extra])
     cfg = resolve(cfg)
     assert cfg.task_name == experiment

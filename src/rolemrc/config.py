@@ -173,6 +173,12 @@ class ORPOObjectiveConfig(ObjectiveConfig):
         if not self.beta > 0:
             raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
 
+    def check_run(self, cfg: Any) -> None:
+        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        if self.nll_on_prompt and cfg.data.packing:
+            raise ConfigError("objective.nll_on_prompt=true (ORPO's NLL over prompt + response) needs unpacked "
+                              "pairs: set data.packing=false or objective.nll_on_prompt=false")
+
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
@@ -459,6 +465,9 @@ def check_train_config(cfg: Any) -> None:
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
     check_choices(cfg)
+    run_check = getattr(typed(cfg.objective), "check_run", None)  # an objective's rules across groups
+    if run_check is not None:
+        run_check(cfg)
     if OBJECTIVES[cfg.objective.name].pairs:
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
 

@@ -115,3 +115,10 @@ def test_a_simpo_recipe_is_simulated_without_a_reference_copy() -> None:
     shards, _ = _shard_bytes(compose_train(base), 2)
     assert simpo.after_backward["Sharded Param"] == shards  # fp32 masters only: no reference copy
     assert simpo.rows == 2 * 2 and simpo.tokens == 4 * 256  # chosen and rejected rows
+
+
+def test_an_objectives_rule_across_groups_is_checked_before_anything_loads(train_cfg) -> None:
+    """ORPO's prompt NLL needs unpacked pairs: refused by check_train_config (the schema's check_run)."""
+    with pytest.raises(ConfigError, match="objective.nll_on_prompt=true .* needs unpacked pairs"):
+        check_train_config(train_cfg("objective=orpo", "data.packing=true"))
+    check_train_config(train_cfg("objective=orpo", "data.packing=true", "objective.nll_on_prompt=false"))

@@ -94,13 +94,14 @@ def test_an_unregistered_objective_is_named(train_cfg) -> None:
 def test_reference_free_objectives_train_without_a_reference(train_cfg, objective: str, names) -> None:
     """SimPO and ORPO through the builders: pairs, no reference built, TRL's metric names logged."""
     run = setup(train_cfg(f"objective={objective}", "trainer.max_steps=2", "export.enabled=false",
-                          "data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0"))
+                          "data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0.2"))
     assert run.datamodule.kind == "pairs"
     assert not hasattr(run.module, "reference") and run.module.models_to_shard() == [run.module.model]
     fit(run)
     for name in ("loss", *names):
         values = series(run.cfg.run_dir, f"train/{name}")
         assert len(values) == 2 and all(v == v for v in values), name  # logged each step, no NaN
+        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name  # the final validation, same names
 
 
 def test_a_simpo_recipe_is_simulated_without_a_reference_copy() -> None:

@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> None:
     from rolemrc.eval.resume import resume_config
     from rolemrc.eval.run import run
 
-    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+    with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
         cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
         run(cfg)
 

@@ -24,7 +24,7 @@ register()
 def main(cfg: DictConfig) -> None:
     from rolemrc.probing.run import run
 
-    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+    with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
         run(cfg)
 
 

@@ -71,3 +71,47 @@ def test_train_py_refuses_before_loading_anything(tmp_path) -> None:
     assert errors == [f"error: objective.loss_type must be one of {', '.join(LOSS_TYPES)}, got 'ipx'"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(run_dir.glob("data_report_*.json")) and not (run_dir / "checkpoints").exists()
+
+
+UNKNOWN = [
+    (["+data.max_len=10"], r"^data.max_len is not a config key \(DataConfig\); did you mean data.max_length\?"),
+    (["+model.foo=1"], r"^model.foo is not a config key \(ModelConfig\); its keys: name, path"),
+    (["+trainer.max_step=5"], r"^trainer.max_step is not a config key \(TrainerConfig\); did you mean trainer.max_steps\?"),
+    (["+seeed=3"], r"^seeed is not a config key \(TrainConfig\); did you mean seed\?"),
+    (["+data.sft.0.weigth=2"], r"^data.sft\[0\].weigth is not a config key \(SourceConfig\); did you mean data.sft\[0\].weight\?"),
+    (["+runtime.simulate=false"], r"^runtime.simulate is not a config key \(RuntimeConfig\); did you mean runtime.simulate_memory\?"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", UNKNOWN, ids=[" ".join(o) for o, _ in UNKNOWN])
+def test_key_added_with_plus_must_exist(overrides: list[str], message: str) -> None:
+    """Hydra's ``+key=value`` lifts the schema's check; ours refuses the key, naming the nearest one."""
+    with pytest.raises(ConfigError, match=message):
+        check_train_config(compose_train(overrides))
+
+
+def test_free_form_nodes_take_added_keys() -> None:
+    """``model.init`` (architecture kwargs) and ``callbacks`` are untyped: added keys are theirs to read."""
+    check_train_config(compose_train(["+model.init.attention_bias=true", "+callbacks.mine._target_=x.Y"]))
+
+
+@pytest.mark.parametrize("script,override,message", [
+    ("train.py", "+data.max_len=10",
+     "error: data.max_len is not a config key (DataConfig); did you mean data.max_length? (a key added with + must "
+     "exist in the schema)"),
+    ("evaluate.py", "+generation.batchsize=2",
+     "error: generation.batchsize is not a config key (EvalGenerationConfig); did you mean generation.batch_size? "
+     "(a key added with + must exist in the schema)"),
+])
+def test_entry_scripts_refuse_unknown_keys_at_once(tmp_path, script: str, override: str, message: str) -> None:
+    """Through the entry script: exit 1 with one ``error:`` line, and nothing was read or written
+    (no data report, no generations) in the run folder."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(ROOT / script), override, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert errors == [message], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(run_dir.glob("data_report_*.json")) and not (run_dir / "generations.jsonl").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy as _copy
 import dataclasses
+import difflib
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -443,6 +444,41 @@ def checkpointing_setting(value: Any) -> bool | str:
     raise ConfigError(f"model.gradient_checkpointing must be true, false or auto, got {value!r}")
 
 
+def check_known_keys(cfg: Any, where: str = "") -> None:
+    """Refuse a key its schema does not have, anywhere in a composed config (the root, every typed
+    group, list items such as ``data.sft[0]``). Hydra lifts the schema's check for ``+key=value``
+    (``+data.max_len=10`` would be saved and never read; ``+trainer.max_step=5``, Hydra's own advice
+    for a misspelt key, would reach ``lightning.Trainer``): a :class:`ConfigError` naming the first
+    unknown key and the nearest known one. Untyped nodes (``logger``, ``callbacks``,
+    ``model.init``, ``generation.vllm_kwargs``) are free-form and not looked into."""
+    if OmegaConf.is_list(cfg):
+        for i, item in enumerate(cfg):
+            if OmegaConf.is_config(item):
+                check_known_keys(item, f"{where}[{i}]")
+        return
+    if not OmegaConf.is_dict(cfg):
+        return
+    schema = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(schema):
+        return
+    known = [f.name for f in fields(schema)]
+    for key in cfg.keys():
+        key = str(key)
+        if key == "hydra" and not where:  # compose(return_hydra_config=True) keeps Hydra's node
+            continue
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {where + '.' if where else ''}{near[0]}?" if near else \
+                f"its keys: {', '.join(known)}"
+            raise ConfigError(f"{name} is not a config key ({schema.__name__}); {hint} (a key added with + must "
+                              "exist in the schema)")
+        child = cfg._get_node(key)
+        # a typed node set to None (restraint.layers, data.rolebench) or ??? has no keys to check
+        if OmegaConf.is_config(child) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+            check_known_keys(child, name)
+
+
 def check_train_config(cfg: Any) -> None:
     """Deprecated keys mapped onto current ones (:func:`upgrade_train_config`), then combinations
     of keys no run can satisfy refused before anything loads (``train.py``'s setup calls it first)."""
@@ -464,6 +500,7 @@ def check_train_config(cfg: Any) -> None:
                 else "remove it: it has no effect on this objective")
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
+    check_known_keys(cfg)  # +data.max_len=10, +trainer.max_step=5: refused before anything loads
     check_choices(cfg)
     run_check = getattr(typed(cfg.objective), "check_run", None)  # an objective's rules across groups
     if run_check is not None:

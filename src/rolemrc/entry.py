@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rolemrc.errors import exit_on_user_error
 from rolemrc.sweep import job_outcome, summarised_job_dir
@@ -31,19 +32,30 @@ def one_copy_of_lightning_logs() -> None:
 
 
 @contextmanager
-def entry_point() -> Iterator[None]:
+def entry_point(cfg: Any = None) -> Iterator[None]:
     """A :class:`~rolemrc.errors.UserError` ends the process with ``error: <message>`` on stderr
     and exit status 1 (:func:`~rolemrc.errors.exit_on_user_error`); any other exception is a bug
     and keeps its traceback. In one job of a sweep (``-m``) the job's failure is printed the same
     way and recorded for the sweep's summary, and the sweep goes on (:mod:`rolemrc.sweep`).
     Known warnings that ask nothing of the user are filtered (:mod:`rolemrc.warnings`). Import
-    the run function (and so Lightning) before entering."""
+    the run function (and so Lightning) before entering. ``cfg``: the composed config, whose keys
+    are checked against its schema first (:func:`rolemrc.config.check_known_keys`: a key added
+    with ``+`` that the schema lacks is an error before anything loads)."""
     filter_known_warnings()
     one_copy_of_lightning_logs()
     job_dir = summarised_job_dir()
     if job_dir is not None:
         with job_outcome(job_dir):
+            _check_keys(cfg)
             yield
         return
     with exit_on_user_error():
+        _check_keys(cfg)
         yield
+
+
+def _check_keys(cfg: Any) -> None:
+    if cfg is not None:
+        from rolemrc.config import check_known_keys  # config imports hydra: only where a config is given
+
+        check_known_keys(cfg)

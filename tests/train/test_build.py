@@ -53,3 +53,53 @@ def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, 
     assert run.module.model.is_gradient_checkpointing is expected
     assert f"activation checkpointing: {'on' if expected else 'off'}, auto: " in caplog.text
     assert ("simulated per-rank peak" in caplog.text) is simulate
+
+
+def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_path) -> None:
+    """model.gradient_checkpointing=auto: the first start simulates (a real child process), a
+    second start of the same run, and a sweep job that changes only what no step's memory depends
+    on (optim.lr), take the stored decision; a bigger device (runtime.device_memory_gb) decides
+    anew from the stored peak without simulating; another shape has another key."""
+    import logging
+
+    import rolemrc.memory_sim as memory_sim
+    from rolemrc.memory import sizing_cache_dir
+    from rolemrc.train import setup
+
+    monkeypatch.setenv("ROLEMRC_CACHE_DIR", str(tmp_path / "cache"))
+    real = memory_sim.simulate_in_subprocess
+    calls: list[int] = []
+
+    def counted(cfg, **kwargs):
+        calls.append(cfg.data.max_length)
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(memory_sim, "simulate_in_subprocess", counted)
+    small = ("model.gradient_checkpointing=auto", "runtime.device_memory_gb=0.0001")
+    with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
+        for overrides in (small, small, (*small, "optim.lr=0.5")):  # two starts, then a sweep job
+            assert setup(train_cfg(*overrides)).cfg.model.gradient_checkpointing is True
+        assert len(calls) == 1
+        assert len(list(sizing_cache_dir().glob("*.json"))) == 1
+        assert caplog.text.count("simulated per-rank peak") == 3 and caplog.text.count("; stored in ") == 2
+        from rolemrc.memory import resolve_checkpointing, sizing_key
+
+        assert resolve_checkpointing(train_cfg("model.gradient_checkpointing=auto")) is False  # 80 GB: fits
+        assert len(calls) == 1
+    # Another shape is another key (simulated at its first start); a longer run is the same.
+    key = sizing_key(train_cfg(*small))[0]
+    assert sizing_key(train_cfg(*small, "data.max_length=32"))[0] != key
+    assert sizing_key(train_cfg(*small, "data.batch_size=2"))[0] != key
+    assert sizing_key(train_cfg(*small, "trainer.max_steps=7", "seed=1"))[0] == key
+
+
+def test_importing_the_recipe_loads_no_simulator() -> None:
+    """The simulator (torch-private trackers, fake process groups) is a tool the recipe calls when
+    a decision is missing, not part of its import chain."""
+    import subprocess
+    import sys
+
+    code = "import sys, rolemrc.train; print(sorted(m for m in sys.modules if m.startswith('rolemrc.memory_sim')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

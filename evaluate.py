@@ -5,11 +5,14 @@
     python evaluate.py model=llama model.path=<export> data=rolemrc_test generation.backend=vllm \\
         judge=openai judge.model=gpt-4-turbo metrics.bertscore.model=roberta-large   # paper setting
     python evaluate.py out_dir=outputs/evaluate/<time>         # resume an interrupted run
+    (or rerun the same command: it continues the newest folder of the same config)
     python evaluate.py --cfg job                               # print the resolved config
 
 Writes <out_dir>/{generations.jsonl, metrics.json, judge.jsonl, summary.md} and prints the
 summary's path.
 """
+
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -22,13 +25,23 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    from rolemrc.eval.resume import resume_config
+    from hydra.core.hydra_config import HydraConfig
+
+    from rolemrc.eval.resume import no_empty_folder, resume_config
     from rolemrc.eval.run import run
 
-    with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
-        cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
-        run(cfg)
+    # A run that fails before it has results leaves no folder behind (the error says what to fix).
+    with no_empty_folder(Path(HydraConfig.get().runtime.output_dir), Path(str(cfg.get("out_dir")))):
+        with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
+            cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
+            run(cfg)
 
 
 if __name__ == "__main__":
+    import sys
+
+    from rolemrc.eval.resume import continue_eval_argv
+
+    with entry_point():  # the same command again: continue its folder (README: Evaluation)
+        sys.argv = continue_eval_argv(sys.argv, Path(__file__).parent / "conf", "evaluate")
     main()

@@ -10,11 +10,21 @@ finished results are never silently rewritten with other settings. Exempt: the k
 :data:`RUNTIME` (how fast, where, how loud; they change no result), and adding a judge to a
 folder evaluated without one (``judge=openai ...`` when the saved ``judge.backend`` is none:
 nothing judged is rewritten).
+
+Rerunning the same command resumes too (:func:`continue_eval_argv`, called by ``evaluate.py``
+before Hydra starts): with neither ``out_dir`` nor ``hydra.run.dir`` given, the newest folder next
+to the one Hydra would create (``outputs/evaluate/*``) whose saved config is this command's
+config (the :data:`RUNTIME` keys may differ) is continued in place, so generation, the judge and
+every suite ask only for what is missing. A folder whose local ``model.path`` changed after it
+was last evaluated is not continued (a retrained export is evaluated afresh).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +146,129 @@ def resume_config(cfg: DictConfig) -> DictConfig:
               "out_dir=<this folder>` resumes with it.\n")
     atomic_write_text(out_dir / SAVED, header + OmegaConf.to_yaml({"config": config, "choices": choices_now}))
     return effective
+
+
+# ---------------------------------------------------------------- the same command again
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def same_evaluation(config: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether two evaluation configs (unresolved, as :data:`SAVED` holds them) ask for the same
+    results: equal but for the :data:`RUNTIME` keys."""
+    a, b = _flat(config), _flat(saved)
+    keys = {k for k in a.keys() | b.keys() if not _under(k, RUNTIME)}
+    return all(a.get(k, _MISSING) == b.get(k, _MISSING) for k in keys)
+
+
+def _newest_mtime(path: Path) -> float:
+    """The newest modification time of a model folder's files (one level down too), or of a file."""
+    if path.is_file():
+        return path.stat().st_mtime
+    times = [p.stat().st_mtime for p in path.glob("*") if p.is_file()]
+    times += [p.stat().st_mtime for p in path.glob("*/*") if p.is_file()]
+    return max(times, default=0.0)
+
+
+def find_evaluation(config: dict[str, Any], root: Path) -> Path | None:
+    """The newest folder under ``root`` whose saved config asks for the same results as
+    ``config`` (see the module), or None."""
+    model_path = _value(config, "model.path")
+    local = Path(model_path) if isinstance(model_path, str) and Path(model_path).exists() else None
+    for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
+        saved = folder / SAVED
+        if not saved.is_file():
+            continue
+        try:
+            doc = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        except Exception as err:  # an unreadable file names itself; the folder is no candidate
+            log.warning("skipping %s: %s", saved, str(err).splitlines()[0])
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+            continue
+        if not same_evaluation(config, doc["config"]):
+            continue
+        if local is not None and _newest_mtime(local) > saved.stat().st_mtime:
+            print(f"{folder} evaluated model.path={model_path} before it changed: evaluating it afresh", flush=True)
+            return None
+        return folder
+    return None
+
+
+def continue_eval_argv(argv: Sequence[str], config_dir: str | Path, config_name: str = "evaluate") -> list[str]:
+    """``argv`` with ``hydra.run.dir=<folder>`` added when the same command already has a folder
+    to continue (see the module); otherwise ``argv`` unchanged. Left alone: an explicit
+    ``out_dir`` or ``hydra.run.dir``, multirun and Hydra's flags (``--cfg``, ``--help``, ...), and
+    a command line Hydra will refuse (it reports that itself)."""
+    argv = list(argv)
+    args = argv[1:]
+    if any(a.startswith("-") for a in args):
+        return argv
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except Exception:  # noqa: BLE001 - @hydra.main reports a bad override the usual way
+        return argv
+    if any(o.key_or_group in ("out_dir", "hydra.run.dir") for o in overrides):
+        return argv
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            cfg = compose(config_name, overrides=args, return_hydra_config=True)
+    except Exception:  # noqa: BLE001 - @hydra.main reports a bad override the usual way
+        return argv
+    finally:
+        GlobalHydra.instance().clear()
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} and ${now:...} in hydra.run.dir
+    would_be = Path(str(cfg.hydra.run.dir))
+    if (would_be / SAVED).is_file() or not would_be.parent.is_dir():
+        return argv  # Hydra reuses its folder anyway (a requeued SLURM job), or nothing to continue
+    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    found = find_evaluation(config, would_be.parent)
+    if found is None:
+        return argv
+    print(f"continuing {found} (this command's folder; out_dir=<folder> names another, hydra.run.dir=<new folder> "
+          "starts afresh)", flush=True)
+    return [*argv, f'hydra.run.dir="{found}"']
+
+
+_KEPT_WHEN_EMPTY = {".hydra", SAVED, "generation_settings.json"}
+
+
+def _holds_results(folder: Path) -> bool:
+    """Whether a run folder holds anything but what every start writes (Hydra's files, logs,
+    the saved config): generations, verdicts, caches, reports."""
+    for entry in folder.iterdir():
+        if entry.name in _KEPT_WHEN_EMPTY or entry.suffix == ".log":
+            continue
+        if entry.is_dir() and not any(p.is_file() for p in entry.rglob("*")):
+            continue
+        return True
+    return False
+
+
+@contextmanager
+def no_empty_folder(*folders: Path) -> Iterator[None]:
+    """Remove each of ``folders`` that a failed run (an exception, Ctrl-C) leaves without results
+    and that held none when it started: the error was printed; an empty folder would only be
+    found and continued by the next run of the same command, or litter ``outputs/``."""
+    fresh = [f for f in dict.fromkeys(folders) if not f.is_dir() or not _holds_results(f)]
+    try:
+        yield
+    except BaseException as err:
+        if not (isinstance(err, SystemExit) and err.code in (0, None)):
+            for folder in fresh:
+                if folder.is_dir() and not _holds_results(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+        raise

@@ -20,7 +20,7 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
-    check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
+    GenerationStore, check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
     prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
 )
 from rolemrc.eval.judge import JudgeIncomplete, aggregate, check_judge, judge_config, judge_items, make_judge
@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- model + generation
+
+
+def _pending(out_dir: Path, gen_items: Sequence[Any]) -> int:
+    """How many of ``gen_items`` have no reply in ``<out_dir>/generations.jsonl`` yet."""
+    done = GenerationStore(out_dir / "generations.jsonl").load()
+    return sum(1 for it in gen_items if it.id not in done)
+
+
+def _judge_needs_model(cfg: DictConfig) -> bool:
+    """judge=hf judging with the evaluated model, which only a loaded model can be (a path-less,
+    random-init model); with a ``model.path`` the judge loads it itself when it has work."""
+    return cfg.judge.backend == "hf" and cfg.judge.model is None and cfg.model.path is None
 
 
 # ---------------------------------------------------------------- metrics + judge
@@ -138,7 +150,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         chat = build_chat(cfg.model)
         tokenizer = chat.tokenizer
         gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
-        model = load_eval_model(cfg, tokenizer) if backend == "hf" else None
+        if backend == "hf" and (_pending(out_dir, gen_items) or _judge_needs_model(cfg)):
+            model = load_eval_model(cfg, tokenizer)
+        elif backend == "hf":  # a finished folder: metrics and the judge from what is there
+            log.info("generation: every reply is in %s: the model is not loaded", out_dir / "generations.jsonl")
         gen = generate(cfg, gen_items, stops, tokenizer, model)
     else:
         gen = generate_remote(cfg, items, ids, out_dir)

@@ -115,3 +115,27 @@ def test_entry_scripts_refuse_unknown_keys_at_once(tmp_path, script: str, overri
     assert errors == [message], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(run_dir.glob("data_report_*.json")) and not (run_dir / "generations.jsonl").exists()
+
+
+def test_data_local_without_its_folder_names_data_dir() -> None:
+    with pytest.raises(ConfigError, match=r"^data=local reads its files from data.dir, which is not set: add data.dir="):
+        check_train_config(compose_train(["data=local"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.sft=[{path: /no/such/sft.jsonl}]"], r"^data.sft\[0\].path: data file not found: /no/such/sft.jsonl$"),
+    (["objective=dpo", "data.pairs=[{path: ./no-such-pairs.jsonl}]"], r"^data.pairs\[0\].path: data file not found"),
+    (["ckpt_path=/no/such/last.ckpt"], r"^ckpt_path not found: /no/such/last.ckpt$"),
+    (["model.path=/no/such/export"], r"^model.path=/no/such/export: no such folder"),
+])
+def test_files_named_in_the_config_are_checked_before_the_model_loads(train_cfg, monkeypatch, overrides, message) -> None:
+    import rolemrc.train
+    from rolemrc.errors import InputNotFound
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the files were checked")
+
+    monkeypatch.setattr(rolemrc.train, "build_model", no_model)
+    monkeypatch.setattr(rolemrc.train, "build_datamodule", no_model)
+    with pytest.raises(InputNotFound, match=message):
+        rolemrc.train.setup(train_cfg(*overrides))

@@ -501,12 +501,25 @@ def check_train_config(cfg: Any) -> None:
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
     check_known_keys(cfg)  # +data.max_len=10, +trainer.max_step=5: refused before anything loads
+    check_data_dir(cfg.data)
     check_choices(cfg)
     run_check = getattr(typed(cfg.objective), "check_run", None)  # an objective's rules across groups
     if run_check is not None:
         run_check(cfg)
     if OBJECTIVES[cfg.objective.name].pairs:
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
+
+
+def check_data_dir(data: Any) -> None:
+    """``data=local`` (sources under ``${data.dir}``) without ``data.dir``: one error naming the key,
+    not a "data file not found: None/sft.jsonl" later."""
+    if not OmegaConf.is_config(data) or data.get("dir") is not None:
+        return
+    for group in ("sft", "pairs", "test", "sft_val", "pairs_val"):
+        raw = OmegaConf.to_container(data[group], resolve=False) if data.get(group) is not None else []
+        if any(isinstance(s, dict) and "data.dir}" in str(s.get("path", "")) for s in raw):
+            raise ConfigError(f"data={data.get('name')} reads its files from data.dir, which is not set: add "
+                              "data.dir=<folder holding sft.jsonl, pairs.jsonl, test.jsonl>")
 
 
 def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:

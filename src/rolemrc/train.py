@@ -66,11 +66,30 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return cfg.ckpt_path
 
 
+def check_files(cfg: DictConfig) -> None:
+    """The files a run reads, named before anything loads (a missing one would otherwise be found
+    after the model, minutes for an 8B one): the objective's local data files (hub datasets are
+    the readers' business) and an explicit ``ckpt_path``."""
+    from rolemrc.config import OBJECTIVES
+    from rolemrc.data.readers import local_files, source_config
+
+    pairs = OBJECTIVES[cfg.objective.name].pairs
+    for group in ("pairs", "pairs_val") if pairs else ("sft", "sft_val"):
+        for i, source in enumerate(cfg.data[group]):
+            try:
+                local_files(source_config(source))
+            except InputNotFound as err:
+                raise InputNotFound(f"data.{group}[{i}].path: {err}") from None
+    if cfg.ckpt_path not in (None, "", "last") and not Path(cfg.ckpt_path).exists():
+        raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
+
+
 def setup(cfg: DictConfig) -> TrainRun:
     """Check the config, then build the parts in pipeline order. Impossible combinations
     (strategy vs quantization, precision vs dtype, lengths) fail here, before weights load."""
     check_train_config(cfg)
     check_model_cfg(cfg.model)
+    check_files(cfg)
     cfg, _ = resolve_model_sources(cfg)  # model.path=<a checkpoint or run of ours>: start from its weights
     matmul = runtime_value(cfg, "matmul_precision")
     if matmul:

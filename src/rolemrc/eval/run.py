@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig
 
+from rolemrc.config import check_data_dir
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
@@ -120,6 +121,7 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
+    check_data_dir(cfg.data)  # data=local without data.dir: named before anything loads
     if wants_suites(cfg):  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
         return run_suites(cfg)
 

@@ -85,6 +85,25 @@ def test_cfg_job_prints_resolved_config() -> None:
     ).stdout
     cfg = OmegaConf.create(out)
     assert cfg.model.path == "Qwen/Qwen2.5-7B" and cfg.objective.name == "dpo"
+    # Only live keys: the deprecated aliases and the removed key are left out when not given.
+    assert "matmul_precision" not in cfg.trainer and "checkpoint_every_n_steps" not in cfg.trainer
+    assert "activation_checkpointing" not in cfg.strategy and "safe_serialization" not in cfg.export
+    assert cfg.runtime.checkpoint_every_n_steps == 0
+
+
+def test_cfg_job_shows_a_deprecated_key_that_is_given_and_help_offers_no_schema() -> None:
+    given = subprocess.run([sys.executable, "train.py", "trainer.checkpoint_every_n_steps=5", "--cfg", "job"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert OmegaConf.create(given).trainer.checkpoint_every_n_steps == 5
+    shown = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout
+    assert "objective: dpo, sft\n" in shown and "_schema" not in shown
+
+
+def test_schema_option_is_not_an_objective() -> None:
+    with pytest.raises(ConfigError, match=r"^objective=dpo_schema is the schema of objective=dpo's file, not an "
+                                          r"objective: use objective=dpo$"):
+        check_train_config(compose_train(["objective=dpo_schema"]))
 
 
 # ---------------------------------------------------------------- config keys mirror code (issue 14.3)

@@ -487,6 +487,10 @@ def check_train_config(cfg: Any) -> None:
     if cfg.model.packed_attention not in PACKED_ATTENTION:
         raise ConfigError(f"model.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
                           f"got {cfg.model.packed_attention!r}")
+    choice = objective_choice(cfg)
+    if choice is not None and choice.endswith(SCHEMA_SUFFIX):
+        raise ConfigError(f"objective={choice} is the schema of objective={choice[: -len(SCHEMA_SUFFIX)]}'s file, not "
+                          f"an objective: use objective={choice[: -len(SCHEMA_SUFFIX)]}")
     if cfg.objective.name not in OBJECTIVES:
         raise ConfigError(f"objective.name must be one of {sorted(OBJECTIVES)}, got {cfg.objective.name!r}")
     schema = OBJECTIVES[cfg.objective.name].schema
@@ -574,8 +578,73 @@ def _asset_unless_path(path: Optional[str], name: str) -> Optional[str]:
     return None if path else _asset(name)
 
 
+# Deprecated or removed keys: still accepted (upgrade_train_config maps or refuses them, with a
+# message) but not live, so `--cfg job` leaves them out unless a value was given.
+DEPRECATED_KEYS = (*(f"trainer.{k}" for k in MOVED_TO_RUNTIME), "strategy.activation_checkpointing",
+                   "export.safe_serialization")
+SCHEMA_SUFFIX = "_schema"  # a group option that only types the group's files (objective/<name>_schema)
+
+
+def without_unset_deprecated(cfg: Any) -> Any:
+    """``cfg`` with the :data:`DEPRECATED_KEYS` that hold no value removed (in place)."""
+    from omegaconf import flag_override
+
+    for key in DEPRECATED_KEYS:
+        group, _, name = key.rpartition(".")
+        node = OmegaConf.select(cfg, group) if OmegaConf.is_config(cfg) else None
+        if OmegaConf.is_dict(node) and name in node and node[name] is None:
+            with flag_override(node, ["struct", "readonly"], [False, False]):
+                del node[name]
+    return cfg
+
+
+def _hydra_shows_live_options() -> None:
+    """Hydra lists and prints what the schemas declare; two of its methods are wrapped so that it
+    shows what a user may choose: ``--cfg job`` leaves out deprecated keys that hold no value
+    (:func:`without_unset_deprecated`), and ``--help``, shell completion and ``glob()`` sweeps
+    leave out the schema options of a group (``objective=dpo_schema`` types ``objective=dpo``'s
+    file; :func:`check_train_config` refuses it as a choice). Hydra 1.3's internals; a Hydra
+    without them is left as it is (tests/test_config.py notices)."""
+    try:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra._internal.hydra import Hydra
+    except ImportError:  # pragma: no cover - another Hydra layout
+        return
+    sanitized, options = getattr(Hydra, "get_sanitized_cfg", None), getattr(ConfigLoaderImpl, "get_group_options", None)
+    if sanitized is None or options is None or getattr(sanitized, "_rolemrc", False):
+        return
+
+    def get_sanitized_cfg(self: Any, cfg: Any, cfg_type: str) -> Any:
+        cfg = sanitized(self, cfg, cfg_type)
+        return without_unset_deprecated(cfg) if cfg_type == "job" else cfg
+
+    def get_group_options(self: Any, group_name: str, *args: Any, **kwargs: Any) -> list[str]:
+        found = options(self, group_name, *args, **kwargs)
+        if group_name.split("/")[0] == "hydra":
+            return found
+        return [o for o in found if not (o.endswith(SCHEMA_SUFFIX) and o[: -len(SCHEMA_SUFFIX)] in found)]
+
+    get_sanitized_cfg._rolemrc = True  # type: ignore[attr-defined]
+    Hydra.get_sanitized_cfg = get_sanitized_cfg  # type: ignore[method-assign]
+    ConfigLoaderImpl.get_group_options = get_group_options  # type: ignore[method-assign]
+
+
+def objective_choice(cfg: Any) -> Optional[str]:
+    """The ``objective`` group option this config was composed with, where Hydra says it."""
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None) if OmegaConf.is_config(cfg) else None
+    if choices is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return None
+        choices = HydraConfig.get().runtime.choices
+    choice = choices.get("objective")
+    return str(choice) if choice is not None else None
+
+
 def register() -> None:
     """Register schemas and the ``${asset:...}`` resolvers (idempotent)."""
+    _hydra_shows_live_options()
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("asset_unless_path"):

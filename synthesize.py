@@ -25,7 +25,7 @@ from rolemrc.synth.config import (
 def main(cfg: DictConfig) -> None:
     from rolemrc.synth.pipeline import run
 
-    with entry_point():  # bad input: one "error: ..." line, exit 1; Lightning logs printed once
+    with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
         run(load_config(cfg), command=sys.argv)  # argv: the commands it prints repeat what was typed
 
 

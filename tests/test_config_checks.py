@@ -102,6 +102,9 @@ def test_free_form_nodes_take_added_keys() -> None:
     ("evaluate.py", "+generation.batchsize=2",
      "error: generation.batchsize is not a config key (EvalGenerationConfig); did you mean generation.batch_size? "
      "(a key added with + must exist in the schema)"),
+    ("synthesize.py", "+personas.nn=3",
+     "error: personas.nn is not a config key (PersonasConfig); did you mean personas.n? (a key added with + must "
+     "exist in the schema)"),
 ])
 def test_entry_scripts_refuse_unknown_keys_at_once(tmp_path, script: str, override: str, message: str) -> None:
     """Through the entry script: exit 1 with one ``error:`` line, and nothing was read or written

@@ -142,3 +142,18 @@ def test_files_named_in_the_config_are_checked_before_the_model_loads(train_cfg,
     monkeypatch.setattr(rolemrc.train, "build_datamodule", no_model)
     with pytest.raises(InputNotFound, match=message):
         rolemrc.train.setup(train_cfg(*overrides))
+
+
+@pytest.mark.parametrize("config_name,overrides", [
+    ("probe", []), ("probe", ["restraint.layers=[0,1]"]), ("evaluate", ["data=rolebench_sample"]),
+    ("evaluate", ["data=characterllm_sample", "benchmarks=general_sample"]), ("train", ["experiment=rolemrc_qwen_dpo"]),
+])
+def test_every_shipped_config_has_only_known_keys(config_name: str, overrides: list[str]) -> None:
+    """Nodes set to None (``restraint.layers``, ``data.rolebench``) or left ``???`` are no error."""
+    from hydra import compose, initialize_config_dir
+
+    from rolemrc.config import check_known_keys
+    from tests.conftest import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        check_known_keys(compose(config_name, overrides=overrides))

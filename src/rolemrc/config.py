@@ -377,27 +377,12 @@ def upgrade_train_config(cfg: Any) -> Any:
 
 def lightning_trainer_args(cfg: Any) -> dict[str, Any]:
     """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments: None values (Lightning's
-    defaults) and the deprecated runtime aliases dropped. ``cfg``: the composed config or
-    :func:`typed_train_config`'s."""
+    defaults) and the deprecated runtime aliases dropped. ``cfg``: the composed config or one
+    whose ``trainer`` is a :class:`TrainerConfig`."""
     node = cfg.trainer
     trainer = (OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
                else dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node))
     return {k: v for k, v in trainer.items() if v is not None and k not in MOVED_TO_RUNTIME}
-
-
-def typed_train_config(cfg: Any) -> TrainConfig:
-    """The composed training config as dataclasses (``OmegaConf.to_object``): a
-    :class:`TrainConfig` whose ``objective`` is the chosen objective's schema
-    (:class:`SFTObjectiveConfig` / :class:`DPOObjectiveConfig`), interpolations resolved and
-    deprecated keys mapped (on a copy: ``cfg`` is left as it is). ``logger`` and ``callbacks``
-    stay plain dicts (``_target_`` specs)."""
-    copy = _copy.deepcopy(cfg)
-    with open_dict(copy):
-        copy.pop("hydra", None)  # compose(return_hydra_config=True) keeps Hydra's own node
-    typed = OmegaConf.to_object(upgrade_train_config(copy))
-    if not isinstance(typed, TrainConfig):
-        raise TypeError(f"not a composed training config (train_schema): {type(typed).__name__}")
-    return typed
 
 
 def plain(value: Any) -> Any:
@@ -427,7 +412,7 @@ def typed(node: Any) -> Any:
     """A structured config node (``cfg.objective``, ``cfg.optim``, ...) as its dataclass, checked
     by its ``__post_init__``; a node without a schema (a user's own objective file) and other
     values as they are. The one way from a node to its dataclass (``as_schema`` checks a plain
-    mapping against a schema it is given; ``typed_train_config`` does the whole training config)."""
+    mapping against a schema it is given)."""
     if OmegaConf.is_config(node) and OmegaConf.get_type(node) not in (None, dict, list):
         return OmegaConf.to_object(node)
     return node

@@ -75,10 +75,6 @@ def expectation_of(task: str) -> str | None:
     return TASKS[task][1]
 
 
-def tasks_of(dim: Dimension) -> list[str]:
-    return [t for t, (dims, _) in TASKS.items() if dim in dims]
-
-
 def balanced_subset(items: Sequence[Any], n: int) -> list[Any]:
     """``n`` items taken round-robin over tasks (in order of first appearance, each task's items in
     file order): a small, deterministic subset that still covers every task and dimension."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rolemrc.eval.judge import Verdict, read_verdicts
+from rolemrc.eval.judge import Verdict
 from rolemrc.eval.metrics import compute_metrics
 from rolemrc.eval.report import write_report
 from rolemrc.eval.verifiers import agreement
@@ -41,7 +41,7 @@ def test_write_report(tmp_path):
     assert doc["judge"]["PI"]["accuracy"] is None and doc["judge"]["PI"]["n_budget_exhausted"] == 1
     assert doc["verifier_agreement"]["n"] == 1 and doc["verifier_agreement"]["n_without_verdict"] == 1
 
-    assert [v.to_dict() for v in read_verdicts(paths["judge.jsonl"])] == [v.to_dict() for v in verdicts]
+    assert [Verdict(**json.loads(ln)).to_dict() for ln in paths["judge.jsonl"].read_text().splitlines()] == [v.to_dict() for v in verdicts]
 
     md = paths["summary.md"].read_text()
     assert "| BLEU | " in md and "| ROUGE-L | " in md and " ± " in md

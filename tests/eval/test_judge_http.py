@@ -3,6 +3,7 @@ scripted faults: HTTP errors, timeouts and malformed 200s are retried; only verd
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 
@@ -13,11 +14,11 @@ from rolemrc.eval.judge import (
     CACHE_FILE,
     Judge,
     OpenAIBackend,
+    Verdict,
     aggregate,
     cache_key,
     judge_items,
     judge_messages,
-    read_verdicts,
 )
 from rolemrc.eval.report import write_report
 
@@ -134,7 +135,7 @@ def test_faults_are_retried_counted_and_never_scored_zero(openai_server, judge_k
     assert secret not in caplog.text
     assert secret.encode() not in (tmp_path / "cache" / "judge_cache.sqlite").read_bytes()
     assert secret not in paths["judge.jsonl"].read_text() + paths["metrics.json"].read_text()
-    assert [v.to_dict() for v in read_verdicts(paths["judge.jsonl"])] == [v.to_dict() for v in verdicts]
+    assert [Verdict(**json.loads(ln)).to_dict() for ln in paths["judge.jsonl"].read_text().splitlines()] == [v.to_dict() for v in verdicts]
 
     # Only answers with a verdict were cached: a rerun re-sends failures and unparseable ones.
     before = server.requests

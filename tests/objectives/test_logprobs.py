@@ -6,13 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rolemrc.objectives import (
-    naive_token_logprobs,
-    sequence_logprobs,
-    sft_loss,
-    shift_labels,
-    token_logprobs,
-)
+from rolemrc.objectives import sequence_logprobs, shift_labels, token_logprobs, token_nll
+from tests.objectives.oracle import naive_token_logprobs
 
 B, T, H, V = 3, 11, 16, 37
 
@@ -128,7 +123,7 @@ def test_no_supervised_tokens_gives_empty_result_and_zero_loss():
     logps, mask = token_logprobs(hidden, weight, labels, bias=bias)
     assert logps.shape == (0,) and not mask.any()
 
-    loss = sft_loss(hidden, weight, labels, bias=bias)
+    loss = token_nll(logps, mask.sum())  # the SFT loss
     assert loss.item() == 0.0
     loss.backward()  # still attached: DDP ranks with an all-prompt batch can step with the rest
     for t in (hidden, weight, bias):
@@ -140,8 +135,9 @@ def test_no_supervised_tokens_gives_empty_result_and_zero_loss():
 
 def test_only_weight_or_only_hidden_requires_grad():
     hidden, weight, _, labels = make_case(torch.float32)
-    (gh,) = torch.autograd.grad(sft_loss(hidden, weight.detach(), labels), [hidden])
-    (gw,) = torch.autograd.grad(sft_loss(hidden.detach(), weight, labels), [weight])
+    n = (labels != -100).sum()
+    (gh,) = torch.autograd.grad(token_nll(token_logprobs(hidden, weight.detach(), labels)[0], n), [hidden])
+    (gw,) = torch.autograd.grad(token_nll(token_logprobs(hidden.detach(), weight, labels)[0], n), [weight])
     rh, rw = torch.autograd.grad(
         -naive_token_logprobs(hidden, weight, labels)[0].mean(), [hidden, weight]
     )
@@ -156,15 +152,15 @@ def test_sft_loss_equals_cross_entropy_on_unshifted_labels():
     want = F.cross_entropy(
         logits[:, :-1].reshape(-1, V), input_labels[:, 1:].reshape(-1), ignore_index=-100
     )
-    got = sft_loss(hidden, weight, shift_labels(input_labels), 3, bias=bias, vocab_chunk_size=10)
-    torch.testing.assert_close(got, want)
+    # the SFT module's route: per-sequence sums over the batch's label tokens
+    seq = sequence_logprobs(hidden, weight, shift_labels(input_labels), None, 3, bias=bias, vocab_chunk_size=10)
+    torch.testing.assert_close(token_nll(seq.logps, seq.num_tokens.sum()), want)
 
-    nll = sft_loss(hidden, weight, shift_labels(input_labels), reduction="none", bias=bias)
-    torch.testing.assert_close(
-        sft_loss(hidden, weight, shift_labels(input_labels), reduction="sum", bias=bias), nll.sum()
+    logps, mask = token_logprobs(hidden, weight, shift_labels(input_labels), bias=bias)
+    per_token = F.cross_entropy(
+        logits[:, :-1].reshape(-1, V), input_labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
     )
-    with pytest.raises(ValueError, match="reduction"):
-        sft_loss(hidden, weight, input_labels, reduction="avg")  # type: ignore[arg-type]
+    torch.testing.assert_close(-logps, per_token[shift_labels(input_labels)[:, :-1].reshape(-1) != -100])
 
 
 def test_shift_labels():

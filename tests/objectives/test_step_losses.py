@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rolemrc.objectives import pair_mean, preference_loss, sft_loss, token_nll
+from rolemrc.objectives import pair_mean, preference_loss, sequence_logprobs, token_logprobs, token_nll
 
 
 def test_token_nll_divides_minus_the_sum_by_the_total() -> None:
@@ -32,13 +32,15 @@ def test_micro_batch_shares_add_up_to_the_step_mean() -> None:
             ).item() == pytest.approx(3.0)
 
 
-def test_sft_loss_mean_is_token_nll() -> None:
+def test_sft_per_sequence_sums_give_the_token_mean() -> None:
     torch.manual_seed(0)
     hidden, weight = torch.randn(2, 5, 4), torch.randn(7, 4)
     labels = torch.tensor([[1, 2, -100, 3, -100], [-100, 4, 5, 6, 0]])
     tokens = int((labels != -100).sum())
-    expected = token_nll(sft_loss(hidden, weight, labels, reduction="none").neg(), tokens)
-    assert torch.equal(sft_loss(hidden, weight, labels), expected)
+    per_token = token_logprobs(hidden, weight, labels)[0]
+    expected = -per_token.sum() / tokens
+    torch.testing.assert_close(token_nll(sequence_logprobs(hidden, weight, labels).logps, tokens), expected)
+    torch.testing.assert_close(token_nll(per_token, torch.tensor(tokens)), expected)
 
 
 def test_pair_mean() -> None:

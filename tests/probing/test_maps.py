@@ -22,12 +22,13 @@ from rolemrc.probing.maps import (
     top_count,
     top_mask,
 )
-from rolemrc.tasks import NI, TEST_TASKS, balanced_subset, tasks_of
+from rolemrc.tasks import NI, TEST_TASKS, balanced_subset, dimensions_of
 from tests.probing.helpers import items, tiny
 
 KB_RS = "role_related_mrc_answer_with_narration"  # KB and RS
 KB_ONLY = "role_related_mrc_answer_no_narration"
 MT_TASK = "role_related_mrc_refused_no_narration-2ndrefused"
+NI_TASKS = tuple(t for t in TEST_TASKS if NI in dimensions_of(t))
 
 
 def test_top_mask_keeps_the_top_fraction_per_layer() -> None:
@@ -141,13 +142,13 @@ def test_planted_neuron_is_found_in_its_layer_for_its_dimension_only(arch: str, 
     model_a, chat = tiny(arch, layers=4, extra_tokens=[MARKER])
     marker_id = chat.tokenizer.convert_tokens_to_ids(MARKER)
     marker_detector(model_a, marker_id)
-    cases = items(per_task=2, marker=MARKER, marked=tuple(tasks_of(NI)))
+    cases = items(per_task=2, marker=MARKER, marked=NI_TASKS)
     pad = chat.tokenizer.pad_token_id
 
     # Scale the plant so neuron NEURON is clearly the layer's largest on marked prompts.
     model_b = copy.deepcopy(model_a)
     down = decoder_layers(model_b)[LAYER].mlp.down_proj.weight
-    marked = [c for c in cases if c.task in tasks_of(NI)]
+    marked = [c for c in cases if c.task in NI_TASKS]
     with torch.no_grad():
         down[NEURON, UNIT] = 1.0
         acts_b = capture_activations(model_b, encode_prompts(chat, marked), "mlp_out", pad)[:, LAYER]

@@ -239,15 +239,6 @@ def parse_verdict(text: str | None) -> int | None:
     return int(m.group(1))
 
 
-def check_verdict(text: str) -> int:
-    """The verdict in ``text``, or :class:`rolemrc.api.Rejected` (the client retries; the cache
-    never stores or serves such an answer)."""
-    v = parse_verdict(text)
-    if v is None:
-        raise Rejected("no_verdict", "the answer does not end with a line `VERDICT: 0` or `VERDICT: 1`")
-    return v
-
-
 # ---------------------------------------------------------------- the paper's protocol (judge=paper)
 #
 # Facts of RoleMRC's public judge script (evaluation/llm_judge.py): one user message per
@@ -1006,9 +997,3 @@ def aggregate(verdicts: Iterable[Verdict]) -> dict[str, DimensionSummary]:
             by_task={t: _counts([v for v in vs if v.task == t]) for t in tasks},
         )
     return out
-
-
-def read_verdicts(path: str | Path) -> list[Verdict]:
-    """Load verdicts written as JSON lines (``judge.jsonl``)."""
-    with open(path, encoding="utf-8") as f:
-        return [Verdict(**json.loads(line)) for line in f if line.strip()]

@@ -30,7 +30,7 @@ Objectives import no Lightning and no transformers model classes: these are plai
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,9 +41,7 @@ IGNORE_INDEX = -100
 __all__ = [
     "IGNORE_INDEX",
     "SequenceLogProbs",
-    "naive_token_logprobs",
     "sequence_logprobs",
-    "sft_loss",
     "shift_labels",
     "token_logprobs",
     "token_nll",
@@ -334,40 +332,6 @@ def sequence_logprobs(
     return SequenceLogProbs(sums, counts)
 
 
-def sft_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    chunk_size: int = 1024,
-    reduction: Literal["mean", "sum", "none"] = "mean",
-    *,
-    bias: Tensor | None = None,
-    vocab_chunk_size: int = 8192,
-    ignore_index: int = IGNORE_INDEX,
-) -> Tensor:
-    """Negative log-likelihood of the aligned labels.
-
-    ``mean``: scalar mean NLL over supervised tokens of the batch; with no supervised token it is
-    defined as 0.0 (not NaN) and stays attached to the graph, so ``backward()`` still runs and
-    gives zero gradients (keeps DDP ranks in step). ``sum``: scalar total. ``none``: ``[N]``.
-    """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    logps, _ = token_logprobs(
-        hidden,
-        weight,
-        labels,
-        chunk_size,
-        bias=bias,
-        vocab_chunk_size=vocab_chunk_size,
-        ignore_index=ignore_index,
-    )
-    if reduction == "mean":
-        return token_nll(logps, logps.numel())
-    nll = -logps
-    return nll if reduction == "none" else nll.sum()
-
-
 def token_nll(logps: Tensor, num_tokens: Tensor | int) -> Tensor:
     """The SFT loss: negative log-likelihood per token, ``-logps.sum() / max(num_tokens, 1)``
     (0.0, not NaN, with no token; still attached to the graph).
@@ -382,27 +346,3 @@ def token_nll(logps: Tensor, num_tokens: Tensor | int) -> Tensor:
     if isinstance(num_tokens, Tensor):
         return total / num_tokens.to(total.dtype).clamp(min=1)
     return total / max(num_tokens, 1)
-
-
-def naive_token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    *,
-    bias: Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[Tensor, Tensor]:
-    """Reference: full fp32 (fp64 for fp64 inputs) ``[B, T, V]`` logits, ``log_softmax``, gather.
-
-    Same contract as :func:`token_logprobs`; for tests only (memory grows with ``B * T * V``).
-    """
-    _check_inputs(hidden, weight, labels, bias)
-    mask = labels != ignore_index
-    cdt = _compute_dtype(hidden, weight)
-    logits = hidden.to(cdt) @ weight.to(cdt).T
-    if bias is not None:
-        logits = logits + bias.to(cdt)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    safe = labels.masked_fill(~mask, 0).long()
-    logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return logp[mask], mask

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rolemrc.api import request_key
 from rolemrc.errors import MissingAPIKey
 from rolemrc.synth.client import (
     Cache,
@@ -20,7 +21,6 @@ from rolemrc.synth.client import (
     Generator,
     RemoteEmbedder,
     make_budget,
-    request_key,
 )
 from rolemrc.synth.config import BudgetConfig, EmbedderConfig, GeneratorConfig
 from rolemrc.synth.profiles import parse, parser

@@ -6,7 +6,7 @@ budget, counts of every fault kind, the key from the environment only. ``AnswerC
 (``cache.py``): SQLite, valid answers only, checked again on every read.
 """
 
-from rolemrc.api.cache import AnswerCache
+from rolemrc.api.cache import AnswerCache, request_key
 from rolemrc.api.client import (
     FAULT_KINDS,
     ApiClient,
@@ -22,5 +22,5 @@ from rolemrc.api.client import (
 
 __all__ = [
     "FAULT_KINDS", "AnswerCache", "ApiClient", "Budget", "BudgetExhausted", "Fault", "MissingApiKey", "Outcome",
-    "Rejected", "api_key", "fault_summary",
+    "Rejected", "api_key", "fault_summary", "request_key",
 ]

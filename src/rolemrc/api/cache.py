@@ -1,7 +1,7 @@
 """Answers of an API (or local) model on disk: SQLite, one row per request key, valid answers only.
 
-The key is a hash of everything that shapes the answer (model, messages, sampling), computed by
-the caller. Only answers that passed the caller's check are ever stored, and every read is
+The key is :func:`request_key` of everything that shapes the answer (model, messages, sampling),
+which the caller gives. Only answers that passed the caller's check are ever stored, and every read is
 checked again (``valid``): an entry an older version stored (an empty reply, truncated JSON) or
 one a changed parser now rejects is ignored and asked again, never served. Rows are committed one
 by one, so a run killed at any moment keeps everything answered so far.
@@ -9,13 +9,23 @@ by one, so a run killed at any moment keeps everything answered so far.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AnswerCache"]
+__all__ = ["AnswerCache", "request_key"]
+
+
+def request_key(payload: Mapping[str, Any]) -> str:
+    """The one request hash of every answer cache (judge, generation, synthesis): sha256 of the
+    payload as JSON with sorted keys and no whitespace. The payload holds everything that shapes
+    the answer (model, messages, sampling; the endpoint, a schema)."""
+    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 class AnswerCache:

@@ -60,9 +60,11 @@ from rolemrc.eval.judge import (
     Verdict,
     aggregate,
     check_judge,
+    judge_backend,
     judge_config,
     judge_items,
     make_judge,
+    uses_evaluated_model,
 )
 from rolemrc.eval.metrics import METRICS, check_metrics, compute_metrics
 from rolemrc.fileio import atomic_write_text
@@ -76,7 +78,7 @@ DEFAULT_METRICS: tuple[str, ...] = ("bleu", "rouge1", "rougeL")  # cheap: no mod
 
 def is_live(judge: JudgeConfig) -> bool:
     """The model being trained judges itself (``backend: hf`` with ``model: null``)."""
-    return judge.backend == "hf" and judge.model is None
+    return uses_evaluated_model(judge)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -291,7 +293,7 @@ class JudgeScores(L.Callback):
                   step: int) -> list[Verdict] | None:
         """Verdicts for every (RoleMRC item, dimension), or None when there is no judge (or on a rank
         that takes no part)."""
-        if self.judge.backend == "none":
+        if judge_backend(self.judge) is None:
             return None
         if not (is_live(self.judge) and everywhere) and not trainer.is_global_zero:
             return None

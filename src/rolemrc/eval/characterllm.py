@@ -44,7 +44,7 @@ from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_config, make_judge
+from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def score_messages(iv: Interview, dimension: str, profile: str) -> list[dict[str
 def check_scorer(cfg: Any) -> None:
     """The judge is configured and usable (checked before generation)."""
     j = judge_config(cfg.judge)
-    if j.backend == "none":
+    if judge_backend(j) is None:
         raise ConfigError("data.characterllm is scored by a judge: add judge=openai (judge.model=..., the key in "
                           "the environment) or judge=hf (judge.model=<local model>; null = the evaluated model)")
     check_judge(j)
@@ -318,7 +318,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     scores = [Score(iv.setting, iv.character, iv.session, d, a["status"], a["score"], a["raw"], a["cached"], a["error"])
               for (iv, d), a in zip(pairs, answers)]
     table = summarise(scores, list(c.settings), dims)
-    retryable = ("failed", "budget_exhausted") + (("unparseable",) if cfg.judge.backend == "openai" else ())
+    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(cfg.judge).asks_again else ())
     missing = {s: n for s in retryable if (n := sum(x.status == s for x in scores))}
     res: dict[str, Any] = {
         "settings": table,

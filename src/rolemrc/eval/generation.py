@@ -33,14 +33,16 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
 
-from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary
+from rolemrc.api import (
+    AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary, request_key,
+)
 from rolemrc.config import plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
-from rolemrc.eval.judge import cache_key
+from rolemrc.eval.judge import uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import count_parameters, load_model
 from rolemrc.probing.restraint import load_restraint
@@ -399,7 +401,6 @@ def generate_vllm(
 
 # ---------------------------------------------------------------- openai backend
 
-GENERATION_BACKENDS = ("hf", "vllm", "openai", "file")
 GENERATION_CACHE_FILE = "generation_cache.sqlite"
 
 
@@ -472,7 +473,8 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
     failed: list[tuple[ChatItem, str]] = []
     if todo:
         cache = AnswerCache(Path(cache_dir or Path(out_dir) / "generation_cache") / GENERATION_CACHE_FILE)
-        keys = {it.id: cache_key(g.model, it.messages, {**sampling, "base_url": g.base_url}) for it in todo}
+        keys = {it.id: request_key({"model": g.model, "messages": it.messages,
+                                    "sampling": {**sampling, "base_url": g.base_url}}) for it in todo}
         try:
             hits = []
             for it in todo:
@@ -724,26 +726,199 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class GenerationBackend(Protocol):
+    """How the evaluated model's replies are made (``generation.backend``; one object per name in
+    :data:`GENERATION_BACKENDS`).
+
+    ``local``: a model runs in this process from ``model.path`` (prompts encoded here with the chat
+    template; model sources resolved; lm-eval benchmarks possible); such a backend answers
+    :meth:`generate_local`, the others :meth:`generate_remote`. ``loads_model``: that model is a
+    transformers model loaded here (restraint hooks into it, ``judge=hf`` with ``judge.model=null``
+    judges with it). ``generates``: it answers new prompts (False: replies come from a file).
+    """
+
+    name: str
+    local: bool
+    loads_model: bool
+    generates: bool
+
+    def check(self, cfg: Any) -> None:
+        """What can be checked before anything slow; a :class:`ConfigError` naming the key."""
+
+    def model_label(self, cfg: Any) -> str:
+        """What was evaluated, for the report and the judge cache key."""
+
+    def label(self, g: Any) -> str:
+        """How the replies were made (``g``: ``cfg.generation``), for the report."""
+
+    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+                       model: Any | None) -> GenerationRun: ...
+
+    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                        replies: ReplyFile | None = None) -> GenerationRun: ...
+
+
+def _local_model_label(cfg: Any) -> str:
+    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+
+
+def _no_evaluated_model(cfg: Any, name: str) -> None:
+    """Checks for a backend that loads no transformers model here."""
+    if cfg.restraint:
+        raise ConfigError(f"restraint hooks into a transformers model: not with generation.backend={name}")
+    if uses_evaluated_model(cfg.judge):
+        raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
+                          f"generation.backend={name} does not load: set judge.model")
+
+
+class _Remote:
+    local = False
+    loads_model = False
+
+    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+                       model: Any | None) -> GenerationRun:
+        raise ValueError(f"generation.backend={self.name} runs no model here: use generate_remote")  # type: ignore[attr-defined]
+
+
+class _Local:
+    local = True
+    generates = True
+
+    def model_label(self, cfg: Any) -> str:
+        return _local_model_label(cfg)
+
+    def label(self, g: Any) -> str:
+        return f"{self.name}, greedy, max_new_tokens={g.max_new_tokens}"  # type: ignore[attr-defined]
+
+    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                        replies: ReplyFile | None = None) -> GenerationRun:
+        raise ValueError(f"generation.backend={self.name} is local: use generate_local")  # type: ignore[attr-defined]
+
+
+class HFGeneration(_Local):
+    """transformers ``generate`` in this process."""
+
+    name = "hf"
+    loads_model = True
+
+    def check(self, cfg: Any) -> None:
+        pass
+
+    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+                       model: Any | None) -> GenerationRun:
+        g = cfg.generation
+        return _normalised(cfg, generate_hf(
+            model, tokenizer, gen_items, cfg.out_dir,
+            stop_ids=stops,
+            batch_size=g.batch_size,
+            max_new_tokens=g.max_new_tokens,
+            progress=g.progress,
+            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
+        ))
+
+
+class VLLMGeneration(_Local):
+    """vLLM's engine, loading ``model.path`` itself."""
+
+    name = "vllm"
+    loads_model = False
+
+    def check(self, cfg: Any) -> None:
+        require_vllm()
+        if cfg.model.path is None:
+            raise ConfigError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
+        if cfg.restraint:
+            raise ConfigError("restraint hooks into a transformers model: use generation.backend=hf")
+
+    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+                       model: Any | None) -> GenerationRun:
+        g = cfg.generation
+        return _normalised(cfg, generate_vllm(
+            cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
+            stop_ids=stops,
+            max_new_tokens=g.max_new_tokens,
+            max_model_len=g.max_model_len,
+            seed=cfg.seed,
+            llm_kwargs=dict(plain(g.vllm_kwargs) or {}),
+        ))
+
+
+class OpenAIGeneration(_Remote):
+    """The evaluated model behind an OpenAI-compatible server."""
+
+    name = "openai"
+    generates = True
+
+    def check(self, cfg: Any) -> None:
+        _no_evaluated_model(cfg, self.name)
+        check_openai(cfg.generation)
+
+    def model_label(self, cfg: Any) -> str:
+        g = cfg.generation
+        return f"{g.model} (OpenAI-compatible API{' at ' + g.base_url if g.base_url else ''})"
+
+    def label(self, g: Any) -> str:
+        return f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
+
+    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                        replies: ReplyFile | None = None) -> GenerationRun:
+        g = cfg.generation
+        check_settings(out_dir, {"model": self.model_label(cfg), "backend": "openai", **openai_settings(g)})
+        chat_items = [ChatItem(i, it.task, chat_messages(it.question)) for i, it in zip(ids, items, strict=True)]
+        return _normalised(cfg, generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress))
+
+
+class FileGeneration(_Remote):
+    """Replies produced elsewhere (``generation.path``)."""
+
+    name = "file"
+    generates = False
+
+    def check(self, cfg: Any) -> None:
+        _no_evaluated_model(cfg, self.name)
+        g = cfg.generation
+        reply_paths(g.path)
+        if g.on_missing not in ("error", "skip"):
+            raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
+
+    def model_label(self, cfg: Any) -> str:
+        p = cfg.generation.path
+        paths = [str(p)] if isinstance(p, (str, Path)) or p is None else [str(x) for x in p]
+        return f"replies from {', '.join(paths)}"
+
+    def label(self, g: Any) -> str:
+        return f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
+
+    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+                        replies: ReplyFile | None = None) -> GenerationRun:
+        check_settings(out_dir, {"backend": "file"})  # never overwrite generations of a model
+        return _normalised(cfg, file_replies(cfg.generation, items, ids, out_dir, replies))
+
+
+GENERATION_BACKENDS: dict[str, GenerationBackend] = {
+    b.name: b for b in (HFGeneration(), VLLMGeneration(), OpenAIGeneration(), FileGeneration())
+}
+
+
+def generation_backend(cfg: Any) -> GenerationBackend:
+    """The backend object ``cfg.generation.backend`` names; a :class:`ConfigError` listing the
+    known names for any other."""
+    name = cfg.generation.backend
+    try:
+        return GENERATION_BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"generation.backend must be one of {', '.join(GENERATION_BACKENDS)}, got {name!r}") from None
+
+
 def model_label(cfg: Any) -> str:
     """What was evaluated, for the report and the judge cache key."""
-    g = cfg.generation
-    if g.backend == "openai":
-        return f"{g.model} (OpenAI-compatible API{' at ' + g.base_url if g.base_url else ''})"
-    if g.backend == "file":
-        paths = [str(g.path)] if isinstance(g.path, (str, Path)) or g.path is None else [str(x) for x in g.path]
-        return f"replies from {', '.join(paths)}"
-    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+    return generation_backend(cfg).model_label(cfg)
 
 
 def generation_label(cfg: Any) -> str:
     """How the replies were made, for the report."""
     g = cfg.generation
-    if g.backend == "file":
-        label = f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
-    elif g.backend == "openai":
-        label = f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
-    else:
-        label = f"{g.backend}, greedy, max_new_tokens={g.max_new_tokens}"
+    label = generation_backend(cfg).label(g)
     if getattr(g, "strip_replies", False):
         return label + "; replies stripped of surrounding whitespace before scoring (generation.strip_replies=true)"
     return label + "; replies scored as generated (not stripped)"
@@ -751,40 +926,14 @@ def generation_label(cfg: Any) -> str:
 
 def check_backend(cfg: Any) -> None:
     """What can be checked before anything slow: the backend's name and what it needs."""
-    g = cfg.generation
-    if g.backend not in GENERATION_BACKENDS:
-        raise ConfigError(f"generation.backend must be one of {', '.join(GENERATION_BACKENDS)}, got {g.backend!r}")
-    if g.backend == "vllm":
-        require_vllm()
-        if cfg.model.path is None:
-            raise ConfigError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
-    if g.backend in ("openai", "file"):
-        if cfg.restraint:
-            raise ConfigError(f"restraint hooks into a transformers model: not with generation.backend={g.backend}")
-        if cfg.judge.backend == "hf" and cfg.judge.model is None:
-            raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
-                              f"generation.backend={g.backend} does not load: set judge.model")
-    if g.backend == "openai":
-        check_openai(g)
-    if g.backend == "file":
-        reply_paths(g.path)
-        if g.on_missing not in ("error", "skip"):
-            raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
+    generation_backend(cfg).check(cfg)
 
 
 def generate_remote(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
                     replies: ReplyFile | None = None) -> GenerationRun:
     """Replies from a served model (``openai``) or a file (``file``), resumable/recorded in
     ``<out_dir>/generations.jsonl`` like the local backends."""
-    g = cfg.generation
-    if g.backend == "openai":
-        check_settings(out_dir, {"model": model_label(cfg), "backend": "openai", **openai_settings(g)})
-        chat_items = [ChatItem(i, it.task, chat_messages(it.question)) for i, it in zip(ids, items, strict=True)]
-        return _normalised(cfg, generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress))
-    if g.backend == "file":
-        check_settings(out_dir, {"backend": "file"})  # never overwrite generations of a model
-        return _normalised(cfg, file_replies(g, items, ids, out_dir, replies))
-    raise ValueError(f"generate_remote: backend {g.backend!r} is local")
+    return generation_backend(cfg).generate_remote(cfg, items, ids, out_dir, replies)
 
 
 def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
@@ -829,26 +978,8 @@ def prepare_generation(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], 
 
 def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
              model: Any | None) -> GenerationRun:
-    """Replies for every item, resuming from ``<out_dir>/generations.jsonl``."""
-    g = cfg.generation
-    if g.backend == "hf":
-        return _normalised(cfg, generate_hf(
-            model, tokenizer, gen_items, cfg.out_dir,
-            stop_ids=stops,
-            batch_size=g.batch_size,
-            max_new_tokens=g.max_new_tokens,
-            progress=g.progress,
-            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
-        ))
-
-    return _normalised(cfg, generate_vllm(
-        cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
-        stop_ids=stops,
-        max_new_tokens=g.max_new_tokens,
-        max_model_len=g.max_model_len,
-        seed=cfg.seed,
-        llm_kwargs=dict(plain(g.vllm_kwargs) or {}),
-    ))
+    """Replies for every item from a local backend, resuming from ``<out_dir>/generations.jsonl``."""
+    return generation_backend(cfg).generate_local(cfg, gen_items, stops, tokenizer, model)
 
 
 def _normalised(cfg: Any, run: GenerationRun) -> GenerationRun:

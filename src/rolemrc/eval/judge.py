@@ -35,8 +35,6 @@ Typical use (``make_judge`` is what ``evaluate.py`` and the judge-scores callbac
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import re
 from collections import Counter
@@ -46,7 +44,9 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary
+from rolemrc.api import (
+    FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary, request_key,
+)
 from rolemrc.config import JudgeConfig
 from rolemrc.errors import UserError
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
@@ -542,13 +542,9 @@ class Backend(Protocol):
 
 
 def cache_key(model_id: str, messages: Sequence[Message], sampling: Mapping[str, Any]) -> str:
-    """Hash of (judge model, prompt messages, sampling settings): the judge cache's key."""
-    blob = json.dumps(
-        {"model": model_id, "messages": list(messages), "sampling": dict(sampling)},
-        sort_keys=True,
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    """The judge cache's key: :func:`rolemrc.api.request_key` of (judge model, prompt messages,
+    sampling settings)."""
+    return request_key({"model": model_id, "messages": list(messages), "sampling": dict(sampling)})
 
 
 CACHE_FILE = "judge_cache.sqlite"
@@ -727,6 +723,29 @@ class OpenAIBackend:
         # verdict protocol: an answer without a verdict is asked again; paper: one try, as theirs
         self.retries_unparseable = self.protocol.retry_unparseable
 
+    # Sampled over HTTP: asking again can turn an unusable answer into a usable one.
+    asks_again = True
+    # It never judges with the model under evaluation.
+    judges_evaluated_model = False
+
+    @classmethod
+    def check_config(cls, cfg: JudgeConfig, where: str = "judge") -> None:
+        """The served model's name is set."""
+        if not cfg.model:
+            raise ValueError(f"{where}.backend=openai needs {where}.model (the served model name)")
+
+    @classmethod
+    def check_env(cls, cfg: JudgeConfig, where: str = "judge") -> None:
+        """The API key's variable is in the environment."""
+        try:
+            api_key(cfg.api_key_env, where)
+        except MissingApiKey as e:
+            raise MissingApiKey(f"{e} ({where}.api_key_env={cfg.api_key_env})") from None
+
+    @classmethod
+    def build(cls, cfg: JudgeConfig, *, where: str = "judge", **_: Any) -> "OpenAIBackend":
+        return cls(cfg)
+
     def sampling(self) -> dict[str, Any]:
         out: dict[str, Any] = {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
         if self.protocol.name != "verdict":  # verdict-protocol cache keys stay as they were
@@ -793,6 +812,30 @@ class HFBackend:
     """
 
     retries_unparseable = False
+    asks_again = False  # greedy: the same answer again
+    # With judge.model=null the model under evaluation (or training) judges itself.
+    judges_evaluated_model = True
+
+    @classmethod
+    def check_config(cls, cfg: JudgeConfig, where: str = "judge") -> None:
+        pass
+
+    @classmethod
+    def check_env(cls, cfg: JudgeConfig, where: str = "judge") -> None:
+        pass
+
+    @classmethod
+    def build(cls, cfg: JudgeConfig, *, model: Any | None = None, tokenizer: Any | None = None,
+              model_id: str | None = None, device: str | None = None, where: str = "judge") -> "HFBackend":
+        """``cfg.model`` loaded here, or the given ``model``/``tokenizer`` (named ``model_id``)."""
+        if cfg.model is not None:
+            return cls.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device or device,
+                                       max_new_tokens=cfg.max_tokens, protocol=cfg.protocol)
+        if model is not None:
+            # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
+            return cls(model, tokenizer, model_id=model_id or "model under evaluation",
+                       max_new_tokens=cfg.max_tokens, protocol=cfg.protocol)
+        raise ValueError(f"{where}.backend=hf with {where}.model=null needs the evaluated model; set {where}.model")
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, max_new_tokens: int = 256,
                  protocol: str = "verdict") -> None:
@@ -860,7 +903,26 @@ class HFBackend:
 
 # ---------------------------------------------------------------- config + factory
 
-JUDGE_BACKENDS = ("none", "hf", "openai")
+# judge.backend -> the class that judges (None: no judge). Each has ``check_config(cfg, where)``,
+# ``check_env(cfg, where)``, ``build(cfg, ...)``, ``asks_again`` and ``judges_evaluated_model``.
+JUDGE_BACKENDS: dict[str, type[OpenAIBackend] | type[HFBackend] | None] = {
+    "none": None, "hf": HFBackend, "openai": OpenAIBackend,
+}
+
+
+def judge_backend(cfg: Any) -> type[OpenAIBackend] | type[HFBackend] | None:
+    """The backend class ``cfg.backend`` names (None for ``none``); a ValueError for a name not in
+    :data:`JUDGE_BACKENDS`."""
+    try:
+        return JUDGE_BACKENDS[cfg.backend]
+    except (KeyError, TypeError):
+        raise ValueError(f"judge.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {cfg.backend!r}") from None
+
+
+def uses_evaluated_model(cfg: Any) -> bool:
+    """The model under evaluation (or training) judges itself (``judge=hf`` with ``judge.model=null``)."""
+    cls = judge_backend(cfg)
+    return cls is not None and cls.judges_evaluated_model and cfg.model is None
 
 
 class JudgeIncomplete(UserError, RuntimeError):
@@ -886,19 +948,18 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
     if out.backend not in JUDGE_BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {out.backend!r}")
     protocol_of(out.protocol, where, templates=out.templates)  # the templates file validated here
-    if out.backend == "openai" and not out.model:
-        raise ValueError(f"{where}.backend=openai needs {where}.model (the served model name)")
+    cls = JUDGE_BACKENDS[out.backend]
+    if cls is not None:
+        cls.check_config(out, where)
     return out
 
 
 def check_judge(cfg: JudgeConfig, where: str = "judge") -> None:
     """What can be checked before any slow work: the backend, the model name, the API key's variable."""
     judge_config(cfg, where)
-    if cfg.backend == "openai":
-        try:
-            api_key(cfg.api_key_env, where)
-        except MissingApiKey as e:
-            raise MissingApiKey(f"{e} ({where}.api_key_env={cfg.api_key_env})") from None
+    cls = JUDGE_BACKENDS[cfg.backend]
+    if cls is not None:
+        cls.check_env(cfg, where)
 
 
 def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = None, tokenizer: Any | None = None,
@@ -911,22 +972,11 @@ def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = No
     ``device`` is where an hf judge loaded from ``cfg.model`` goes when ``cfg.device`` is null.
     """
     j = judge_config(cfg, where)
-    if j.backend == "none":
+    cls = JUDGE_BACKENDS[j.backend]
+    if cls is None:
         return None
     check_judge(j, where)
-    backend: Backend
-    if j.backend == "hf":
-        if j.model is not None:
-            backend = HFBackend.from_pretrained(j.model, dtype=j.dtype, device=j.device or device,
-                                                max_new_tokens=j.max_tokens, protocol=j.protocol)
-        elif model is not None:
-            # The evaluated model judges itself: real mechanics, meaningless verdicts (demo).
-            backend = HFBackend(model, tokenizer, model_id=model_id or "model under evaluation",
-                                max_new_tokens=j.max_tokens, protocol=j.protocol)
-        else:
-            raise ValueError(f"{where}.backend=hf with {where}.model=null needs the evaluated model; set {where}.model")
-    else:
-        backend = OpenAIBackend(j)
+    backend: Backend = cls.build(j, model=model, tokenizer=tokenizer, model_id=model_id, device=device, where=where)
     return Judge(backend, cache_dir=j.cache_dir or cache_dir, show_reference=j.show_reference, progress=progress,
                  protocol=j.protocol, templates=j.templates)
 

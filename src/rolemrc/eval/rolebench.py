@@ -48,6 +48,7 @@ from rolemrc.data.readers import iter_source, read_examples
 from rolemrc.data.roles import RoleSystem
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.eval.generation import generation_backend
 from rolemrc.eval.metrics import rouge_scores, rouge_setting
 
 log = logging.getLogger(__name__)
@@ -302,7 +303,7 @@ def scalars(res: dict[str, Any]) -> dict[str, float]:
 def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     """Load, generate (resumable, ``<out_dir>/rolebench/generations.jsonl``) or read the replies
     (``generation.backend=file``), score."""
-    items, raw_absent = load_items(cfg.data, cfg.limit, need_prompts=cfg.generation.backend != "file")
+    items, raw_absent = load_items(cfg.data, cfg.limit, need_prompts=generation_backend(cfg).generates)
     log.info("RoleBench: %d test items over %s", len(items), ", ".join(dict.fromkeys(i.split for i in items)))
     got = ctx.generate("rolebench", [it.item for it in items])
     kept = [k for k, r in enumerate(got) if r is not None]  # None: no reply in the file (on_missing=skip)

@@ -21,10 +21,12 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
-    GenerationStore, check_backend, generate, generate_remote, generation_label, item_id, load_eval_model, model_label,
-    prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
+    GenerationStore, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
+    load_eval_model, model_label, prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
 )
-from rolemrc.eval.judge import JudgeIncomplete, aggregate, check_judge, judge_config, judge_items, make_judge
+from rolemrc.eval.judge import (
+    JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, make_judge, uses_evaluated_model,
+)
 from rolemrc.eval.metrics import (
     BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_info, rouge_l, rouge_scores,
 )
@@ -50,7 +52,7 @@ def _pending(out_dir: Path, gen_items: Sequence[Any]) -> int:
 def _judge_needs_model(cfg: DictConfig) -> bool:
     """judge=hf judging with the evaluated model, which only a loaded model can be (a path-less,
     random-init model); with a ``model.path`` the judge loads it itself when it has work."""
-    return cfg.judge.backend == "hf" and cfg.judge.model is None and cfg.model.path is None
+    return uses_evaluated_model(cfg.judge) and cfg.model.path is None
 
 
 # ---------------------------------------------------------------- metrics + judge
@@ -92,7 +94,7 @@ def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
 
 
     j = judge_config(cfg.judge)
-    if j.backend == "hf" and j.model is None and model is None and cfg.model.path is not None:
+    if uses_evaluated_model(j) and model is None and cfg.model.path is not None:
         j = replace(j, model=cfg.model.path)  # generated with vllm: the evaluated model judges, loaded here
     return make_judge(j, cache_dir=Path(cfg.out_dir) / "judge_cache", model=model, tokenizer=tokenizer,
                       model_id=model_label(cfg), device=cfg.generation.device, progress=cfg.generation.progress)
@@ -126,16 +128,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_suites(cfg)
 
 
-    backend = cfg.generation.backend
-    if backend in ("hf", "vllm"):
+    backend = generation_backend(cfg)
+    if backend.local:
         cfg, resolved = resolve_model_sources(cfg)
     else:
         resolved = {}
     source = resolved.get("model.path")  # the checkpoint an export came from
 
     check_backend(cfg)  # before anything slow: vllm installed, the API key's variable, the replies file
-    if backend == "vllm" and cfg.restraint:
-        raise ValueError("restraint hooks into a transformers model: use generation.backend=hf")
     # The judge's backend, model name and API key variable are checked before anything slow.
     check_judge(judge_config(cfg.judge))
     out_dir = Path(cfg.out_dir)
@@ -148,13 +148,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
 
     model = tokenizer = None
-    if backend in ("hf", "vllm"):
+    if backend.local:
         chat = build_chat(cfg.model)
         tokenizer = chat.tokenizer
         gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
-        if backend == "hf" and (_pending(out_dir, gen_items) or _judge_needs_model(cfg)):
+        if backend.loads_model and (_pending(out_dir, gen_items) or _judge_needs_model(cfg)):
             model = load_eval_model(cfg, tokenizer)
-        elif backend == "hf":  # a finished folder: metrics and the judge from what is there
+        elif backend.loads_model:  # a finished folder: metrics and the judge from what is there
             log.info("generation: every reply is in %s: the model is not loaded", out_dir / "generations.jsonl")
         gen = generate(cfg, gen_items, stops, tokenizer, model)
     else:
@@ -175,14 +175,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     judge_stats = None
     judge_model = None
     judge_protocol = None
-    if cfg.judge.backend != "none" and judged:
+    if judge_backend(cfg.judge) is not None and judged:
         jitems = judge_items([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
         with build_judge(cfg, model, tokenizer) as judge:
             judge_model = judge.backend.model_id
             judge_protocol = judge.protocol.name
             verdicts = judge.judge(jitems)
             judge_stats = judge.last_stats
-    elif cfg.judge.backend != "none":
+    elif judge_backend(cfg.judge) is not None:
         log.info("judge skipped: no item belongs to a RoleMRC task")
     verifier = verify_all([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
     agree = agreement(verdicts, verifier) if verdicts is not None and verifier else None

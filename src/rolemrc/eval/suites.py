@@ -30,8 +30,8 @@ from rolemrc.errors import ConfigError
 from rolemrc.eval import characterllm, general, rolebench
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
-    check_backend, count_unmatched, generate, generate_remote, generation_label, item_id, load_eval_model,
-    model_label, prepare_generation, read_replies,
+    check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
+    load_eval_model, model_label, prepare_generation, read_replies,
 )
 from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
@@ -78,7 +78,7 @@ class ModelContext:
 
     @property
     def model(self) -> Any:
-        if self._model is None and self.cfg.generation.backend == "hf":
+        if self._model is None and generation_backend(self.cfg).loads_model:
             self._model = load_eval_model(self.cfg, self.tokenizer)
         return self._model
 
@@ -91,9 +91,9 @@ class ModelContext:
             sub.out_dir = str(Path(self.cfg.out_dir) / sub_dir)
         Path(sub.out_dir).mkdir(parents=True, exist_ok=True)
         ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
-        backend = self.cfg.generation.backend
-        if backend in ("openai", "file"):
-            if backend == "file" and self._replies is None:
+        backend = generation_backend(self.cfg)
+        if not backend.local:
+            if not backend.generates and self._replies is None:
                 self._replies = read_replies(self.cfg.generation.path, self.cfg.generation.reply_field)
             run = generate_remote(sub, items, ids, sub.out_dir, self._replies)
             self.requests += run.requests
@@ -114,15 +114,15 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
     check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
 
-    backend = cfg.generation.backend
-    if backend in ("hf", "vllm"):
+    backend = generation_backend(cfg)
+    if backend.local:
         cfg, resolved = resolve_model_sources(cfg, "compare.path")
     else:
         resolved = {}
         if cfg.get("benchmarks") is not None:
             raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
-                              f"generation.backend={backend}")
-        if backend == "file" and cfg.data.get("characterllm") is not None:
+                              f"generation.backend={backend.name}")
+        if not backend.generates and cfg.data.get("characterllm") is not None:
             raise ConfigError("CharacterLLM's multi-turn sessions are generated turn by turn from the model's own "
                               "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
     check_backend(cfg)

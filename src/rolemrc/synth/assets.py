@@ -15,7 +15,6 @@ from typing import Any, Optional
 import yaml
 
 from rolemrc.synth.rules import parse_pool
-from rolemrc.synth.text import fill, tidy  # noqa: F401  (their old home: callers may import them from here)
 
 PACKAGED = Path(__file__).resolve().parent.parent / "assets" / "synth"
 

@@ -11,7 +11,6 @@ rerun of a finished run sends nothing, and an answer that could not be used is a
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -21,18 +20,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, BudgetExhausted, Outcome
+from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, BudgetExhausted, Outcome, request_key
 from rolemrc.synth.config import BudgetConfig, EmbedderConfig, GeneratorConfig
 
 BudgetExceeded = BudgetExhausted  # the name synthesis used before the client was shared
 
 CACHE_FILE = "api_cache.sqlite"
-
-
-def request_key(payload: dict[str, Any]) -> str:
-    """Stable hash of a request body (sorted keys, no whitespace)."""
-    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 class Cache:

@@ -1,5 +1,5 @@
 """Filling the short data strings of the synthesis assets (seed scripts, rule phrasings, prompt
-blocks). A leaf module: both :mod:`rolemrc.synth.assets` and :mod:`rolemrc.synth.rules` use it."""
+blocks). A leaf module: :mod:`rolemrc.synth.rules` and :mod:`rolemrc.synth.dialogues` use it."""
 
 from __future__ import annotations
 

@@ -200,10 +200,10 @@ def test_dry_run_counts_requests_without_sending(synth_run: Any, tmp_path: Path,
 
 
 def test_budget_stops_a_run_and_the_rest_resumes(tmp_path: Path, synth_inputs: dict[str, Path], fake_server: Any) -> None:
-    from rolemrc.synth.client import BudgetExceeded
+    from rolemrc.api import BudgetExhausted
 
     ov = small_overrides(fake_server.base_url, tmp_path / "out", synth_inputs)
-    with pytest.raises(BudgetExceeded, match="budget.max_requests=5"):
+    with pytest.raises(BudgetExhausted, match="budget.max_requests=5"):
         run_pipeline([*ov, "budget.max_requests=5"])
     assert fake_server.requests == 5  # charged before each send (retries too): never past the cap
     run_pipeline(ov)

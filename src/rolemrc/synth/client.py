@@ -23,8 +23,6 @@ import numpy as np
 from rolemrc.api import FAULT_KINDS, AnswerCache, ApiClient, Budget, BudgetExhausted, Outcome, request_key
 from rolemrc.synth.config import BudgetConfig, EmbedderConfig, GeneratorConfig
 
-BudgetExceeded = BudgetExhausted  # the name synthesis used before the client was shared
-
 CACHE_FILE = "api_cache.sqlite"
 
 
@@ -299,7 +297,7 @@ class RemoteEmbedder(_Client):
         assert self.api is not None
         out = await self.api.embeddings({**body, "encoding_format": "float"}, tag=tag, n_inputs=len(texts), est_tokens=est)
         if out.status == "budget_exhausted":
-            raise BudgetExceeded(out.error or "budget exhausted")
+            raise BudgetExhausted(out.error or "budget exhausted")
         if not out.ok:
             raise EmbeddingFailed(f"embedder request {tag} at {self.cfg.base_url} failed after {out.attempts} attempt(s): {out.error}")
         arr = np.asarray(out.value, dtype=np.float32)

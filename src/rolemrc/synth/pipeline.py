@@ -34,13 +34,13 @@ from rich.table import Table
 
 from rolemrc.synth import dialogues as dlg
 from rolemrc.synth import profiles as prof
-from rolemrc.api import api_key
+from rolemrc.api import BudgetExhausted, api_key
 from rolemrc.data.schemas import DataError
 from rolemrc.errors import UserError
 from rolemrc.synth import roleplay
 from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import (
-    BudgetExceeded, Cache, ChatRequest, ChatResult, Generator, RemoteEmbedder, Usage, make_budget,
+    Cache, ChatRequest, ChatResult, Generator, RemoteEmbedder, Usage, make_budget,
 )
 from rolemrc.synth.config import ROLEMRC_STAGES, STAGES, SynthConfig
 from rolemrc.synth.embed import LocalEmbedder
@@ -106,7 +106,7 @@ class Context:
         """Run chat requests concurrently (cache first); answers in request order, None for a
         request without a usable answer after every retry (recorded in ``missing``).
 
-        Raises :class:`BudgetExceeded` when the budget ran out, and RuntimeError when the server
+        Raises :class:`rolemrc.api.BudgetExhausted` when the budget ran out, and RuntimeError when the server
         refused the key or the URL (HTTP 401/403/404: later requests are not sent), both after
         every request in flight has finished and been cached."""
         advance = self.bar(f"{stage}: requests", len(requests))
@@ -132,7 +132,7 @@ class Context:
                                "(check generator.base_url, generator.model and the API key); finished answers are cached")
         spent = [r for r in results if r.kind == "budget_exhausted"]
         if spent:
-            raise BudgetExceeded(spent[0].error or "budget exhausted")
+            raise BudgetExhausted(spent[0].error or "budget exhausted")
         for r in results:
             if r.text is None:
                 self.missing.setdefault(stage, []).append(

@@ -127,7 +127,7 @@ class CSVLogger(Logger):
             self._reconciled = True
             first = min(s for s in (_step(r) for r in self._rows) if s is not None)
             old = _read_rows(path)
-            kept = [r for r in old if (s := _step(r)) is None or s < first]
+            kept = [r for r in old if (s := _step(r)) is None or s < first or (s == first and _kept_beside(r, self._rows))]
             if path.is_file() and (len(kept) != len(old) or new_keys):
                 self._rewrite(path, kept)
         elif new_keys and path.is_file():
@@ -154,6 +154,18 @@ class CSVLogger(Logger):
 
 METRICS_FILE = "metrics.csv"
 HPARAMS_FILE = "hparams.yaml"
+
+
+def _is_validation(row: dict[str, Any]) -> bool:
+    keys = [k for k, v in row.items() if k not in ("step", "epoch") and v not in (None, "")]
+    return bool(keys) and all(k.startswith("val/") for k in keys)
+
+
+def _kept_beside(old: dict[str, Any], new: list[dict[str, Any]]) -> bool:
+    """A row of the step a resumed process logs first that stays: one of that step's training
+    rows when the process begins by redoing the step's validation (a resume from a checkpoint
+    written before it; only the validation's row is logged again)."""
+    return _is_validation(new[0]) and not _is_validation(old)
 
 
 def _header(path: Path) -> list[str]:

@@ -11,21 +11,35 @@ the same command line whose config has changed since (a config file edited), is 
 lists them and the differing keys; name one with ``hydra.run.dir=<folder> ckpt_path=last``. A new
 run's folder is decided here too (``hydra.run.dir`` added), so the folder printed is the one written.
 
-Left alone: an explicit ``hydra.run.dir``, a folder Hydra would reuse that already holds a
-checkpoint (a requeued SLURM job: ``outputs/<task_name>/<job id>``), multirun and ``--cfg``-style
-flags, and any ``ckpt_path`` other than ``last``.
+Continuing a folder never rewrites its saved ``.hydra/config.yaml`` (Hydra is told not to write
+``.hydra/``: ``hydra.output_subdir=null``); what a continuation changes is appended to
+``.hydra/continuations.yaml`` beside it (:func:`record_continuation`), so the command that made
+the run still finds it. ``hydra.run.dir=<run> ckpt_path=last`` on a folder holding a checkpoint
+continues that run with its own saved command line (``.hydra/overrides.yaml``) under this
+command's overrides: ``hydra.run.dir=<run> ckpt_path=last trainer.max_steps=70`` is the run's
+config with ``trainer.max_steps=70`` (the model's keys may not change: its checkpoint and its
+exports are of that model). Every command this module or the recipe advises is of that form.
+
+Left alone: a folder Hydra would reuse that already holds a checkpoint (a requeued SLURM job:
+``outputs/<task_name>/<job id>``), multirun and ``--cfg``-style flags, and any ``ckpt_path``
+other than ``last``. :func:`run_folder_lock` keeps a second training process out of a folder in use.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
-from collections.abc import Iterable, Sequence
+import os
+import shlex
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rolemrc.errors import CheckpointError, ConfigError
+from rolemrc.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +94,32 @@ def _shown(diff: dict[str, tuple[Any, Any]], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def find_run_to_continue(cfg: DictConfig, would_be: Path, args: Sequence[str]) -> Path | None:
-    """The run folder ``ckpt_path=last`` continues (see the module), or None for a new run."""
+_looked_up: dict[Path, Path] = {}  # run folder -> its newest checkpoint, as found before Hydra started
+
+
+def _find(folder: Path) -> Path | None:
+    """The newest checkpoint of ``folder`` (:func:`~rolemrc.checkpointing.find_checkpoint`), kept
+    for :func:`chosen_checkpoint`: a start looks each folder up once."""
     from rolemrc.checkpointing import find_checkpoint
 
-    if find_checkpoint(would_be) is not None:
-        return None  # Hydra reuses this folder anyway (a requeued SLURM job)
+    found = find_checkpoint(folder)
+    if found is not None:
+        _looked_up[folder.resolve()] = found
+    return found
+
+
+def chosen_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint of ``run_dir``: the one found when this process chose the folder
+    (before Hydra started), else looked up now."""
+    from rolemrc.checkpointing import find_checkpoint
+
+    found = _looked_up.pop(Path(run_dir).resolve(), None)
+    return found if found is not None and found.exists() else find_checkpoint(run_dir)
+
+
+def find_run_to_continue(cfg: DictConfig, would_be: Path, args: Sequence[str]) -> Path | None:
+    """The run folder ``ckpt_path=last`` continues (see the module), or None for a new run
+    (``would_be``, the folder Hydra would make, holds no checkpoint)."""
     root = would_be.parent
     if not root.is_dir():
         return None
@@ -96,7 +130,7 @@ def find_run_to_continue(cfg: DictConfig, would_be: Path, args: Sequence[str]) -
     near: list[tuple[Path, dict]] = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         saved = folder / ".hydra" / "config.yaml"
-        if not saved.is_file() or find_checkpoint(folder) is None:
+        if not saved.is_file() or _find(folder) is None:
             continue
         try:
             diff = config_diff(task, OmegaConf.load(saved))
@@ -130,17 +164,76 @@ def find_run_to_continue(cfg: DictConfig, would_be: Path, args: Sequence[str]) -
     return None
 
 
+NO_HYDRA_FILES = "hydra.output_subdir=null"  # a continued folder's .hydra/ is left as the run wrote it
+CONTINUATIONS = "continuations.yaml"  # in <run>/.hydra: what each continuation changed
+
+
+def _key(override: str) -> str:
+    """An override's key as Hydra parses it (``+a.b=1`` -> ``a.b``, ``model=qwen`` -> ``model``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override).key_or_group
+
+
+def saved_overrides(run_dir: str | Path) -> list[str]:
+    """The command-line overrides that made the run in ``run_dir`` (``.hydra/overrides.yaml``)."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
+
+
+def rebased_overrides(run_dir: str | Path, args: Sequence[str]) -> list[str]:
+    """The run's saved overrides under ``args`` (an override of the same key in ``args`` wins)."""
+    mine = {_key(a) for a in args}
+    return [o for o in saved_overrides(run_dir) if _key(o) not in mine] + list(args)
+
+
+def _compose(config_dir: str | Path, config_name: str, args: Sequence[str]) -> DictConfig | None:
+    """The command's config as @hydra.main would compose it, or None when Hydra would refuse it
+    (then @hydra.main reports it the usual way)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            return compose(config_name, overrides=list(args), return_hydra_config=True)
+    except Exception:
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _continue_folder(argv: list[str], args: list[str], folder: Path, config_dir: str | Path,
+                     config_name: str) -> list[str]:
+    """``hydra.run.dir=<folder> ckpt_path=last <overrides>`` on a run folder with a checkpoint:
+    its saved command line under ``<overrides>``, its ``.hydra/`` left as it is (see the module)."""
+    rebased = rebased_overrides(folder, args)
+    cfg = _compose(config_dir, config_name, rebased)
+    if cfg is None or cfg.get("ckpt_path") != "last":
+        return argv
+    saved = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    task = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    diff = config_diff(task, saved, ignore=("run_dir", "ckpt_path"))
+    model = {k: v for k, v in diff.items() if k == "model" or k.startswith("model.")}
+    if model:
+        raise ConfigError(f"ckpt_path=last: {folder} is a run of another model ({_shown(model)}); its checkpoint "
+                          f"and exports are of its own model: start a new run for this one "
+                          f"(model.path={folder} starts from its weights)")
+    changes = f" with {_shown(diff)}" if diff else ""
+    print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
+    return [argv[0], *rebased, NO_HYDRA_FILES]
+
+
 def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: str) -> list[str]:
     """``argv`` with ``hydra.run.dir=<the run to continue>`` added when ``ckpt_path=last``
-    finds one (see the module); otherwise ``argv`` unchanged."""
+    finds one, or the named folder's saved overrides when ``hydra.run.dir`` names a run with a
+    checkpoint (see the module); otherwise ``argv`` unchanged."""
     argv = list(argv)
     args = argv[1:]
     if not args or any(a.startswith("-") for a in args):  # -m, --cfg, --help, -cn ...: Hydra's business
         return argv
     if not any(a.split("=", 1)[0].lstrip("+~") in ("ckpt_path", "experiment") for a in args):
         return argv  # ckpt_path=last can only come from the command line or an experiment file
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -149,25 +242,21 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
         overrides = OverridesParser.create().parse_overrides(args)
     except OverrideParseException:  # e.g. an unquoted '=' in a value: @hydra.main reports it the usual way
         return argv
-    if any(o.key_or_group == "hydra.run.dir" for o in overrides):
-        return argv  # the user named the folder
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
-            cfg = compose(config_name, overrides=args, return_hydra_config=True)
-    except Exception:
-        return argv  # a bad override: @hydra.main reports it the usual way
-    finally:
-        GlobalHydra.instance().clear()
-    if cfg.get("ckpt_path") != "last":
+    named = [o for o in overrides if o.key_or_group == "hydra.run.dir"]
+    if named:  # the user named the folder
+        folder = Path(str(named[-1].value()))
+        if (folder / ".hydra" / "config.yaml").is_file() and _find(folder) is not None:
+            return _continue_folder(argv, args, folder, config_dir, config_name)
+        return argv
+    cfg = _compose(config_dir, config_name, args)
+    if cfg is None or cfg.get("ckpt_path") != "last":
         return argv
     HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} and ${now:...} in hydra.run.dir
     would_be = Path(str(cfg.hydra.run.dir))
-    from rolemrc.checkpointing import find_checkpoint
 
-    if find_checkpoint(would_be) is not None:  # a requeued SLURM job: Hydra reuses its folder, left as it is
+    if _find(would_be) is not None:  # a requeued SLURM job: Hydra reuses its folder, left as it is
         print(f"ckpt_path=last: continuing {would_be}", flush=True)
-        return argv
+        return [*argv, NO_HYDRA_FILES] if (would_be / ".hydra" / "config.yaml").is_file() else argv
     found = find_run_to_continue(cfg, would_be, args)
     if found is None:
         # The folder is named here, once: left to @hydra.main, ${now:...} would be read again a
@@ -175,32 +264,114 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
         print(f"ckpt_path=last: no run of this config with a checkpoint in <run>/checkpoints under "
               f"{would_be.parent}: starting a new run in {would_be}", flush=True)
         return [*argv, f'hydra.run.dir="{would_be}"']
-    finished = finished_run_message(cfg, found)
-    if finished is not None:
-        print(finished, flush=True)
-        raise SystemExit(0)  # nothing to do: no checkpoint re-saved, no export redone
     print(f"ckpt_path=last: continuing {found}", flush=True)
-    return [*argv, f'hydra.run.dir="{found}"']
+    return [*argv, f'hydra.run.dir="{found}"', NO_HYDRA_FILES]
 
 
-def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
+def continue_command(run_dir: str | Path, *extra: str, drop: Iterable[str] = ()) -> str:
+    """The command that continues the run in ``run_dir``: ``python train.py hydra.run.dir=<run>
+    ckpt_path=last``, this process's own overrides (those not saved with the run: a
+    continuation's changes; without ``drop``'s keys) and ``extra``."""
+    skip = {"ckpt_path", "hydra.run.dir", "hydra.output_subdir", *drop, *(_key(e) for e in extra)}
+    saved = set(saved_overrides(run_dir))
+    own = [o for o in _task_overrides_now() if o not in saved and _key(o) not in skip]
+    return shlex.join(["python", "train.py", f"hydra.run.dir={run_dir}", "ckpt_path=last", *own, *extra])
+
+
+def _task_overrides_now() -> list[str]:
+    """This process's task overrides (Hydra's), empty outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(o) for o in HydraConfig.get().overrides.task]
+
+
+def record_continuation(cfg: DictConfig) -> None:
+    """Append what this continuation of ``cfg.run_dir`` changes from the run's saved config
+    (and its command line) to ``<run>/.hydra/continuations.yaml``; the saved config stays as the
+    run wrote it. Nothing when Hydra wrote ``.hydra/`` itself (a new run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from rolemrc.fileio import atomic_write_text
+
+    folder = Path(str(cfg.run_dir)) / ".hydra"
+    if not HydraConfig.initialized() or HydraConfig.get().output_subdir is not None:
+        return
+    if not (folder / "config.yaml").is_file():
+        return
+    task = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    diff = config_diff(task, OmegaConf.load(folder / "config.yaml"), ignore=("run_dir", "ckpt_path"))
+    path = folder / CONTINUATIONS
+    entries = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else []
+    entries.append({"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                    "overrides": _task_overrides_now(),
+                    "changed": {k: {"saved": a, "now": b} for k, (a, b) in diff.items()}})
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(entries)))
+
+
+LOCK_FILE = ".train.lock"
+
+
+def _launched_rank() -> int:
+    """This process's global rank from the launcher's environment (0 when not launched)."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):  # Lightning's own order
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+@contextmanager
+def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``<run>/.train.lock`` while training in ``run_dir``: a second training process of the
+    same folder (two ``ckpt_path=last`` starts) stops with one error line instead of writing the
+    same steps twice. The lock (``flock``) goes with the process, however it ends; only rank 0
+    (or a process no launcher started) takes it."""
+    import fcntl
+
+    if _launched_rank() != 0:
+        yield
+        return
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise UserError(f"{folder} is in use by another training process (pid {holder}, lock "
+                            f"{folder / LOCK_FILE}); wait for it to end, or train in another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@dataclass
+class Finished:
+    """A run whose newest checkpoint reached its config's end: what to say, and at which step."""
+
+    message: str
+    step: int
+    checkpoint: Path
+
+
+def finished_run(cfg: DictConfig, run_dir: str | Path, checkpoint: Path) -> Finished | None:
     """For ``ckpt_path=last`` on a run whose newest checkpoint already reached this config's end
     (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
     training (which would only save the same checkpoint again and redo the export), naming how
-    to extend it. None when there is more to train (or no checkpoint)."""
-    # rolemrc.checkpointing loads Lightning: this module runs before Hydra starts and stays light
-    from rolemrc.checkpointing import find_checkpoint, read_checkpoint_entries
+    to extend it. None when there is more to train (or no checkpoint). Whether its end-of-run
+    work (export, summary) was done is the recipe's to check (:func:`rolemrc.train.run`).
+    ``checkpoint``: the run's newest, looked up and checked by the recipe."""
+    # rolemrc.checkpointing.run_state loads Lightning: this module runs before Hydra starts and stays light
+    from rolemrc.checkpointing import read_checkpoint_entries
     from rolemrc.checkpointing.run_state import completed_epochs
-    from rolemrc.checkpointing.verify import check_checkpoint, reading
+    from rolemrc.checkpointing.verify import reading
 
-    checkpoint = find_checkpoint(run_dir)
-    if checkpoint is None:
-        return None
-    try:
-        with reading(check_checkpoint(checkpoint)):
-            state = read_checkpoint_entries(checkpoint, ("global_step", "loops"))
-    except CheckpointError:
-        return None  # not decided here: the run checks its checkpoint and names what is wrong with it
+    with reading(checkpoint):
+        state = read_checkpoint_entries(checkpoint, ("global_step", "loops"))
     step = int(state.get("global_step", 0))
     epochs = completed_epochs(state)  # an epoch max_steps cut short is not complete
     max_steps = cfg.trainer.get("max_steps", -1)
@@ -211,7 +382,10 @@ def finished_run_message(cfg: DictConfig, run_dir: str | Path) -> str | None:
         return None
     reached = (f"trainer.max_steps={max_steps} reached at step {step}" if by_steps
                else f"trainer.max_epochs={max_epochs} complete epoch(s) at step {step}")
-    how = (f"to train further, raise trainer.max_steps (e.g. trainer.max_steps={step * 2}) with the same overrides "
-           f"and ckpt_path=last" if by_steps else
-           f"to train more epochs: trainer.max_epochs={max_epochs + 1} hydra.run.dir={run_dir} ckpt_path=last")
-    return f"ckpt_path=last: {run_dir} is finished ({reached}; checkpoint {checkpoint}); nothing to do. {how}"
+    # A folder continued by name runs its own saved command line (see the module), so the advised
+    # command holds whichever overrides this one had; every limit reached is raised (no loop)
+    raise_ = ([f"trainer.max_steps={max(step * 2, step + 1)}"] if by_steps else []) + \
+        ([f"trainer.max_epochs={max_epochs + 1}"] if by_epochs else [])
+    how = f"to train further: {continue_command(run_dir, *raise_)}"
+    return Finished(f"ckpt_path=last: {run_dir} is finished ({reached}; checkpoint {checkpoint}); nothing to do. "
+                    f"{how}", step, Path(checkpoint))

@@ -7,7 +7,9 @@ config (:mod:`rolemrc.build`), :func:`fit` trains them and exports the result.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,19 +20,21 @@ from omegaconf import DictConfig
 
 from rolemrc.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
 from rolemrc.callbacks.run_summary import RunSummary
-from rolemrc.checkpointing import find_checkpoint, full_state_dict
+from rolemrc.checkpointing import full_state_dict
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.fileio import atomic_write_json
+from rolemrc.fileio import atomic_write_json, partial_path
 from rolemrc.memory import check_memory, resolve_checkpointing
 from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
-from rolemrc.resume import finished_run_message
+from rolemrc.checkpointing.run_state import RunInterrupted, RunState
+from rolemrc.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
+                            run_folder_lock)
 from rolemrc.warnings import hf_progress_bars
 
 log = logging.getLogger(__name__)
@@ -48,15 +52,17 @@ class TrainRun:
     ckpt_path: str | None
 
 
-def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+def resolve_ckpt_path(cfg: DictConfig, last: Path | None = None) -> str | None:
     """``ckpt_path=last`` -> the run folder's last checkpoint if there is one (None on a
-    fresh run, so the same command starts and resumes). Under SLURM with no ckpt_path,
-    Lightning itself resumes from the preemption checkpoint (``hpc_ckpt_*``)."""
+    fresh run, so the same command starts and resumes; ``last``: already looked up and checked
+    by :func:`run`). Under SLURM with no ckpt_path, Lightning itself resumes from the
+    preemption checkpoint (``hpc_ckpt_*``)."""
     if cfg.ckpt_path in (None, ""):
         return None
     if cfg.ckpt_path == "last":
-        last = find_checkpoint(cfg.run_dir)
-        return str(check_checkpoint(last)) if last is not None else None
+        if last is None:
+            last = last_checkpoint(cfg.run_dir)
+        return str(last) if last is not None else None
     if not Path(cfg.ckpt_path).exists():
         raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
     check_checkpoint(cfg.ckpt_path)  # truncated or corrupt: named here, not an EOFError from Lightning
@@ -84,9 +90,18 @@ def check_files(cfg: DictConfig) -> None:
         raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
 
 
-def setup(cfg: DictConfig) -> TrainRun:
+def last_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run folder's newest checkpoint, checked (a truncated or corrupt one is named here, before
+    the model loads), or None: the one lookup of a ``ckpt_path=last`` start (the folder chosen
+    before Hydra started was looked up there: :func:`rolemrc.resume.chosen_checkpoint`)."""
+    found = chosen_checkpoint(run_dir)
+    return check_checkpoint(found) if found is not None else None
+
+
+def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
     """Check the config, then build the parts in pipeline order. Impossible combinations
-    (strategy vs quantization, precision vs dtype, lengths) fail here, before weights load."""
+    (strategy vs quantization, precision vs dtype, lengths) fail here, before weights load.
+    ``last``: ``ckpt_path=last``'s checkpoint, when :func:`run` looked it up."""
     check_train_config(cfg)
     check_model_cfg(cfg.model)
     check_files(cfg)
@@ -109,14 +124,28 @@ def setup(cfg: DictConfig) -> TrainRun:
              *(str(d).removeprefix("torch.") for d in (policy.master, policy.frozen, policy.compute)))
     model = build_model(cfg.model, chat.tokenizer)
     module = build_module(cfg, model, datamodule)
-    return TrainRun(cfg, chat, datamodule, trainer, module, resolve_ckpt_path(cfg))
+    return TrainRun(cfg, chat, datamodule, trainer, module, resolve_ckpt_path(cfg, last))
 
 
 def fit(run: TrainRun) -> dict[str, Any]:
     """Train (resuming from ``run.ckpt_path``), then export; returns the paths written and the
-    final logged metrics."""
+    final logged metrics. Ctrl-C (SIGINT) or SIGTERM during training: a checkpoint at the step
+    boundary (:class:`rolemrc.checkpointing.run_state.RunState`), the command that continues,
+    exit status 128 + the signal's number."""
     cfg, trainer = run.cfg, run.trainer
-    trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    try:
+        trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    except RunInterrupted as stop:
+        if trainer.is_global_zero:
+            print(f"{stop}; to continue: {continue_command(cfg.run_dir)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop.signum) from None
+    summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)
+    if summary is not None and not summary.figures:  # resumed at its end: Lightning trained nothing and
+        # ended no training (killed during the final validation or the export): finish what is missing
+        state = next(c for c in trainer.callbacks if isinstance(c, RunState))
+        if state.restored_before_validation:
+            trainer.validate(run.module, datamodule=run.datamodule, verbose=False)
+        summary.figures = summary.summarise(trainer, run.module)
     result: dict[str, Any] = {"run_dir": str(cfg.run_dir),
                               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if cfg.export.enabled:
@@ -126,15 +155,40 @@ def fit(run: TrainRun) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train as configured: ``fit(setup(cfg))``; ``ckpt_path=last`` on a finished run says so
-    (and how to extend it) and does nothing."""
+    """Train as configured: ``fit(setup(cfg))``, holding the run folder's lock (a second process
+    training the same folder stops with one error line). ``ckpt_path=last`` on a finished run
+    whose end-of-run work is done says so (and how to extend it) and does nothing; a finished run
+    whose export or summary is missing (killed during them) completes them."""
+    with run_folder_lock(cfg.run_dir):
+        last = None
+        if cfg.ckpt_path == "last":
+            last = last_checkpoint(cfg.run_dir)
+            finished = finished_run(cfg, cfg.run_dir, last) if last is not None else None
+            if finished is not None:
+                missing = missing_end_of_run_work(cfg, finished.step)
+                if not missing:
+                    print(finished.message, flush=True)
+                    return {"run_dir": str(cfg.run_dir), "finished": True}
+                print(f"ckpt_path=last: {cfg.run_dir} finished training at step {finished.step}; completing its "
+                      f"end-of-run work ({', '.join(missing)})", flush=True)
+            record_continuation(cfg)
+        return fit(setup(cfg, last))
 
-    if cfg.ckpt_path == "last":
-        finished = finished_run_message(cfg, cfg.run_dir)
-        if finished is not None:
-            print(finished, flush=True)
-            return {"run_dir": str(cfg.run_dir), "finished": True}
-    return fit(setup(cfg))
+
+def missing_end_of_run_work(cfg: DictConfig, step: int) -> list[str]:
+    """What a run that trained to ``step`` has not finished of its end (empty: nothing): the
+    export (``export.enabled``) and ``run_summary.json`` of that step, which is written last."""
+    missing = []
+    export = Path(cfg.run_dir) / cfg.export.dir
+    if cfg.export.enabled and (not export.is_dir() or partial_path(export).exists()):  # swapped in when complete
+        missing.append(f"export {export}")
+    try:
+        summary = json.loads((Path(cfg.run_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict) or summary.get("steps") != step:
+        missing.append(SUMMARY_FILE)
+    return missing
 
 
 SUMMARY_FILE = "run_summary.json"

@@ -189,12 +189,31 @@ def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
     assert reopen_epoch_stopped_by_max_steps(cut)
     assert cut["epoch"] == 0 and cut["loops"]["fit_loop"]["epoch_progress"]["current"] == {
         "ready": 1, "started": 1, "processed": 0, "completed": 0}
+    # Resumed at the start of epoch 2 and stopped inside it: Lightning counts epoch 2 finished, never started.
+    resumed = _fit_loop_state(epochs_done=3, epoch_ready=2, batches=1, is_last_batch=False)
+    assert reopen_epoch_stopped_by_max_steps(resumed)
+    assert resumed["epoch"] == 2 and resumed["loops"]["fit_loop"]["epoch_progress"]["current"] == {
+        "ready": 3, "started": 3, "processed": 2, "completed": 2}
     # Left as they are: an epoch that ran to its last batch, a checkpoint saved inside an epoch.
     ended = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=31, is_last_batch=True)
     inside = _fit_loop_state(epochs_done=0, epoch_ready=1, batches=2, is_last_batch=False)
     for state in (ended, inside, {"state_dict": {}}):
         before = repr(state)
         assert not reopen_epoch_stopped_by_max_steps(state) and repr(state) == before
+
+
+def test_an_epoch_whose_last_step_was_checkpointed_counts_as_complete() -> None:
+    from rolemrc.checkpointing.run_state import completed_epochs
+
+    # Saved as epoch 2's last step ended (a checkpoint interval dividing the epoch), the end of training.
+    progress = lambda ready, done: {"ready": ready, "started": ready, "processed": done, "completed": done}  # noqa: E731
+    at_end = {"loops": {"fit_loop": {"epoch_progress": {"current": progress(3, 2), "total": progress(3, 2)},
+                                     "epoch_loop.batch_progress": {
+                                         "current": {**progress(2, 2), "completed": 1},
+                                         "total": {**progress(6, 6), "completed": 5}, "is_last_batch": True}}}}
+    assert completed_epochs(at_end) == 3
+    at_end["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = False  # inside the epoch
+    assert completed_epochs(at_end) == 2
 
 
 def test_reopening_reads_the_checkpoint_lightning_writes(tmp_path: Path) -> None:

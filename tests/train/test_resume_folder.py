@@ -28,7 +28,9 @@ KILL = ["+callbacks.kill._target_=tests.train.killer.KillAt", "+callbacks.kill.s
 
 
 def train(cwd: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    # this checkout's src ahead of an installed rolemrc (a shared venv's editable install may point elsewhere)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "offline"}
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -94,12 +96,16 @@ def test_raising_max_steps_extends_a_finished_run_within_its_epoch(tmp_path: Pat
 
     # Finished now: the same command again says so and how to extend it, and touches nothing
     # (no checkpoint saved again, no row, no Hydra file rewritten).
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    def files() -> dict[Path, int]:  # the lock file holds the pid of the process using the folder
+        return {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name != ".train.lock"}
+
+    before = files()
     rc, out, err = finish(train(tmp_path, *args, "trainer.max_steps=4"))
     assert rc == 0, err[-3000:]
-    assert f"ckpt_path=last: outputs/extend/{run.name} is finished (trainer.max_steps=4 reached at step 4" in out, out
-    assert "raise trainer.max_steps (e.g. trainer.max_steps=8)" in out and "Trainer.fit" not in err + out
-    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert f"ckpt_path=last: {run} is finished (trainer.max_steps=4 reached at step 4" in out, out
+    assert (f"to train further: python train.py hydra.run.dir={run} ckpt_path=last "
+            "trainer.max_steps=8") in out and "Trainer.fit" not in err + out
+    assert files() == before
 
 
 def test_logger_none_trains_with_the_default_callbacks(tmp_path: Path) -> None:
@@ -148,8 +154,10 @@ def test_the_one_matching_run_is_continued_others_are_not(outputs: Path) -> None
     saved_run(outputs, "2026-01-02_00-00-00", [*ARGS, "optim.lr=1e-3"])  # another experiment
     saved_run(outputs, "2026-01-03_00-00-00", [*ARGS, "seed=1"])
     (outputs / "2026-01-04_00-00-00" / ".hydra").mkdir(parents=True)  # crashed before its first checkpoint
+    # Continued: its saved .hydra/ is left as the run wrote it (Hydra writes none)
     assert choose(*ARGS, "ckpt_path=last", "trainer.max_steps=20") == [
-        *ARGS, "ckpt_path=last", "trainer.max_steps=20", f'hydra.run.dir="{outputs}/2026-01-01_00-00-00"']
+        *ARGS, "ckpt_path=last", "trainer.max_steps=20", f'hydra.run.dir="{outputs}/2026-01-01_00-00-00"',
+        "hydra.output_subdir=null"]
     # None: a new run, in the folder decided (and printed) here, not in one Hydra would time-stamp again.
     new = choose(*ARGS, "ckpt_path=last", "seed=2")
     assert new[:-1] == [*ARGS, "ckpt_path=last", "seed=2"]
@@ -201,7 +209,7 @@ def test_slurm_requeue_keeps_its_job_folder(outputs: Path, monkeypatch: pytest.M
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     # A requeued job: its own folder (outputs/<task>/<job id>) holds the checkpoint; Hydra reuses it.
     saved_run(outputs, "4242", ARGS)
-    assert choose(*ARGS, "ckpt_path=last") == [*ARGS, "ckpt_path=last"]
+    assert choose(*ARGS, "ckpt_path=last") == [*ARGS, "ckpt_path=last", "hydra.output_subdir=null"]
     # A new job resubmitted after the old one was killed continues the old job's run.
     monkeypatch.setenv("SLURM_JOB_ID", "4243")
     with pytest.raises(ValueError, match="2 run folders"):  # both earlier folders match
@@ -223,3 +231,20 @@ def test_csv_logger_keeps_rows_before_the_resumed_step_and_drops_a_torn_row(tmp_
                                      {"train/loss": 1 / 3, "step": 2}, {"train/loss": 9.0, "val/loss": 0.5, "step": 3}]
     CSVLogger(save_dir=tmp_path, name="csv", version="").log_metrics({"train/loss": 7.0}, step=0)  # a fresh start
     assert metric_rows(tmp_path) == [{"train/loss": 7.0, "step": 0}]
+
+
+def test_csv_logger_resumed_with_a_redone_validation_keeps_that_steps_training_row(tmp_path: Path) -> None:
+    # Resumed from a checkpoint written as step 3 ended, before its validation (killed there): the
+    # new process first logs that validation again; step 3's training row stays, its old
+    # validation row (if any) is replaced, later rows go.
+    from rolemrc.loggers import CSVLogger
+
+    first = CSVLogger(save_dir=tmp_path, name="csv", version="")
+    for step in range(5):
+        first.log_metrics({"train/loss": float(step)}, step=step)
+    first.log_metrics({"val/loss": 0.5}, step=3)
+    resumed = CSVLogger(save_dir=tmp_path, name="csv", version="")
+    resumed.log_metrics({"val/loss": 0.25}, step=3)
+    assert metric_rows(tmp_path) == [{"train/loss": 0.0, "step": 0}, {"train/loss": 1.0, "step": 1},
+                                     {"train/loss": 2.0, "step": 2}, {"train/loss": 3.0, "step": 3},
+                                     {"val/loss": 0.25, "step": 3}]

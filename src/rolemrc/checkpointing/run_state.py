@@ -38,6 +38,8 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+import threading
 from types import FrameType
 from typing import Any
 
@@ -173,15 +175,27 @@ def reopen_epoch_stopped_by_max_steps(checkpoint: dict[str, Any]) -> bool:
         return False
     epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
     done = epochs["current"]["completed"]
-    if batches.get("is_last_batch", True) or done < 1 or done != epochs["current"]["ready"]:
+    if batches.get("is_last_batch", True) or done < 1 or done < epochs["current"]["ready"]:
         return False  # the epoch ran to its end, or the checkpoint was saved inside it
     if batches["current"]["completed"] < 1:
         return False
     for progress in (epochs["current"], epochs["total"]):
+        # a run resumed at an epoch's start has that epoch finished but never counted as started
+        progress["ready"] = max(progress["ready"], progress["completed"])
+        progress["started"] = max(progress["started"], progress["completed"])
         progress["completed"] -= 1
         progress["processed"] = min(progress["processed"], progress["completed"])
     checkpoint["epoch"] = epochs["current"]["completed"]
     return True
+
+
+def saved_as_a_step_ended(checkpoint: dict[str, Any]) -> bool:
+    """Whether a checkpoint was saved as its last step ended (``on_train_batch_end``: before any
+    validation of that step), from Lightning's batch progress (the same test as its own restart
+    stages): the batch was processed, not yet counted completed."""
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    total = (loop.get("epoch_loop.batch_progress") or {}).get("total")
+    return bool(total) and total["processed"] >= 1 and total["completed"] == total["processed"] - 1
 
 
 def completed_epochs(checkpoint: dict[str, Any]) -> int:
@@ -191,7 +205,33 @@ def completed_epochs(checkpoint: dict[str, Any]) -> int:
         return 0
     probe = {"loops": copy.deepcopy(checkpoint["loops"])}
     reopen_epoch_stopped_by_max_steps(probe)
-    return int(probe["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+    loop = probe["loops"]["fit_loop"]
+    done = int(loop["epoch_progress"]["current"]["completed"])
+    # saved as the epoch's last step ended (a checkpoint interval that divides the epoch): Lightning
+    # counts the epoch complete once it restores it (its restart from on_train_batch_end)
+    if loop["epoch_loop.batch_progress"].get("is_last_batch") and saved_as_a_step_ended(checkpoint) \
+            and done < loop["epoch_progress"]["current"]["ready"]:
+        done += 1
+    return done
+
+
+def redo_validation_of_restored_step(trainer: L.Trainer) -> bool:
+    """A checkpoint saved as a step ended (every ``checkpoint_every_n_steps``, an interruption) is
+    written before that step's validation runs; resumed from it, Lightning skips that validation
+    as if it had run, so a validation killed there would be lost (``metrics.csv`` short of its
+    row, the summary's ``val/loss`` empty). Here Lightning is told the validation was cut short,
+    so it runs it again before training on (its own path for a checkpoint saved mid-validation);
+    only where it would validate at that step. Reads Lightning's private loop state (its restart
+    stages), like :func:`reopen_epoch_stopped_by_max_steps`; ``tests/train/test_resume_promises.py``
+    checks the row comes back."""
+    from lightning.pytorch.loops.evaluation_loop import RestartStage
+
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not epoch_loop.restarted_on_train_batch_end:
+        return False
+    epoch_loop.val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
+    epoch_loop.val_loop.restarting = False  # a whole validation, from its first batch
+    return True
 
 
 def lr_from_schedule(trainer: L.Trainer) -> None:
@@ -212,6 +252,26 @@ def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:
     return tuple(parts()) if callable(parts) else ()
 
 
+class RunInterrupted(Exception):
+    """Training stopped by SIGINT (Ctrl-C) or SIGTERM after a checkpoint at a step boundary;
+    the recipe prints how to continue and exits with status 128 + ``signum``."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}: checkpoint {checkpoint}")
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> str:
+    """Where ``last.ckpt`` goes: the ``save_last`` ModelCheckpoint's (``build_callbacks`` always adds one)."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+            return f"{callback.dirpath}/{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
 class RunState(L.Callback):
     """Saves the RNG states, and the state of the module's :func:`run_state_parts`, with every
     checkpoint and restores them (the parts' as Lightning restores the checkpoint, the RNG states
@@ -219,11 +279,76 @@ class RunState(L.Callback):
     rate where this run's schedule has it; reopens an epoch ``max_steps`` cut short; and saves
     ``last.ckpt`` of each ``save_last`` ModelCheckpoint when training ends at a step no checkpoint holds yet
     (``every_n_train_steps`` saves on those steps only: a run of 10 steps checkpointed every 4
-    would end with step 8's). Every rank runs it: the save is collective under FSDP."""
+    would end with step 8's). Every rank runs it: the save is collective under FSDP.
+
+    Ctrl-C (SIGINT) and SIGTERM while training only set a flag (a second one acts as usual, at
+    once): at the next optimizer-step boundary every rank saves ``last.ckpt`` and training stops
+    with :class:`RunInterrupted` once that step's row is logged (before a validation or the next
+    batch). Saving in the handler could meet another rank inside a
+    collective (see :class:`SlurmRequeue`)."""
 
     def __init__(self) -> None:
         self._saved_step = -1
         self._rng_to_restore: dict[str, Any] | None = None
+        self._signum: int | None = None
+        self._handlers: dict[int, Any] = {}
+        self._redoing_validation = False
+        self.restored_before_validation = False
+        self._interrupted: RunInterrupted | None = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._stop_if_interrupted()
+        if self._redoing_validation:  # the restored step's (see redo_validation_of_restored_step)
+            self._redoing_validation = False
+            # Lightning counted the restored step as a new one when it restored it, and counts it
+            # again after this validation: the rows keep the step the uninterrupted run logs
+            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._stop_if_interrupted()
+        self._redoing_validation = False  # no validation was due at the restored step
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signum = signum
+        signal.signal(signum, self._handlers.get(signum, signal.SIG_DFL))  # a second one: at once
+        print(f"\n{signal.Signals(signum).name}: stopping at the end of this optimizer step with a checkpoint "
+              f"(again: stop now, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not bool(batch["step_end"]):  # mid-accumulation: a partial step's gradients are in no checkpoint
+            return
+        if not trainer.strategy.reduce_boolean_decision(self._signum is not None, all=False):
+            return
+        signum = trainer.strategy.broadcast(self._signum or signal.SIGTERM, src=0)
+        path = last_checkpoint_path(trainer)
+        if trainer.global_step != self._saved_step:
+            trainer.save_checkpoint(path, weights_only=False)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last:
+                callback.last_model_path = path
+        # Stopped at the next hook: Lightning logs this step's row after this one (a resume
+        # starts after it), and a validation due now is left to the resume, which redoes it
+        self._interrupted = RunInterrupted(int(signum), trainer.global_step, path)
+
+    def _stop_if_interrupted(self) -> None:
+        if self._interrupted is not None:
+            stop, self._interrupted = self._interrupted, None
+            self._restore_handlers()
+            raise stop
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_if_interrupted()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore_handlers()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()
@@ -237,6 +362,8 @@ class RunState(L.Callback):
             log.info("resuming at step %d inside epoch %d, which trainer.max_steps had stopped",
                      checkpoint.get("global_step", -1), checkpoint["epoch"])
         self._rng_to_restore = checkpoint.get(RNG_KEY)
+        self._saved_step = int(checkpoint.get("global_step", -1))  # nothing new to save at this step
+        self.restored_before_validation = saved_as_a_step_ended(checkpoint)
         for part in run_state_parts(pl_module):
             part.load_state_dict(checkpoint)
 
@@ -245,8 +372,15 @@ class RunState(L.Callback):
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
         lr_from_schedule(trainer)
+        self._redoing_validation = redo_validation_of_restored_step(trainer)
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._signum = None
+            for signum in STOP_SIGNALS:
+                self._handlers[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._on_signal)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handlers()  # what follows (the export) is interrupted as usual; a resume redoes it
         if trainer.global_step == self._saved_step or trainer.global_step == 0:
             return
         for callback in trainer.checkpoint_callbacks:

@@ -220,7 +220,8 @@ def _continue_folder(argv: list[str], args: list[str], folder: Path, config_dir:
                           f"and exports are of its own model: start a new run for this one "
                           f"(model.path={folder} starts from its weights)")
     changes = f" with {_shown(diff)}" if diff else ""
-    print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
+    if _launched_rank() == 0:  # ranks a launcher starts (DDP) run this again with the same command line
+        print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
     return [argv[0], *rebased, NO_HYDRA_FILES]
 
 

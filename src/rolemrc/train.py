@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from rolemrc.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing import full_state_dict
+from rolemrc.checkpointing.run_state import RunInterrupted, RunState
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
@@ -32,7 +33,6 @@ from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
-from rolemrc.checkpointing.run_state import RunInterrupted, RunState
 from rolemrc.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
                             run_folder_lock)
 from rolemrc.warnings import hf_progress_bars

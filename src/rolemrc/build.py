@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import warnings
 from typing import Any
 
 import hydra
@@ -130,6 +131,13 @@ def runtime_value(cfg: Any, key: str) -> Any:
     return getattr(cfg.runtime, key)
 
 
+def _one_process(cfg: Any) -> bool:
+    """The run is one process: one device on one node."""
+    devices = cfg.trainer.get("devices", 1)
+    one_device = devices in (1, "1") or (not isinstance(devices, (int, str)) and len(devices) == 1)
+    return one_device and int(cfg.trainer.get("num_nodes", 1) or 1) == 1
+
+
 def build_trainer(cfg: Any) -> L.Trainer:
     """Strategy (checked against the model options), loggers, callbacks, atomic checkpoint IO,
     and on SLURM the preemption handling (checkpoint at a step boundary, then requeue)."""
@@ -138,6 +146,11 @@ def build_trainer(cfg: Any) -> L.Trainer:
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), RunState(),
                  RunSummary()]  # a final validation at max_steps; the end-of-run figures
+    if _one_process(cfg):
+        # Lightning warns that `srun` "is available but not used" wherever SLURM is installed: advice
+        # against parallel jobs hanging, which a one-process run cannot do (a login node's test run).
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used",
+                                module=r"lightning\.fabric\.plugins\.environments\.slurm")
     if SLURMEnvironment.detect():
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())

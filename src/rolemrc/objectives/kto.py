@@ -1,0 +1,55 @@
+"""KTO (Ethayarajh et al. 2024, arXiv 2402.01306): Kahneman-Tversky optimisation over unpaired
+desirable / undesirable examples, against a reference, as TRL 1.16's KTOTrainer computes it.
+
+With the summed response log-probs of the policy ``pi`` and the reference ``ref``, the log ratio
+``r = pi - ref`` and the batch's KL estimate ``z`` (:func:`kto_kl`), each example's loss is
+
+    desirable:    desirable_weight   * (1 - sigmoid(beta * (r - z)))
+    undesirable:  undesirable_weight * (1 - sigmoid(beta * (z - r)))
+
+(``loss_type=kto``, the paper's eqn 7), or with ``loss_type=apo_zero_unpaired`` (no KL term)
+``1 - sigmoid(beta * r)`` and ``sigmoid(beta * r)``. The step's loss is the mean over its examples.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["KTO_LOSS_TYPES", "KTOOutput", "kto_kl", "kto_loss"]
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16's KTOConfig.loss_type
+
+
+class KTOOutput(NamedTuple):
+    """Per example ``[N]``: ``losses`` (weighted, differentiable) and ``rewards`` (``beta * r``, detached)."""
+
+    losses: Tensor
+    rewards: Tensor
+
+
+def kto_kl(kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
+    """The batch's KL estimate from mismatched (prompt, completion) pairs: the mean of policy minus
+    reference summed log-probs, detached and clamped at 0 (a scalar)."""
+    return (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+
+
+def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl: Tensor | float = 0.0, *,
+             beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             loss_type: str = "kto") -> KTOOutput:
+    """Each example's loss from SUMMED response log-probs ``[N]`` and its label ``desirable`` ``[N]`` (bool)."""
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(KTO_LOSS_TYPES)}, got {loss_type!r}")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    r = policy_logps - ref_logps
+    if loss_type == "kto":
+        good = 1 - torch.sigmoid(beta * (r - kl))
+        bad = 1 - torch.sigmoid(beta * (kl - r))
+    else:
+        good = 1 - torch.sigmoid(beta * r)
+        bad = torch.sigmoid(beta * r)
+    losses = torch.where(desirable.bool(), desirable_weight * good, undesirable_weight * bad)
+    return KTOOutput(losses, beta * r.detach())

@@ -1,0 +1,59 @@
+"""KTO loss: values derived by hand (TRL 1.16's KTOTrainer definitions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rolemrc.objectives.kto import kto_kl, kto_loss
+
+
+def sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_kl_is_the_clamped_mean_of_the_mismatched_log_ratios():
+    # policy - reference on mismatched pairs: [0.5, 0.1] -> 0.3; [-0.2, -0.4] -> -0.3, clamped to 0
+    assert float(kto_kl(t(-5.0, -6.0), t(-5.5, -6.1))) == pytest.approx(0.3)
+    assert float(kto_kl(t(-5.2, -6.4), t(-5.0, -6.0))) == 0.0
+    x = t(-1.0, -2.0).requires_grad_()
+    assert not kto_kl(x, t(-2.0, -2.0)).requires_grad  # a constant of the loss, as in TRL
+
+
+def test_kto_hand_values():
+    # log ratios r = [1, -1]; z = 0.4; beta 0.5
+    # desirable:   1.5 * (1 - sig(0.5 * (1 - 0.4)))  = 1.5 * (1 - sig(0.3))
+    # undesirable: 0.5 * (1 - sig(0.5 * (0.4 + 1)))  = 0.5 * (1 - sig(0.7))
+    out = kto_loss(t(-1, -3), t(-2, -2), torch.tensor([True, False]), 0.4, beta=0.5, desirable_weight=1.5,
+                   undesirable_weight=0.5)
+    torch.testing.assert_close(out.losses, t(1.5 * (1 - sig(0.3)), 0.5 * (1 - sig(0.7))))
+    torch.testing.assert_close(out.rewards, t(0.5, -0.5))
+    # the label, not the position, picks the branch
+    flipped = kto_loss(t(-1, -3), t(-2, -2), torch.tensor([False, True]), 0.4, beta=0.5)
+    torch.testing.assert_close(flipped.losses, t(1 - sig(0.5 * (0.4 - 1)), 1 - sig(0.5 * (-1 - 0.4))))
+
+
+def test_apo_zero_unpaired_ignores_the_kl():
+    # r = [1, -1], beta 0.5: desirable 1 - sig(0.5); undesirable sig(-0.5)
+    out = kto_loss(t(-1, -3), t(-2, -2), torch.tensor([True, False]), 7.0, beta=0.5, loss_type="apo_zero_unpaired")
+    torch.testing.assert_close(out.losses, t(1 - sig(0.5), sig(-0.5)))
+
+
+def test_gradient_flows_to_the_policy_only_through_the_ratio():
+    policy = t(-1.0, -3.0).requires_grad_()
+    out = kto_loss(policy, t(-2, -2), torch.tensor([True, False]), 0.0, beta=1.0)
+    out.losses.sum().backward()
+    # d/dr (1 - sig(r)) = -sig(r)(1 - sig(r)); d/dr (1 - sig(-r)) = sig(-r)(1 - sig(-r))
+    torch.testing.assert_close(policy.grad, t(-sig(1) * (1 - sig(1)), sig(1) * (1 - sig(1))))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"beta": 0.0}, "beta"), ({"loss_type": "sigmoid"}, "loss_type")])
+def test_bad_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kto_loss(t(-1), t(-1), torch.tensor([True]), **kwargs)

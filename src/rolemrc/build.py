@@ -67,13 +67,14 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
     if entry.reference:
-        if datamodule is not None and bool(cfg.objective.share_prompt) != datamodule.share_prompt:
-            raise ValueError(f"objective.share_prompt={cfg.objective.share_prompt} but the datamodule lays pairs out "
+        share_prompt = bool(cfg.objective.get("share_prompt", False))  # an objective without the key: never
+        if datamodule is not None and share_prompt != datamodule.share_prompt:
+            raise ValueError(f"objective.share_prompt={share_prompt} but the datamodule lays pairs out "
                              f"with share_prompt={datamodule.share_prompt}: build it with build_datamodule(cfg, chat)")
         param_dtype = cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp" else None
         parts["reference"] = make_reference(
             model, objective.reference, read_checkpoint=read_checkpoint_entries, batch_size=cfg.data.batch_size,
-            cache_dir=objective.reference_cache_dir or os.path.join(str(cfg.run_dir), "ref_cache"),
+            cache_dir=getattr(objective, "reference_cache_dir", None) or os.path.join(str(cfg.run_dir), "ref_cache"),
             settings=f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}",
         )
     return module_class(model, objective, optim, policy, **parts)

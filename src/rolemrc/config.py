@@ -77,7 +77,7 @@ class ObjectiveConfig:
     (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
     fails at compose time naming ``beta``."""
 
-    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo
+    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto
     logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
 
 
@@ -181,6 +181,39 @@ class ORPOObjectiveConfig(ObjectiveConfig):
                               "pairs: set data.packing=false or objective.nll_on_prompt=false")
 
 
+@dataclass
+class KTOObjectiveConfig(ObjectiveConfig):
+    """``objective=kto``: desirable / undesirable examples against a reference (TRL's KTOTrainer);
+    each preference pair is split into one desirable (chosen) and one undesirable (rejected) example."""
+
+    name: str = "kto"
+    loss_type: str = "kto"  # kto | apo_zero_unpaired (TRL KTOConfig's loss_type)
+    beta: float = 0.1
+    desirable_weight: float = 1.0  # TRL's desirable_weight (the paper's lambda_D)
+    undesirable_weight: float = 1.0  # TRL's undesirable_weight (the paper's lambda_U)
+    reference: str = "copy"  # copy | adapter (precomputed: not for KTO yet)
+
+    def __post_init__(self) -> None:
+        from rolemrc.objectives.kto import KTO_LOSS_TYPES
+
+        one_of("objective.loss_type", self.loss_type, KTO_LOSS_TYPES)
+        if self.reference == "precomputed":
+            raise ConfigError("objective.reference=precomputed is not available for objective=kto (its KL term "
+                              "scores mismatched prompt/completion pairs a cache does not hold): use copy or adapter")
+        one_of("objective.reference", self.reference, ("copy", "adapter"))
+        if not self.beta > 0:
+            raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"objective.{key} must be > 0, got {getattr(self, key)}")
+
+    def check_run(self, cfg: Any) -> None:
+        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        if cfg.data.packing:
+            raise ConfigError("objective=kto needs unpacked examples (its KL term re-pairs prompts and completions): "
+                              "set data.packing=false")
+
+
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
     if value not in options:
@@ -203,6 +236,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", pairs=True, reference=True),
     "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", pairs=True),
     "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", pairs=True),
+    "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", pairs=True, reference=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 

@@ -273,3 +273,94 @@ def test_orpo_equals_trls_orpo_first_step(orpo, beta: float) -> None:
         logps, counts = _response_logps(parts.module, batch, 2 * b)
     nll = float(-logps[:b].sum() / counts[:b].sum())
     assert abs(ours_r["nll_loss"] - nll) < 1e-9 and abs(loss_r - (loss - ours["nll_loss"] + nll)) < 1e-9
+
+
+# ---------------------------------------------------------------- KTO: TRL's KTOTrainer
+
+@pytest.fixture(scope="module")
+def kto(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    parts, batch = _build(tmp_path_factory.mktemp("kto"), "objective=kto")
+    # The policy's perturbation alone lowers every log-prob, so the KL estimate would clamp to 0:
+    # the reference is moved further off, making the estimate positive and the KL term live.
+    _perturb(parts.module.ref_model, seed=1, scale=0.05)
+    return parts, batch
+
+
+def _trl_kto(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[float, dict[str, float]]:
+    """TRL's KTOTrainer on our batch's rows as unpaired examples (chosen rows desirable, then
+    rejected rows undesirable), its KL completions rotated by one as its dataset preparation does,
+    padded by its own collator; the reference log-probs go in precomputed (see _trl_dpo)."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    module = parts.module
+    b = batch["index"].shape[0]
+    examples = []
+    for r in range(2 * b):
+        att = batch["attention_mask"][r].bool()
+        resp = batch["labels"][r] != IGNORE_INDEX
+        examples.append({"prompt_ids": batch["input_ids"][r][att & ~resp].tolist(),
+                         "completion_ids": batch["input_ids"][r][resp].tolist(), "label": r < b})
+    completions = [e["completion_ids"] for e in examples]
+    for e, kl_completion in zip(examples, [completions[-1]] + completions[:-1]):
+        e["KL_completion_ids"] = kl_completion
+    tokenizer = parts.chat.tokenizer
+    inputs = DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id)(examples)
+    # the reference log-probs of both layouts, as our reference computes them (TRL's precomputed columns)
+    with torch.no_grad():
+        inputs["ref_logps"] = module.reference_logps(batch, "train")
+        kl_batch = {"input_ids": inputs["KL_input_ids"], "attention_mask": inputs["KL_attention_mask"],
+                    "labels": inputs["KL_input_ids"].masked_fill(inputs["KL_completion_mask"] == 0, IGNORE_INDEX),
+                    "index": batch["index"]}
+        inputs["ref_KL_logps"] = module.reference_logps(kl_batch, "train")
+    config = KTOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+                       precompute_ref_log_probs=True, per_device_train_batch_size=2 * b, max_length=None,
+                       save_strategy="no", **args)
+    dummy = Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
+                               {"prompt": "c", "completion": "d", "label": False}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = KTOTrainer(model=copy.deepcopy(module.model), args=config, train_dataset=dummy,
+                             processing_class=tokenizer)
+        trainer.model.train()
+        with torch.no_grad():
+            loss = trainer.compute_loss(trainer.model, inputs)
+    return float(loss), {k: v[0] for k, v in trainer._metrics["train"].items()}
+
+
+KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.mark.parametrize(("ours_args", "trl_args"), [
+    ({"beta": 0.3}, {"beta": 0.3}),
+    ({"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7},
+     {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7}),
+    ({"beta": 0.2, "loss_type": "apo_zero_unpaired"}, {"beta": 0.2, "loss_type": "apo_zero_unpaired"}),
+])
+def test_kto_equals_trls_kto_first_step(kto, ours_args, trl_args) -> None:
+    parts, batch = kto
+    loss, ours = _ours(parts.module, batch, ours_args)
+    trl_loss, theirs = _trl_kto(parts, batch, **trl_args)
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    _compare(ours, theirs, KTO_METRICS)
+    if ours_args.get("loss_type", "kto") == "kto":
+        assert theirs["kl"] > 0  # the perturbed policy: the KL term is live, a test that can fail
+
+
+def test_kto_kl_pairs_each_prompt_with_anothers_completion(kto) -> None:
+    """The re-paired rows are TRL's: row j = prompt j + completion j-1, as TRL's collator pads them."""
+    from rolemrc.modules.kto import mismatched
+
+    _, batch = kto
+    kl = mismatched(batch)
+    n = batch["input_ids"].shape[0]
+    for j in range(n):
+        resp = batch["labels"][j] != IGNORE_INDEX
+        prompt = batch["input_ids"][j][batch["attention_mask"][j].bool() & ~resp]
+        completion = batch["input_ids"][j - 1][batch["labels"][j - 1] != IGNORE_INDEX]
+        row = kl["input_ids"][j][kl["attention_mask"][j].bool()]
+        assert torch.equal(row, torch.cat([prompt, completion]))
+        assert torch.equal(kl["labels"][j][kl["labels"][j] != IGNORE_INDEX], completion)
+        other = batch["input_ids"][j - 1][batch["attention_mask"][j - 1].bool() & (batch["labels"][j - 1] == IGNORE_INDEX)]
+        assert not torch.equal(prompt, other)  # mismatched: the completion answers another prompt

@@ -83,7 +83,7 @@ def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> Non
 def test_an_unregistered_objective_is_named(train_cfg) -> None:
     cfg = train_cfg()
     with_objective(cfg, OmegaConf.create({"name": "toy"}))
-    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'orpo', 'sft', 'simpo'\], got 'toy'"):
+    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'kto', 'orpo', 'sft', 'simpo'\], got 'toy'"):
         check_train_config(cfg)
 
 
@@ -123,3 +123,32 @@ def test_an_objectives_rule_across_groups_is_checked_before_anything_loads(train
     with pytest.raises(ConfigError, match="objective.nll_on_prompt=true .* needs unpacked pairs"):
         check_train_config(train_cfg("objective=orpo", "data.packing=true"))
     check_train_config(train_cfg("objective=orpo", "data.packing=true", "objective.nll_on_prompt=false"))
+
+
+@pytest.mark.parametrize("mode", ["copy", "adapter"])
+def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> None:
+    """KTO through the builders: pairs split into a desirable and an undesirable example, DPO's
+    reference modes, TRL's metric names logged each step and at validation."""
+    extra = ["model.peft.enabled=true"] if mode == "adapter" else []
+    run = setup(train_cfg("objective=kto", f"objective.reference={mode}", *extra, "trainer.max_steps=2",
+                          "export.enabled=false", "data.max_length=160", "data.max_prompt_length=96",
+                          "data.val_fraction=0.2"))
+    assert run.datamodule.kind == "pairs" and run.module.reference.mode == mode
+    assert len(run.module.models_to_shard()) == (2 if mode == "copy" else 1)
+    fit(run)
+    for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                 "logps/rejected"):
+        values = series(run.cfg.run_dir, f"train/{name}")
+        assert len(values) == 2 and all(v == v for v in values), name
+        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective=kto"),
+    (["data.packing=true"], "objective=kto needs unpacked examples"),
+    (["objective.desirable_weight=0"], "objective.desirable_weight must be > 0, got 0"),
+    (["objective.loss_type=sigmoid"], "objective.loss_type must be one of kto, apo_zero_unpaired, got 'sigmoid'"),
+])
+def test_kto_settings_are_checked_before_anything_loads(train_cfg, overrides, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_train_config(train_cfg("objective=kto", *overrides))

@@ -268,6 +268,10 @@ def _simulated_reference(module: Any) -> None:
         module.__dict__["reference_logps"] = lookup
     else:  # in the instance's __dict__: nn.Module.__setattr__ would register it as a submodule instead
         module.__dict__["reference_logps"] = _ReferencePass(module, module.reference_logps)
+    # a module's other passes without gradient (KTO's KL rows), as module calls too
+    for name in getattr(module, "no_grad_passes", ()):
+        if name != "reference_logps":
+            module.__dict__[name] = _ReferencePass(module, getattr(module, name))
 
 
 class _ReferencePass(torch.nn.Module):
@@ -400,8 +404,10 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
     module.model.train()
     for m in module.models_to_shard()[1:]:
         m.eval()
-    warm = _batch(cfg, 1, vocab, 16)  # a tiny step first: AdamW's states exist in the tracked step
-    batch = _batch(cfg, batch_size, vocab)
+    # a tiny step first: AdamW's states exist in the tracked step; each batch as the trainer hands
+    # it to the module (its on_before_batch_transfer: KTO's KL rows are built there)
+    warm = module.on_before_batch_transfer(_batch(cfg, 1, vocab, 16), 0)
+    batch = module.on_before_batch_transfer(_batch(cfg, batch_size, vocab), 0)
     counts = {**_mask_counts(module, warm), **_mask_counts(module, batch)}
     _configure(module, mesh)
     if fake:

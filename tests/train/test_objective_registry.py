@@ -152,3 +152,19 @@ def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> Non
 def test_kto_settings_are_checked_before_anything_loads(train_cfg, overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         check_train_config(train_cfg("objective=kto", *overrides))
+
+
+def test_kto_is_simulated_as_itself() -> None:
+    """KTO's step in the memory simulation: DPO's reference copy, plus the KL rows' passes."""
+    from rolemrc.memory_sim import simulate
+    from tests.conftest import compose_train
+    from tests.test_memory_sim import TINY
+
+    base = [*TINY, "data.max_prompt_length=128"]
+    kto = simulate(compose_train([*base, "objective=kto"]), checkpointing=False)
+    dpo = simulate(compose_train([*base, "objective=dpo"]), checkpointing=False)
+    assert kto.after_backward["Sharded Param"] == dpo.after_backward["Sharded Param"]  # policy + reference copy
+    assert kto.peak_bytes > dpo.peak_bytes  # the KL rows' forwards run in the simulated step
+    apo = simulate(compose_train([*base, "objective=kto", "objective.loss_type=apo_zero_unpaired"]),
+                   checkpointing=False)
+    assert apo.peak_bytes < kto.peak_bytes  # no KL rows

@@ -53,6 +53,23 @@ class KTOModule(DPOModule):
     def packs_with_context(self) -> bool:
         return False
 
+    def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        """The KL rows are built from the collated batch on the host, where its values are (the
+        memory simulation hands its batch through this hook too, before its tensors become fake)."""
+        if self.objective.loss_type == "kto" and "kl_input_ids" not in batch:
+            batch = {**batch, **{f"kl_{k}": v for k, v in mismatched(batch).items() if k != "index"}}
+        return batch
+
+    # the step's passes without gradient: the memory simulation runs each as a module call
+    no_grad_passes = ("reference_logps", "kl_logps")
+
+    def kl_logps(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's and the reference's summed log-probs ``[2B]`` of the batch's KL rows (no gradient)."""
+        kl_batch = {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "attention_mask")}
+        kl_batch["index"] = batch["index"]
+        with torch.no_grad():
+            return self.pair_logps(self.model, kl_batch).logps, self.reference.logps(self, kl_batch, stage)
+
     def _terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
         """Per-pair terms of one micro-batch (``[B]``; ``loss``: the pair's two examples' losses summed)."""
         o = self.objective
@@ -60,9 +77,9 @@ class KTOModule(DPOModule):
         policy, _ = self.pair_logps(self.model, batch)
         ref = self.reference_logps(batch, stage)
         if o.loss_type == "kto":
-            kl_batch = mismatched(batch)
-            with torch.no_grad():
-                kl = kto_kl(self.pair_logps(self.model, kl_batch).logps, self.reference_logps(kl_batch, stage))
+            if "kl_input_ids" not in batch:  # a batch that did not come through the trainer's hook
+                batch = self.on_before_batch_transfer(batch, 0)
+            kl = kto_kl(*self.kl_logps(batch, stage))
         else:  # apo_zero_unpaired: no KL term (TRL logs 0)
             kl = policy.new_zeros(())
         desirable = torch.arange(2 * b, device=policy.device) < b  # chosen rows, then rejected rows

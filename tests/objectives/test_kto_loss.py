@@ -22,6 +22,9 @@ def test_kl_is_the_clamped_mean_of_the_mismatched_log_ratios():
     # policy - reference on mismatched pairs: [0.5, 0.1] -> 0.3; [-0.2, -0.4] -> -0.3, clamped to 0
     assert float(kto_kl(t(-5.0, -6.0), t(-5.5, -6.1))) == pytest.approx(0.3)
     assert float(kto_kl(t(-5.2, -6.4), t(-5.0, -6.0))) == 0.0
+    # over ranks (TRL averages the ranks' estimates, then clamps): this rank's 0.3 and another's -0.5
+    assert float(kto_kl(t(-5.0, -6.0), t(-5.5, -6.1), rank_mean=lambda kl: (kl - 0.5) / 2)) == 0.0
+    assert float(kto_kl(t(-5.0, -6.0), t(-5.5, -6.1), rank_mean=lambda kl: (kl + 0.1) / 2)) == pytest.approx(0.2)
     x = t(-1.0, -2.0).requires_grad_()
     assert not kto_kl(x, t(-2.0, -2.0)).requires_grad  # a constant of the loss, as in TRL
 

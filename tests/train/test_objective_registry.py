@@ -4,6 +4,7 @@ nothing in build.py or train.py changes for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,31 @@ def test_kto_is_simulated_as_itself() -> None:
     apo = simulate(compose_train([*base, "objective=kto", "objective.loss_type=apo_zero_unpaired"]),
                    checkpointing=False)
     assert apo.peak_bytes < kto.peak_bytes  # no KL rows
+
+
+def _kl_on_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from rolemrc.modules.kto import _rank_mean
+    from rolemrc.objectives.kto import kto_kl
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # rank 0's estimate 0.3, rank 1's -0.5: TRL averages (-0.1), then clamps -> 0 on both ranks
+        diff = torch.tensor([0.3, -0.5], dtype=torch.float64)[rank]
+        kl = kto_kl(diff.reshape(1), torch.zeros(1, dtype=torch.float64), rank_mean=_rank_mean)
+        torch.save(kl, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kto_kl_is_averaged_over_ranks_before_the_clamp(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_kl_on_rank, args=(port, str(tmp_path)), nprocs=2)
+    assert [float(torch.load(tmp_path / f"{r}.pt")) for r in (0, 1)] == [0.0, 0.0]  # per rank: 0.3 and 0

@@ -6,7 +6,7 @@ Each preference pair of the batch is split into one desirable (its chosen row) a
 rejected rows, fed to TRL's loss in that order. The KL estimate (``loss_type=kto``) comes from the
 same rows re-paired as TRL re-pairs a batch: example ``j`` gets its own prompt with example
 ``j - 1``'s completion (example 0 the last one's), scored by the policy and the reference without
-gradient; with ``data.batch_size=1`` the two re-paired examples share their prompt, so use >= 2.
+gradient, the estimate averaged over ranks before its clamp as TRL gathers it; with ``data.batch_size=1`` the two re-paired examples share their prompt, so use >= 2.
 The reference is DPO's (``objective.reference``: copy | adapter). Logged under TRL's names:
 ``kl``, ``rewards/chosen``/``rejected``/``margins`` (``beta`` x the log ratio, means over the
 desirable / undesirable examples), ``logps/chosen``/``rejected`` (summed log-probs).
@@ -46,6 +46,17 @@ def mismatched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": out_ids, "labels": out_labels, "attention_mask": out_mask, "index": batch["index"]}
 
 
+def _rank_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar over the ranks (each rank's micro-batch estimate, as TRL gathers them)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value)
+    return value / dist.get_world_size()
+
+
 class KTOModule(DPOModule):
     """``objective``: the kto node (loss_type, beta, desirable_weight, undesirable_weight, reference,
     logprob_chunk_size); ``reference``: as DPO's (:func:`rolemrc.modules.reference.make_reference`)."""
@@ -79,7 +90,7 @@ class KTOModule(DPOModule):
         if o.loss_type == "kto":
             if "kl_input_ids" not in batch:  # a batch that did not come through the trainer's hook
                 batch = self.on_before_batch_transfer(batch, 0)
-            kl = kto_kl(*self.kl_logps(batch, stage))
+            kl = kto_kl(*self.kl_logps(batch, stage), rank_mean=_rank_mean)
         else:  # apo_zero_unpaired: no KL term (TRL logs 0)
             kl = policy.new_zeros(())
         desirable = torch.arange(2 * b, device=policy.device) < b  # chosen rows, then rejected rows

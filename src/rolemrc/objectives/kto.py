@@ -13,6 +13,7 @@ With the summed response log-probs of the policy ``pi`` and the reference ``ref`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,10 +31,14 @@ class KTOOutput(NamedTuple):
     rewards: Tensor
 
 
-def kto_kl(kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
+def kto_kl(kl_logps: Tensor, ref_kl_logps: Tensor, rank_mean: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """The batch's KL estimate from mismatched (prompt, completion) pairs: the mean of policy minus
-    reference summed log-probs, detached and clamped at 0 (a scalar)."""
-    return (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    reference summed log-probs, detached, averaged over ranks by ``rank_mean`` (TRL gathers each
+    rank's mean and averages them), then clamped at 0 (a scalar)."""
+    kl = (kl_logps - ref_kl_logps).mean().detach()
+    if rank_mean is not None:
+        kl = rank_mean(kl)
+    return kl.clamp(min=0)
 
 
 def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl: Tensor | float = 0.0, *,

@@ -212,6 +212,10 @@ class KTOObjectiveConfig(ObjectiveConfig):
         if cfg.data.packing:
             raise ConfigError("objective=kto needs unpacked examples (its KL term re-pairs prompts and completions): "
                               "set data.packing=false")
+        if self.loss_type == "kto" and int(cfg.data.batch_size) < 2:
+            raise ConfigError(f"objective=kto needs data.batch_size >= 2, got {cfg.data.batch_size}: with one pair per "
+                              "micro-batch its KL rows pair each prompt with its own other response (TRL refuses a "
+                              "batch of 1 too); or objective.loss_type=apo_zero_unpaired (no KL term)")
 
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:

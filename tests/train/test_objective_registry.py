@@ -148,11 +148,14 @@ def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> Non
     (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective=kto"),
     (["data.packing=true"], "objective=kto needs unpacked examples"),
     (["objective.desirable_weight=0"], "objective.desirable_weight must be > 0, got 0"),
+    (["data.batch_size=1"], "objective=kto needs data.batch_size >= 2, got 1"),
     (["objective.loss_type=sigmoid"], "objective.loss_type must be one of kto, apo_zero_unpaired, got 'sigmoid'"),
 ])
 def test_kto_settings_are_checked_before_anything_loads(train_cfg, overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         check_train_config(train_cfg("objective=kto", *overrides))
+    if overrides == ["data.batch_size=1"]:  # without the KL term a batch of one is fine
+        check_train_config(train_cfg("objective=kto", *overrides, "objective.loss_type=apo_zero_unpaired"))
 
 
 def test_kto_is_simulated_as_itself() -> None:

@@ -6,7 +6,8 @@ Each preference pair of the batch is split into one desirable (its chosen row) a
 rejected rows, fed to TRL's loss in that order. The KL estimate (``loss_type=kto``) comes from the
 same rows re-paired as TRL re-pairs a batch: example ``j`` gets its own prompt with example
 ``j - 1``'s completion (example 0 the last one's), scored by the policy and the reference without
-gradient, the estimate averaged over ranks before its clamp as TRL gathers it; with ``data.batch_size=1`` the two re-paired examples share their prompt, so use >= 2.
+gradient, the estimate averaged over ranks before its clamp as TRL gathers it
+(``data.batch_size=1`` is refused: its two re-paired examples would share their prompt).
 The reference is DPO's (``objective.reference``: copy | adapter). Logged under TRL's names:
 ``kl``, ``rewards/chosen``/``rejected``/``margins`` (``beta`` x the log ratio, means over the
 desirable / undesirable examples), ``logps/chosen``/``rejected`` (summed log-probs).

@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.e
 
 def test_a_missing_checkpoint_file_is_named_a_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    done = subprocess.run([sys.executable, "evaluate.py", f"model.path={missing}", "limit=1",
+    done = subprocess.run([sys.executable, "evaluate.py", f"model.path={missing}", "limit=1", "metrics.bertscore.model=minilm",
                            f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]

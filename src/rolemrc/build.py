@@ -48,7 +48,7 @@ __all__ = ["build_callbacks", "build_chat", "build_datamodule", "build_loggers",
 def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     """SFT conversations or preference pairs, as the objective needs (the pair layout, shared
     prompt or not, is an objective setting)."""
-    kind = "pairs" if objective_entry(cfg).pairs else "sft"
+    kind = objective_entry(cfg).data
     share_prompt = kind == "pairs" and bool(cfg.objective.get("share_prompt", False))
     data = typed(cfg.data)  # DataConfig
     return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)

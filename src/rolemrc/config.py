@@ -230,17 +230,32 @@ class Objective:
 
     schema: type[ObjectiveConfig]  # its config keys (registered as ``<name>_schema``)
     module: str  # "package.module:Class", the LightningModule that trains it (imported when built)
-    pairs: bool  # trains on preference pairs (``data.pairs``) rather than conversations (``data.sft``)
+    # The data it trains on: one of DATA_KINDS, read from ``data.<data>`` (and ``data.<data>_val``):
+    # sft (conversations), pairs (preference pairs), prompts (prompts it samples completions for).
+    data: str
     reference: bool = False  # its module takes a reference (``objective.reference``: copy | adapter | precomputed)
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA_KINDS:
+            raise ValueError(f"Objective.data must be one of {', '.join(DATA_KINDS)}, got {self.data!r}")
+
+    @property
+    def pairs(self) -> bool:
+        """Whether it trains on preference pairs (``data.pairs``)."""
+        return self.data == "pairs"
+
+
+# What an objective can train on; each kind's sources are data.<kind> and data.<kind>_val.
+DATA_KINDS: tuple[str, ...] = ("sft", "pairs", "prompts")
 
 
 # The objective registry: a new objective is its schema, its module and one line here.
 OBJECTIVES: dict[str, Objective] = {
-    "sft": Objective(SFTObjectiveConfig, "rolemrc.modules.sft:SFTModule", pairs=False),
-    "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", pairs=True, reference=True),
-    "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", pairs=True),
-    "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", pairs=True),
-    "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", pairs=True, reference=True),
+    "sft": Objective(SFTObjectiveConfig, "rolemrc.modules.sft:SFTModule", data="sft"),
+    "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", data="pairs", reference=True),
+    "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", data="pairs"),
+    "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", data="pairs"),
+    "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="pairs", reference=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 
@@ -263,8 +278,10 @@ class DataConfig:
     sft: list[SourceConfig] = field(default_factory=list)
     pairs: list[SourceConfig] = field(default_factory=list)
     test: list[SourceConfig] = field(default_factory=list)
+    prompts: list[SourceConfig] = field(default_factory=list)  # prompts to sample from (online RL: objective=grpo)
     sft_val: list[SourceConfig] = field(default_factory=list)  # explicit validation sources
     pairs_val: list[SourceConfig] = field(default_factory=list)
+    prompts_val: list[SourceConfig] = field(default_factory=list)
     val_fraction: float = 0.05  # held out of train when no explicit validation source
     max_length: int = 1024
     max_prompt_length: int = 768
@@ -542,7 +559,7 @@ def check_data_dir(data: Any) -> None:
     not a "data file not found: None/sft.jsonl" later."""
     if not OmegaConf.is_config(data) or data.get("dir") is not None:
         return
-    for group in ("sft", "pairs", "test", "sft_val", "pairs_val"):
+    for group in ("sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val"):
         raw = OmegaConf.to_container(data[group], resolve=False) if data.get(group) is not None else []
         if any(isinstance(s, dict) and "data.dir}" in str(s.get("path", "")) for s in raw):
             raise ConfigError(f"data={data.get('name')} reads its files from data.dir, which is not set: add "

@@ -79,8 +79,8 @@ def check_files(cfg: DictConfig) -> None:
     from rolemrc.config import OBJECTIVES
     from rolemrc.data.readers import local_files, source_config
 
-    pairs = OBJECTIVES[cfg.objective.name].pairs
-    for group in ("pairs", "pairs_val") if pairs else ("sft", "sft_val"):
+    kind = OBJECTIVES[cfg.objective.name].data
+    for group in (kind, f"{kind}_val"):
         for i, source in enumerate(cfg.data[group]):
             try:
                 local_files(source_config(source))

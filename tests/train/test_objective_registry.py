@@ -40,7 +40,7 @@ class ToyModule(SFTModule):
 
 @pytest.fixture
 def toy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(OBJECTIVES, "toy", Objective(ToyObjectiveConfig, f"{__name__}:ToyModule", pairs=False))
+    monkeypatch.setitem(OBJECTIVES, "toy", Objective(ToyObjectiveConfig, f"{__name__}:ToyModule", data="sft"))
 
 
 def with_objective(cfg, node) -> None:

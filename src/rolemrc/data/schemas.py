@@ -56,6 +56,24 @@ class TestItem:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class PromptItem:
+    """An online-RL prompt (``objective=grpo``, data kind ``prompts``): the conversation up to the
+    assistant's turn, and the fields its rewards may read (``task``, ``rule``, ``reference`` and any
+    other field of the record, in ``extra``), handed to each reward as one list per field."""
+
+    prompt: list[Message]
+    task: str | None = None
+    rule: Any = None  # a rule object ({"type": ...}) or a list of them; None: no rule
+    reference: str | None = None  # a reference reply (the test item's, or the cut assistant turn)
+    origin: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def columns(self) -> dict[str, Any]:
+        """The reward columns of this prompt: ``task``, ``rule``, ``reference`` and ``extra``'s fields."""
+        return {**self.extra, "task": self.task, "rule": self.rule, "reference": self.reference}
+
+
 def _field(record: Any, name: str) -> Any:
     if not isinstance(record, dict):
         raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
@@ -164,4 +182,61 @@ def parse_test_item(record: Any) -> TestItem:
     return TestItem(task=task, question=question, reference=reference, rule=rule, extra=extra)
 
 
-PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item}
+def _rules(rule: Any) -> Any:
+    """A rule object with a string ``type``, a non-empty list of them, or None."""
+    items = [rule] if isinstance(rule, dict) else rule if isinstance(rule, list) and rule else None
+    if rule is not None and (items is None or not all(isinstance(r, dict) and isinstance(r.get("type"), str)
+                                                       for r in items)):
+        raise RecordError("field 'rule' must be an object with a string 'type' (or a non-empty list of them)")
+    return rule
+
+
+def parse_prompt(record: Any) -> PromptItem:
+    """A prompt to sample completions for, from three shapes:
+
+    * RoleMRC's test items ``{"task", "question", "reference", "rule"?}``: the question (ending in a
+      user turn) is the prompt;
+    * ``{"prompt": [...messages], "rule"?, "reference"?, "task"?}`` (TRL's conversational prompt);
+    * an SFT conversation (``conversations`` or ``messages``) cut before its last assistant turn,
+      which becomes the ``reference``.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
+    known = {"task", "rule", "reference"}
+    if "question" in record:
+        prompt = normalise_messages(_field(record, "question"), "question")
+        check_turn_order(prompt, "question", last="user")
+        known.add("question")
+        reference = record.get("reference")
+    elif "prompt" in record:
+        prompt = normalise_messages(_field(record, "prompt"), "prompt")
+        only_system = len(prompt) == 1 and prompt[0]["role"] == "system"
+        check_turn_order(prompt, "prompt", last=None if only_system else "user")
+        known.add("prompt")
+        reference = record.get("reference")
+    elif "conversations" in record or "messages" in record:
+        key = "conversations" if "conversations" in record else "messages"
+        messages = normalise_messages(_field(record, key), key)
+        check_turn_order(messages, key, last="assistant")
+        cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt, reference = messages[:cut], messages[cut]["content"]
+        if not prompt:
+            raise RecordError(f"{key}: no prompt before the last assistant turn")
+        if record.get("reference") is not None:
+            raise RecordError(f"{key}: give either a conversation (its last assistant turn is the reference) "
+                              "or a 'reference', not both")
+        known.add(key)
+    else:
+        raise RecordError("a prompt record needs 'question' (RoleMRC test item), 'prompt' (messages) or "
+                          f"'conversations'/'messages' (cut before the last assistant turn); has: "
+                          f"{', '.join(map(str, record)) or 'nothing'}")
+    if reference is not None:
+        reference = _text(reference, "reference")
+    task = record.get("task")
+    if task is not None and not isinstance(task, str):
+        raise RecordError(f"field 'task' must be a string, got {type(task).__name__}")
+    extra = {k: v for k, v in record.items() if k not in known}
+    return PromptItem(prompt=prompt, task=task, rule=_rules(record.get("rule")), reference=reference, extra=extra)
+
+
+PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item, "prompts": parse_prompt}

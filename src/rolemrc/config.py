@@ -183,23 +183,25 @@ class ORPOObjectiveConfig(ObjectiveConfig):
 
 @dataclass
 class KTOObjectiveConfig(ObjectiveConfig):
-    """``objective=kto``: desirable / undesirable examples against a reference (TRL's KTOTrainer);
-    each preference pair is split into one desirable (chosen) and one undesirable (rejected) example."""
+    """``objective=kto``: desirable / undesirable examples against a reference (TRL's KTOTrainer):
+    the unpaired examples of ``data.unpaired`` when given, else each pair of ``data.pairs`` split into
+    one desirable (chosen) and one undesirable (rejected) example."""
 
     name: str = "kto"
     loss_type: str = "kto"  # kto | apo_zero_unpaired (TRL KTOConfig's loss_type)
     beta: float = 0.1
     desirable_weight: float = 1.0  # TRL's desirable_weight (the paper's lambda_D)
     undesirable_weight: float = 1.0  # TRL's undesirable_weight (the paper's lambda_U)
-    reference: str = "copy"  # copy | adapter (precomputed: not for KTO yet)
+    reference: str = "copy"  # copy | adapter (precomputed: refused: the KL rows re-pair each shuffled batch)
 
     def __post_init__(self) -> None:
         from rolemrc.objectives.kto import KTO_LOSS_TYPES
 
         one_of("objective.loss_type", self.loss_type, KTO_LOSS_TYPES)
         if self.reference == "precomputed":
-            raise ConfigError("objective.reference=precomputed is not available for objective=kto (its KL term "
-                              "scores mismatched prompt/completion pairs a cache does not hold): use copy or adapter")
+            raise ConfigError("objective.reference=precomputed is not available for objective=kto: its KL term "
+                              "scores each prompt with another example's completion of the same shuffled micro-batch, "
+                              "a pairing that changes every epoch, so no per-example cache holds it: use copy or adapter")
         one_of("objective.reference", self.reference, ("copy", "adapter"))
         if not self.beta > 0:
             raise ConfigError(f"objective.beta must be > 0, got {self.beta}")
@@ -213,9 +215,12 @@ class KTOObjectiveConfig(ObjectiveConfig):
             raise ConfigError("objective=kto needs unpacked examples (its KL term re-pairs prompts and completions): "
                               "set data.packing=false")
         if self.loss_type == "kto" and int(cfg.data.batch_size) < 2:
-            raise ConfigError(f"objective=kto needs data.batch_size >= 2, got {cfg.data.batch_size}: with one pair per "
-                              "micro-batch its KL rows pair each prompt with its own other response (TRL refuses a "
-                              "batch of 1 too); or objective.loss_type=apo_zero_unpaired (no KL term)")
+            raise ConfigError(f"objective=kto needs data.batch_size >= 2, got {cfg.data.batch_size}: with one item per "
+                              "micro-batch its KL rows pair a prompt with its own completion (TRL refuses a batch of 1 "
+                              "too); or objective.loss_type=apo_zero_unpaired (no KL term)")
+        if cfg.data.get("unpaired_val") and not cfg.data.get("unpaired"):
+            raise ConfigError("data.unpaired_val is set but data.unpaired is empty: objective=kto trains on "
+                              "data.unpaired when given, else on data.pairs split (validated on data.pairs_val)")
 
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
@@ -231,7 +236,8 @@ class Objective:
     schema: type[ObjectiveConfig]  # its config keys (registered as ``<name>_schema``)
     module: str  # "package.module:Class", the LightningModule that trains it (imported when built)
     # The data it trains on: one of DATA_KINDS, read from ``data.<data>`` (and ``data.<data>_val``):
-    # sft (conversations), pairs (preference pairs), prompts (prompts it samples completions for).
+    # sft (conversations), pairs (preference pairs), prompts (prompts it samples completions for),
+    # unpaired (prompt + completion + desirable label; data.pairs split when data.unpaired is empty).
     data: str
     reference: bool = False  # its module takes a reference (``objective.reference``: copy | adapter | precomputed)
 
@@ -241,12 +247,21 @@ class Objective:
 
     @property
     def pairs(self) -> bool:
-        """Whether it trains on preference pairs (``data.pairs``)."""
-        return self.data == "pairs"
+        """Whether its rows are prompt + response, as preference pairs lay them out (``data.pairs``;
+        ``unpaired`` too: pairs split, or single examples, which a pair's shape bounds)."""
+        return self.data in ("pairs", "unpaired")
 
 
 # What an objective can train on; each kind's sources are data.<kind> and data.<kind>_val.
-DATA_KINDS: tuple[str, ...] = ("sft", "pairs", "prompts")
+DATA_KINDS: tuple[str, ...] = ("sft", "pairs", "prompts", "unpaired")
+
+
+def source_group(kind: str, data: Any) -> str:
+    """The ``data.<group>`` (and ``<group>_val``) a data kind reads: its own, except ``unpaired``
+    when ``data.unpaired`` is empty: then ``pairs``, each pair split into two examples."""
+    if kind == "unpaired" and not getattr(data, "unpaired", None):
+        return "pairs"
+    return kind
 
 
 # The objective registry: a new objective is its schema, its module and one line here.
@@ -255,7 +270,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", data="pairs", reference=True),
     "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", data="pairs"),
     "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", data="pairs"),
-    "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="pairs", reference=True),
+    "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="unpaired", reference=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 
@@ -282,6 +297,9 @@ class DataConfig:
     sft_val: list[SourceConfig] = field(default_factory=list)  # explicit validation sources
     pairs_val: list[SourceConfig] = field(default_factory=list)
     prompts_val: list[SourceConfig] = field(default_factory=list)
+    # unpaired examples {prompt, completion, label} (objective=kto; empty: data.pairs split)
+    unpaired: list[SourceConfig] = field(default_factory=list)
+    unpaired_val: list[SourceConfig] = field(default_factory=list)
     val_fraction: float = 0.05  # held out of train when no explicit validation source
     max_length: int = 1024
     max_prompt_length: int = 768
@@ -559,7 +577,7 @@ def check_data_dir(data: Any) -> None:
     not a "data file not found: None/sft.jsonl" later."""
     if not OmegaConf.is_config(data) or data.get("dir") is not None:
         return
-    for group in ("sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val"):
+    for group in ("sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val", "unpaired", "unpaired_val"):
         raw = OmegaConf.to_container(data[group], resolve=False) if data.get(group) is not None else []
         if any(isinstance(s, dict) and "data.dir}" in str(s.get("path", "")) for s in raw):
             raise ConfigError(f"data={data.get('name')} reads its files from data.dir, which is not set: add "

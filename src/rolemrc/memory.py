@@ -236,7 +236,8 @@ def resolve_checkpointing(cfg: Any) -> bool:
 NOT_SIZED: dict[str, tuple[str, ...]] = {
     "model": ("gradient_checkpointing",),  # decided here; the step is simulated without it
     "objective": ("beta", "label_smoothing", "reference_cache_dir"),
-    "data": ("name", "dir", "sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val", "val_fraction",
+    "data": ("name", "dir", "sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val", "unpaired",
+             "unpaired_val", "val_fraction",
              "on_error", "num_workers", "shuffle", "cache", "cache_dir", "num_proc", "roles", "rolebench", "characterllm"),
     "optim": ("lr", "scheduler", "warmup_ratio", "min_lr_ratio"),
     "trainer": ("max_epochs", "max_steps", "log_every_n_steps", "val_check_interval", "check_val_every_n_epoch",

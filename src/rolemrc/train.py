@@ -76,10 +76,10 @@ def check_files(cfg: DictConfig) -> None:
     """The files a run reads, named before anything loads (a missing one would otherwise be found
     after the model, minutes for an 8B one): the objective's local data files (hub datasets are
     the readers' business) and an explicit ``ckpt_path``."""
-    from rolemrc.config import OBJECTIVES
+    from rolemrc.config import OBJECTIVES, source_group
     from rolemrc.data.readers import local_files, source_config
 
-    kind = OBJECTIVES[cfg.objective.name].data
+    kind = source_group(OBJECTIVES[cfg.objective.name].data, cfg.data)
     for group in (kind, f"{kind}_val"):
         for i, source in enumerate(cfg.data[group]):
             try:

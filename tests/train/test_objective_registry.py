@@ -144,6 +144,41 @@ def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> Non
         assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
 
 
+def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path) -> None:
+    """data.unpaired given: its {prompt, completion, label} examples are the batch rows (not
+    data.pairs), unbalanced labels, TRL's metric names logged each step and at validation."""
+    from tests.data.test_unpaired_records import split_sample_pairs
+
+    path = split_sample_pairs(tmp_path, keep=60)  # 60 desirable, 80 undesirable
+    run = setup(train_cfg("objective=kto", f"data.unpaired=[{{path: '{path}'}}]", "trainer.max_steps=2",
+                          "export.enabled=false", "data.max_length=160", "data.max_prompt_length=96",
+                          "data.val_fraction=0.1"))
+    assert run.datamodule.kind == "unpaired"
+    fit(run)
+    assert run.datamodule.report["train"]["examples"] == 126 and len(run.datamodule.val_rows) == 14
+    for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                 "logps/rejected"):
+        values = series(run.cfg.run_dir, f"train/{name}")
+        assert len(values) == 2 and all(v == v for v in values), name
+        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
+
+
+def test_kto_metrics_of_a_step_without_desirable_examples_are_nan() -> None:
+    """TRL logs no rewards/chosen for a batch without a desirable example; a 0 would read as a value."""
+    from rolemrc.modules.kto import KTOModule
+
+    terms = {"desirable": torch.tensor([False, False]), "reward": torch.tensor([0.5, 1.5]),
+             "logps": torch.tensor([-3.0, -5.0])}
+    out = KTOModule._metrics(terms, torch.tensor(4.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    assert out["rewards/chosen"].isnan() and out["logps/chosen"].isnan() and out["rewards/margins"].isnan()
+    assert float(out["rewards/rejected"]) == 0.5 and float(out["logps/rejected"]) == -2.0  # shares of 4 examples
+
+
+def test_kto_unpaired_val_needs_unpaired_train_sources(train_cfg, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="data.unpaired_val is set but data.unpaired is empty"):
+        check_train_config(train_cfg("objective=kto", f"data.unpaired_val=[{{path: '{tmp_path}/v.jsonl'}}]"))
+
+
 @pytest.mark.parametrize(("overrides", "match"), [
     (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective=kto"),
     (["data.packing=true"], "objective=kto needs unpacked examples"),

@@ -59,6 +59,26 @@ class PairCollator:
         }
 
 
+class UnpairedCollator:
+    """Unpaired examples (``objective=kto``): one row each, prompt + completion, the completion
+    labelled; ``label`` [N] (bool: desirable), ``index`` [N]. The KL rows are the module's
+    business (:func:`rolemrc.modules.kto.mismatched`)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [e["prompt_ids"] + e["completion_ids"] for e in examples]
+        labels = [[IGNORE_INDEX] * len(e["prompt_ids"]) + e["completion_ids"] for e in examples]
+        return {
+            "input_ids": pad(ids, self.pad_id),
+            "labels": pad(labels, IGNORE_INDEX),
+            "attention_mask": pad([[1] * len(r) for r in ids], 0),
+            "label": torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool),
+            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
+        }
+
+
 class PackedCollator:
     """Padding-free batches: each item (an encoded row, or a pack = list of rows) fills one
     batch row with its pieces back to back (see :mod:`rolemrc.data.packing`).
@@ -123,13 +143,15 @@ class PackedCollator:
 
 
 
-STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens")}
+STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens"), "unpaired": ("examples", "desirable")}
 
 
 def row_totals(row: dict[str, Any]) -> tuple[int, ...]:
     """What one encoded row adds to its optimizer step's normalisers (:data:`STEP_TOTALS`):
     SFT: the tokens it trains (labels after the one-position shift); pairs: one pair and the
-    chosen response's trained tokens."""
+    chosen response's trained tokens; unpaired: one example and whether it is desirable."""
+    if "completion_ids" in row:
+        return 1, int(bool(row["label"]))
     if "prompt_ids" in row:
         return 1, len(row["chosen_ids"]) - (0 if row["prompt_ids"] else 1)
     return (sum(1 for label in row["labels"][1:] if label != IGNORE_INDEX),)

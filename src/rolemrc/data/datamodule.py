@@ -21,13 +21,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace, epoch_batches_under_limit
-from rolemrc.config import DataConfig, as_schema
-from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, row_totals
+from rolemrc.config import DataConfig, as_schema, source_group
+from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, UnpairedCollator,
+                                  row_totals)
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
 from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
-from rolemrc.data.schemas import Conversation, DataError, Pair
+from rolemrc.data.schemas import Conversation, DataError, Pair, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,43 @@ def encode_pairs(
     return rows, report
 
 
+def encode_unpaired(examples: list[Unpaired], chat: ChatFormat, max_length: int, max_prompt_length: int,
+                    on_error: str = "raise") -> tuple[list[dict], dict]:
+    """Encoded unpaired examples (the prompt cut from the left to ``max_prompt_length``, the
+    completion from the right to fit ``max_length``, as a pair's sides are) and their report."""
+    rows: list[dict] = []
+    prompt_tokens = completion_tokens = prompt_cut = completion_cut = 0
+    empty: list[str] = []
+    bad = _Unrenderable("unpaired", on_error)
+    for ex, enc in _batched(examples, "unpaired", chat, max_length, max_prompt_length):
+        if isinstance(enc, TemplateRenderError):
+            bad.add(ex.origin, enc)
+            continue
+        prompt_cut += enc.prompt_truncated
+        completion_cut += enc.response_truncated
+        if not enc.chosen_ids:
+            empty.append(ex.origin)
+            continue
+        prompt_tokens += len(enc.prompt_ids)
+        completion_tokens += len(enc.chosen_ids)
+        rows.append({"prompt_ids": enc.prompt_ids, "completion_ids": enc.chosen_ids, "label": bool(ex.label),
+                     "index": len(rows)})
+    report = {
+        "examples": len(rows),
+        "desirable": sum(r["label"] for r in rows),
+        "undesirable": sum(not r["label"] for r in rows),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_truncated": prompt_cut,
+        "completion_truncated": completion_cut,
+        "dropped_no_trainable_token": len(empty),
+        "dropped_examples": empty[:5],
+        **bad.report(),
+    }
+    bad.check()
+    return rows, report
+
+
 def _report_lines(report: dict) -> list[str]:
     """:meth:`ReadReport.lines` of a stored report."""
     out = [f"{src}: {n} records kept, {report['skipped'].get(src, 0)} skipped" for src, n in report["sources"].items()]
@@ -150,7 +188,11 @@ def item_totals(item: Any) -> tuple[int, ...]:
 
 
 class ChatDataModule(L.LightningDataModule):
-    """``kind="sft"`` (conversations) or ``kind="pairs"`` (preference pairs).
+    """``kind="sft"`` (conversations), ``kind="pairs"`` (preference pairs) or ``kind="unpaired"``
+    (``objective=kto``: the examples of ``data.unpaired``, encoded in memory at every start, the
+    store holding sft and pairs only; with ``data.unpaired`` empty, the pairs of ``data.pairs``, each
+    batch row a pair's chosen then rejected row as kind "pairs" serves them, the module reading
+    the chosen rows as desirable).
 
     ``cfg.packing``: loader items are packs of rows filling up to ``cfg.max_length`` tokens
     (best-fit decreasing, fixed at setup), one pack per batch row, ``cfg.batch_size`` packs per
@@ -162,9 +204,10 @@ class ChatDataModule(L.LightningDataModule):
     def __init__(self, cfg: DataConfig | Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
                  share_prompt: bool = False) -> None:
         super().__init__()
-        if kind not in ("sft", "pairs"):
-            raise ValueError(f"kind must be 'sft' or 'pairs', got {kind!r}")
+        if kind not in ("sft", "pairs", "unpaired"):
+            raise ValueError(f"kind must be 'sft', 'pairs' or 'unpaired', got {kind!r}")
         self.cfg: DataConfig = as_schema(cfg, DataConfig, name="inline")
+        kind = source_group(kind, self.cfg)  # unpaired without data.unpaired: the pairs, split by the module
         self.kind, self.chat, self.seed = kind, chat, seed
         self.report_dir = report_dir
         self.share_prompt = share_prompt and kind == "pairs"
@@ -180,6 +223,9 @@ class ChatDataModule(L.LightningDataModule):
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
         if self.kind == "sft":
             return encode_sft(examples, self.chat, self.cfg.max_length, self.cfg.on_error)
+        if self.kind == "unpaired":
+            return encode_unpaired(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length,
+                                   self.cfg.on_error)
         return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length, self.cfg.on_error)
 
     def _open_store(self) -> Store:
@@ -190,13 +236,13 @@ class ChatDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Local rank 0 builds the store (or checks the one there) while the others wait."""
-        if self.cfg.cache:
+        if self._cached():
             self._open_store()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
-        if self.cfg.cache:
+        if self._cached():
             self._setup_from_store()
         else:
             self._setup_in_memory()
@@ -206,6 +252,14 @@ class ChatDataModule(L.LightningDataModule):
         if self.report_dir:
             Path(self.report_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
+
+    def _cached(self) -> bool:
+        """Whether the rows come from the store (``data.cache``; unpaired examples: in memory)."""
+        if self.cfg.cache and self.kind == "unpaired" and not getattr(self, "_said_in_memory", False):
+            self._said_in_memory = True
+            log.info("data.cache: unpaired examples are encoded in memory at each start (the store holds sft and "
+                     "pairs rows)")
+        return bool(self.cfg.cache) and self.kind != "unpaired"
 
     def _setup_from_store(self) -> None:
         store = self._open_store()
@@ -228,8 +282,7 @@ class ChatDataModule(L.LightningDataModule):
                         train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
 
     def _setup_in_memory(self) -> None:
-        sources = self.cfg.sft if self.kind == "sft" else self.cfg.pairs
-        val_sources = self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val
+        sources, val_sources = getattr(self.cfg, self.kind), getattr(self.cfg, f"{self.kind}_val")
         # Without validation sources, val_fraction of the records is held out before the source
         # weights duplicate or subsample the rest: no copy of a validation record is trained on.
         holdout = 0.0 if val_sources else self.cfg.val_fraction
@@ -255,6 +308,8 @@ class ChatDataModule(L.LightningDataModule):
         pad_id = self.chat.tokenizer.pad_token_id
         if self.cfg.packing or self.share_prompt:
             return PackedCollator(pad_id, self.share_prompt)
+        if self.kind == "unpaired":
+            return UnpairedCollator(pad_id)
         return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
 
     def items(self, stage: str) -> Sequence[Any]:

@@ -193,7 +193,7 @@ def read_examples(
     sources: list[SourceConfig | Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20,
     holdout: float = 0.0,
 ) -> tuple[list[Any], ReadReport]:
-    """Read, validate and mix ``sources`` of one ``kind`` ("sft", "pairs", "prompts" or "test").
+    """Read, validate and mix ``sources`` of one ``kind`` ("sft", "pairs", "prompts", "unpaired" or "test").
 
     ``weight`` per source: 1 keeps every record, 0.5 a seeded random half, 2 each record twice.
     ``holdout``: a seeded fraction of the records (at least one, when there are two or more) is

@@ -47,6 +47,19 @@ class Pair:
 
 
 @dataclass
+class Unpaired:
+    """An unpaired preference example (``objective=kto``, data kind ``unpaired``): a ``prompt``
+    (messages ending in a user or system-only turn), one assistant ``completion`` and whether it
+    is desirable (``label``)."""
+
+    prompt: list[Message]
+    completion: str
+    label: bool
+    task: str | None = None
+    origin: str = ""
+
+
+@dataclass
 class TestItem:
     task: str
     question: list[Message]
@@ -239,4 +252,39 @@ def parse_prompt(record: Any) -> PromptItem:
     return PromptItem(prompt=prompt, task=task, rule=_rules(record.get("rule")), reference=reference, extra=extra)
 
 
-PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item, "prompts": parse_prompt}
+def parse_unpaired(record: Any) -> Unpaired:
+    """TRL's unpaired preference records, conversational: ``{"prompt": [...messages], "completion":
+    "text" or [{"role": "assistant", "content": "text"}], "label": true|false}``. A string prompt
+    (TRL's standard, template-free form) is refused: rolemrc renders every prompt with the chat
+    template, so it names the fix (a one-message list) rather than guess a role."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
+    if "chosen" in record or "rejected" in record:
+        raise RecordError("a preference pair (chosen/rejected), not an unpaired example: put pairs in data.pairs "
+                          "(objective=kto splits them when data.unpaired is empty)")
+    label = _field(record, "label")
+    if not isinstance(label, bool):
+        raise RecordError(f"field 'label' must be true (desirable) or false (undesirable), got "
+                          f"{type(label).__name__} {label!r}")
+    raw_prompt = _field(record, "prompt")
+    if isinstance(raw_prompt, str):
+        raise RecordError("field 'prompt' is a string: give it as messages, e.g. [{\"role\": \"user\", "
+                          "\"content\": ...}] (rolemrc renders prompts with the chat template)")
+    prompt = normalise_messages(raw_prompt, "prompt")
+    only_system = len(prompt) == 1 and prompt[0]["role"] == "system"
+    check_turn_order(prompt, "prompt", last=None if only_system else "user")
+    raw = _field(record, "completion")
+    if isinstance(raw, list):
+        messages = normalise_messages(raw, "completion")
+        if len(messages) != 1 or messages[0]["role"] != "assistant":
+            raise RecordError(f"field 'completion' must be one assistant message, got "
+                              f"{len(messages)} message(s) ({', '.join(m['role'] for m in messages)})")
+        completion = messages[0]["content"]
+    else:
+        completion = _text(raw, "completion")
+    task = record.get("task")
+    return Unpaired(prompt=prompt, completion=completion, label=label, task=task if isinstance(task, str) else None)
+
+
+PARSERS = {"sft": parse_conversation, "pairs": parse_pair, "test": parse_test_item, "prompts": parse_prompt,
+           "unpaired": parse_unpaired}

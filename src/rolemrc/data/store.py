@@ -232,10 +232,13 @@ _WORK: dict[str, Any] = {}  # set before the pool forks: kind, parsers, chat, le
 
 def encode_examples(chat: ChatFormat, kind: str, examples: Sequence[Any], max_length: int,
                     max_prompt_length: int | None) -> list[Any]:
-    """Conversations (``kind="sft"``) or preference pairs tokenised in one batch call: per example
+    """Conversations (``kind="sft"``), preference pairs or unpaired examples tokenised in one batch call: per example
     what ``encode_conversation``/``encode_pair`` gives one by one, or its TemplateRenderError."""
     if kind == "sft":
         return chat.encode_conversations([ex.messages for ex in examples], max_length)
+    if kind == "unpaired":  # a pair's encoding with the completion on both sides: a pair's cuts and ids
+        return chat.encode_pairs([(ex.prompt, ex.completion, ex.completion) for ex in examples], max_length,
+                                 max_prompt_length)
     return chat.encode_pairs([(ex.prompt, ex.chosen, ex.rejected) for ex in examples], max_length,
                              max_prompt_length)
 

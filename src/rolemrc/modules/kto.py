@@ -1,19 +1,29 @@
 """KTO: desirable and undesirable examples against a reference
 (:func:`rolemrc.objectives.kto.kto_loss`), as TRL 1.16's KTOTrainer computes it.
 
-Each preference pair of the batch is split into one desirable (its chosen row) and one undesirable
-(its rejected row) example: a micro-batch of ``B`` pairs is ``2B`` examples, chosen rows then
-rejected rows, fed to TRL's loss in that order. The KL estimate (``loss_type=kto``) comes from the
-same rows re-paired as TRL re-pairs a batch: example ``j`` gets its own prompt with example
-``j - 1``'s completion (example 0 the last one's), scored by the policy and the reference without
-gradient, the estimate averaged over ranks before its clamp as TRL gathers it
-(``data.batch_size=1`` is refused: its two re-paired examples would share their prompt).
-The reference is DPO's (``objective.reference``: copy | adapter). Logged under TRL's names:
-``kl``, ``rewards/chosen``/``rejected``/``margins`` (``beta`` x the log ratio, means over the
-desirable / undesirable examples), ``logps/chosen``/``rejected`` (summed log-probs).
+Two batch layouts (:class:`rolemrc.data.datamodule.ChatDataModule`, data kind ``unpaired``):
+
+* unpaired examples (``data.unpaired``): ``N`` rows, each prompt + completion, ``label`` [N] saying
+  which are desirable; the step's totals ``step_examples`` / ``step_desirable``;
+* pairs split (``data.unpaired`` empty): ``B`` pairs are ``2B`` examples, the chosen rows
+  (desirable) then the rejected rows (undesirable), the step's totals ``step_pairs``.
+
+The KL estimate (``loss_type=kto``) comes from the micro-batch's rows re-paired as TRL re-pairs a
+batch: example ``j`` gets its own prompt with example ``j - 1``'s completion (example 0 the last
+one's), scored by the policy and the reference without gradient, the estimate averaged over ranks
+before its clamp as TRL gathers it (``data.batch_size=1`` is refused: a lone example would be
+paired with its own completion). TRL fixes that pairing once, over consecutive examples of its
+(then unshuffled) dataset; here it is the shuffled micro-batch's own, the same set of completions
+as the batch's rewards use, which is what TRL's comment asks of it. The reference is DPO's
+(``objective.reference``: copy | adapter). The loss is the mean over the step's examples; logged
+under TRL's names: ``kl``, ``rewards/chosen``/``rejected`` (``beta`` x the log ratio, means over
+the step's desirable / undesirable examples; NaN for a step without any, where TRL logs nothing),
+``rewards/margins`` (their difference), ``logps/chosen``/``rejected`` (summed log-probs).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,7 +32,6 @@ from rolemrc.objectives.dpo import pair_mean
 from rolemrc.objectives.kto import kto_kl, kto_loss
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 def mismatched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,12 +67,39 @@ def _rank_mean(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
+def layout(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(desirable [N] bool, example ids [N], the step's examples, the step's desirable examples)``
+    of either batch layout (the totals None where the batch carries none, e.g. validation)."""
+    index = batch["index"]
+    if "label" in batch:  # unpaired examples
+        examples, desirable = batch.get("step_examples"), batch.get("step_desirable")
+        return batch["label"].bool(), index, examples, desirable
+    b = index.shape[0]  # pairs split: chosen rows, then rejected rows
+    desirable_rows = torch.arange(2 * b, device=index.device) < b
+    pairs = batch.get("step_pairs")
+    return desirable_rows, torch.cat([2 * index, 2 * index + 1]), None if pairs is None else 2 * pairs, pairs
+
+
+def _group_mean(values: torch.Tensor, mask: torch.Tensor, total: torch.Tensor | None) -> torch.Tensor:
+    """The share of a mean over the step's examples in ``mask``: the sum over this micro-batch's
+    divided by ``total`` (the step's count; None: this batch's); NaN when there are none. (No
+    boolean indexing and no host sync: the memory simulation runs this on fake tensors.)"""
+    total = mask.sum() if total is None else total
+    summed = torch.where(mask, values, torch.zeros_like(values)).sum()
+    total = total.to(values.dtype)
+    return torch.where(total > 0, summed / total.clamp(min=1), torch.full_like(summed, float("nan")))
+
+
 class KTOModule(DPOModule):
     """``objective``: the kto node (loss_type, beta, desirable_weight, undesirable_weight, reference,
     logprob_chunk_size); ``reference``: as DPO's (:func:`rolemrc.modules.reference.make_reference`)."""
 
     def packs_with_context(self) -> bool:
         return False
+
+    def pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        """Summed completion log-probs and token counts of each row ``[N]`` (either layout)."""
+        return self.sequence_logps(model, batch, batch["input_ids"].shape[0])
 
     def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
         """The KL rows are built from the collated batch on the host, where its values are (the
@@ -76,16 +112,16 @@ class KTOModule(DPOModule):
     no_grad_passes = ("reference_logps", "kl_logps")
 
     def kl_logps(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The policy's and the reference's summed log-probs ``[2B]`` of the batch's KL rows (no gradient)."""
+        """The policy's and the reference's summed log-probs ``[N]`` of the batch's KL rows (no gradient)."""
         kl_batch = {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "attention_mask")}
         kl_batch["index"] = batch["index"]
         with torch.no_grad():
             return self.pair_logps(self.model, kl_batch).logps, self.reference.logps(self, kl_batch, stage)
 
     def _terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
-        """Per-pair terms of one micro-batch (``[B]``; ``loss``: the pair's two examples' losses summed)."""
+        """Per-example terms of one micro-batch (all ``[N]``)."""
         o = self.objective
-        b = batch["index"].shape[0]
+        desirable, _, _, _ = layout(batch)
         policy, _ = self.pair_logps(self.model, batch)
         ref = self.reference_logps(batch, stage)
         if o.loss_type == "kto":
@@ -94,32 +130,47 @@ class KTOModule(DPOModule):
             kl = kto_kl(*self.kl_logps(batch, stage), rank_mean=_rank_mean)
         else:  # apo_zero_unpaired: no KL term (TRL logs 0)
             kl = policy.new_zeros(())
-        desirable = torch.arange(2 * b, device=policy.device) < b  # chosen rows, then rejected rows
         out = kto_loss(policy, ref, desirable, kl, beta=o.beta, desirable_weight=o.desirable_weight,
                        undesirable_weight=o.undesirable_weight, loss_type=o.loss_type)
-        return {"loss": out.losses[:b] + out.losses[b:], "rewards/chosen": out.rewards[:b],
-                "rewards/rejected": out.rewards[b:], "rewards/margins": out.rewards[:b] - out.rewards[b:],
-                "logps/chosen": policy[:b].detach(), "logps/rejected": policy[b:].detach(),
-                "kl": kl.detach().expand(b)}
+        return {"loss": out.losses, "desirable": desirable, "reward": out.rewards, "logps": policy.detach(),
+                "kl": kl.detach().expand(policy.shape[0])}
+
+    @staticmethod
+    def _metrics(terms: dict[str, torch.Tensor], examples: torch.Tensor | None,
+                 desirable_total: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """TRL's metrics (shares of the step's means when the step's totals are given)."""
+        good = terms["desirable"]
+        bad_total = None if examples is None else examples - desirable_total
+        out = {"rewards/chosen": _group_mean(terms["reward"].double(), good, desirable_total),
+               "rewards/rejected": _group_mean(terms["reward"].double(), ~good, bad_total),
+               "logps/chosen": _group_mean(terms["logps"].double(), good, desirable_total),
+               "logps/rejected": _group_mean(terms["logps"].double(), ~good, bad_total)}
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
 
     def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The mean over the step's examples (two per pair: the step's pairs x 2); the metrics are
-        per-pair means over the step, ``kl`` each micro-batch's estimate weighted by its pairs."""
+        """The mean over the step's examples; the metrics are means over the step's desirable /
+        undesirable examples, ``kl`` each micro-batch's estimate weighted by its examples."""
         terms = self._terms(batch, "train")
-        pairs = batch["step_pairs"]
-        loss = pair_mean(terms["loss"], pairs) / 2
-        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), pairs) for k in (*METRICS, "kl")}
+        _, _, examples, desirable = layout(batch)
+        loss = pair_mean(terms["loss"], examples)
+        shares = {f"train/{k}": v for k, v in self._metrics(terms, examples, desirable).items()}
+        # margins: a difference of means, so its share is the difference of the shares (sums add up)
+        shares["train/kl"] = pair_mean(terms["kl"].double(), examples)
         return loss, shares
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         terms = self._terms(batch, "val")
-        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in _VAL], dim=-1))
+        _, ids, _, _ = layout(batch)
+        self.collect_val(ids, torch.stack([terms[k].detach().double() for k in _VAL], dim=-1))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         cols = dict(zip(_VAL, values.unbind(-1)))
-        out = {k: pair_mean(cols[k]) for k in (*METRICS, "kl")}
-        out["loss"] = pair_mean(cols["loss"]) / 2
+        terms = {**cols, "desirable": cols["desirable"].bool()}
+        out = self._metrics(terms, None, None)
+        out["kl"] = cols["kl"].mean()
+        out["loss"] = cols["loss"].mean()
         return out
 
 
-_VAL = ("loss", *METRICS, "kl")
+_VAL = ("loss", "desirable", "reward", "logps", "kl")

@@ -1,0 +1,149 @@
+"""Unpaired preference records (data kind ``unpaired``, objective=kto): TRL's conversational
+``{prompt, completion, label}`` shape, file:line errors, their encoding, collation and step totals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rolemrc import asset
+from rolemrc.config import DataConfig, source_group
+from rolemrc.data.collate import STEP_TOTALS, UnpairedCollator, row_totals
+from rolemrc.data.datamodule import ChatDataModule, encode_pairs, encode_unpaired
+from rolemrc.data.readers import read_examples
+from rolemrc.data.schemas import DataError, Unpaired
+from rolemrc.objectives import IGNORE_INDEX
+
+USER = [{"role": "User", "content": "How do you fold butter into dough?"}]
+
+
+def write(tmp_path: Path, records: list[Any], name: str = "unpaired.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def split_sample_pairs(tmp_path: Path, keep: int | None = None) -> Path:
+    """The sample pairs as unpaired records (TRL's unpair_preference_dataset: both sides of each);
+    ``keep``: only the first ``keep`` pairs' chosen sides and every rejected one (unbalanced)."""
+    pairs = [json.loads(line) for line in Path(asset("sample/pairs.jsonl")).read_text().splitlines() if line.strip()]
+    records = []
+    for i, p in enumerate(pairs):
+        if keep is None or i < keep:
+            records.append({"prompt": p["prompt"], "completion": [{"role": "assistant", "content": p["chosen"]}],
+                            "label": True})
+        records.append({"prompt": p["prompt"], "completion": p["rejected"], "label": False})
+    return write(tmp_path, records)
+
+
+def test_trls_conversational_shapes(tmp_path: Path) -> None:
+    path = write(tmp_path, [
+        {"prompt": USER, "completion": [{"role": "assistant", "content": "Gently, mon ami."}], "label": True},
+        {"prompt": USER, "completion": "With a hammer.", "label": False, "task": "t1"},
+        {"prompt": [{"role": "system", "content": "You are a baker."}], "completion": "Bonjour!", "label": True},
+    ])
+    items, report = read_examples([{"path": str(path)}], "unpaired")
+    assert all(isinstance(i, Unpaired) for i in items) and report.kept[str(path)] == 3
+    first, second, third = items
+    assert first.prompt == [{"role": "user", "content": USER[0]["content"]}] and first.completion == "Gently, mon ami."
+    assert first.label is True and second.label is False and second.task == "t1"
+    assert third.prompt[0]["role"] == "system" and second.origin == f"{path}:2"
+
+
+def test_bad_records_name_file_line_and_field(tmp_path: Path) -> None:
+    good = {"prompt": USER, "completion": "Gently.", "label": True}
+    path = write(tmp_path, [
+        good,
+        {"prompt": USER, "completion": "Gently."},
+        {**good, "label": 1},
+        {**good, "label": "true"},
+        {**good, "completion": "  "},
+        {**good, "prompt": "How do you fold butter?"},
+        {"prompt": USER, "chosen": "a", "rejected": "b"},
+        {**good, "completion": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]},
+        {**good, "prompt": USER + [{"role": "assistant", "content": "x"}]},
+        {**good, "completion": [{"role": "user", "content": "a"}]},
+        "{not json",
+    ])
+    with pytest.raises(DataError) as err:
+        read_examples([{"path": str(path)}], "unpaired")
+    msg = str(err.value)
+    assert "10 invalid unpaired record(s)" in msg
+    assert f"{path}:2: missing field 'label'" in msg
+    assert f"{path}:3: field 'label' must be true (desirable) or false (undesirable), got int 1" in msg
+    assert f"{path}:4: field 'label' must be true (desirable) or false (undesirable), got str 'true'" in msg
+    assert f"{path}:5: field 'completion' is empty" in msg
+    assert f"{path}:6: field 'prompt' is a string: give it as messages" in msg
+    assert f"{path}:7: a preference pair (chosen/rejected), not an unpaired example: put pairs in data.pairs" in msg
+    assert f"{path}:8: field 'completion' must be one assistant message, got 2 message(s) (assistant, user)" in msg
+    assert f"{path}:9: prompt: last message must be user, got assistant" in msg
+    assert f"{path}:10: field 'completion' must be one assistant message, got 1 message(s) (user)" in msg
+    assert f"{path}:11: invalid JSON" in msg
+    items, report = read_examples([{"path": str(path)}], "unpaired", on_error="skip")
+    assert len(items) == 1 and report.skipped[str(path)] == 10
+
+
+def test_encoding_is_a_pair_sides_encoding(tmp_path: Path) -> None:
+    """An unpaired example's tokens are those of the same pair side (same cuts at max_length /
+    max_prompt_length), so unpaired records and pairs split train on the same rows."""
+    from tests.data.test_templates import chat_format  # the shipped tiny tokenizer and template
+
+    chat = chat_format("llama3")
+    pairs, _ = read_examples([{"path": str(asset("sample/pairs.jsonl"))}], "pairs")
+    unpaired, _ = read_examples([{"path": str(split_sample_pairs(tmp_path))}], "unpaired")
+    pair_rows, _ = encode_pairs(pairs, chat, 160, 96)
+    rows, report = encode_unpaired(unpaired, chat, 160, 96)
+    assert report["examples"] == 2 * len(pair_rows) == report["desirable"] + report["undesirable"]
+    assert report["prompt_truncated"] > 0 and report["completion_truncated"] > 0  # the cuts are exercised
+    for i, pair in enumerate(pair_rows):
+        good, bad = rows[2 * i], rows[2 * i + 1]
+        assert good["prompt_ids"] == bad["prompt_ids"] == pair["prompt_ids"]
+        assert (good["completion_ids"], good["label"]) == (pair["chosen_ids"], True)
+        assert (bad["completion_ids"], bad["label"]) == (pair["rejected_ids"], False)
+        assert len(good["prompt_ids"]) <= 96 and len(good["prompt_ids"] + good["completion_ids"]) <= 160
+
+
+def test_collator_and_step_totals() -> None:
+    rows = [{"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "index": 4},
+            {"prompt_ids": [5], "completion_ids": [6, 7, 8], "label": False, "index": 9}]
+    batch = UnpairedCollator(0)(rows)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [5, 6, 7, 8]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 3, IGNORE_INDEX], [IGNORE_INDEX, 6, 7, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch["label"].tolist() == [True, False] and batch["index"].tolist() == [4, 9]
+    assert STEP_TOTALS["unpaired"] == ("examples", "desirable")
+    assert [row_totals(r) for r in rows] == [(1, 1), (1, 0)]
+
+
+def test_the_kind_reads_unpaired_when_given_else_the_pairs(tmp_path: Path) -> None:
+    pairs = [{"path": str(asset("sample/pairs.jsonl"))}]
+    assert source_group("unpaired", DataConfig(name="x", pairs=pairs)) == "pairs"
+    given = DataConfig(name="x", pairs=pairs, unpaired=[{"path": str(split_sample_pairs(tmp_path, keep=10))}])
+    assert source_group("unpaired", given) == "unpaired" and source_group("sft", given) == "sft"
+
+
+def test_datamodule_serves_unpaired_batches_with_their_step_totals(tmp_path: Path) -> None:
+    from tests.data.test_templates import chat_format
+
+    path = split_sample_pairs(tmp_path, keep=10)  # 10 desirable, 80 undesirable
+    cfg = DataConfig(name="x", unpaired=[{"path": str(path)}], pairs=[{"path": str(asset("sample/pairs.jsonl"))}],
+                     val_fraction=0.1, max_length=160, max_prompt_length=96, batch_size=4, cache=True,
+                     cache_dir=str(tmp_path / "cache"))
+    dm = ChatDataModule(cfg, "unpaired", chat_format("chatml"), seed=3)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.kind == "unpaired" and dm.store is None  # in memory: the store holds sft and pairs rows
+    assert not (tmp_path / "cache").exists()
+    assert len(dm.train_rows) + len(dm.val_rows) == 90 and len(dm.val_rows) == 9
+    batches = list(dm.train_dataloader())
+    labels = torch.cat([b["label"] for b in batches])
+    assert len(labels) == len(dm.train_rows) and int(labels.sum()) == sum(r["label"] for r in dm.train_rows)
+    for b in batches:  # accumulate 1: each micro-batch is its step
+        assert float(b["step_examples"]) == b["index"].shape[0]
+        assert float(b["step_desirable"]) == int(b["label"].sum())
+    val = next(iter(dm.val_dataloader()))
+    assert set(val) >= {"input_ids", "labels", "attention_mask", "label", "index"}

@@ -42,7 +42,7 @@ def test_every_combination_composes(model: str, objective: str, data: str) -> No
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose(experiment: str) -> None:
-    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo")) else []
+    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo", "kto")) else []
     cfg = compose_train([f"experiment={experiment}", *extra])
     cfg = resolve(cfg)
     assert cfg.task_name == experiment
@@ -60,6 +60,20 @@ def test_paper_recipes() -> None:
     assert (dpo.optim.lr, dpo.optim.scheduler, dpo.optim.warmup_ratio) == (4e-7, "linear", 0.1)
     assert dpo.data.batch_size * dpo.trainer.accumulate_grad_batches * dpo.trainer.devices == 64
     assert dpo.data.max_length == 3000 and dpo.data.max_prompt_length == 2250
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+def test_kto_recipes(model: str) -> None:
+    """The KTO authors' HALOs settings (each value's source is in the recipe), on an SFT export."""
+    cfg = compose_train([f"experiment=rolemrc_{model}_kto", "model.path=/x"])
+    check_train_config(cfg)
+    o = cfg.objective
+    assert (o.name, o.loss_type, o.beta, o.desirable_weight, o.undesirable_weight, o.reference) == \
+        ("kto", "kto", 0.1, 1.0, 1.0, "copy")
+    assert (cfg.optim.lr, cfg.optim.scheduler, cfg.optim.warmup_ratio, cfg.optim.weight_decay, cfg.optim.eps) == \
+        (5e-6, "constant", 0.1, 0.01, 1e-5)
+    assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.trainer.devices == 32
+    assert cfg.data.batch_size >= 4 and cfg.trainer.max_epochs == 1 and cfg.trainer.gradient_clip_val == 1.0
 
 
 def test_typo_in_key_fails_at_compose() -> None:

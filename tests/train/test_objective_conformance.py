@@ -49,7 +49,8 @@ def _build(tmp: Path, *overrides: str) -> tuple[Any, dict[str, torch.Tensor]]:
     _perturb(module.model)
     parts.datamodule.setup("fit")
     batch = next(iter(parts.datamodule.train_dataloader()))
-    assert float(batch["step_pairs"]) == batch["index"].shape[0]  # one micro-batch is the whole step
+    step_items = batch["step_pairs"] if "step_pairs" in batch else batch["step_examples"]
+    assert float(step_items) == batch["index"].shape[0]  # one micro-batch is the whole step
     return parts, batch
 
 
@@ -286,22 +287,41 @@ def kto(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.
     return parts, batch
 
 
+@pytest.fixture(scope="module")
+def kto_unpaired(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    """KTO on data.unpaired (not data.pairs): unbalanced labels, the first micro-batch mixing both."""
+    from tests.data.test_unpaired_records import split_sample_pairs
+
+    tmp = tmp_path_factory.mktemp("kto_unpaired")
+    path = split_sample_pairs(tmp, keep=40)  # 40 desirable, 80 undesirable
+    parts, batch = _build(tmp, "objective=kto", f"data.unpaired=[{{path: '{path}'}}]", "data.batch_size=7")
+    _perturb(parts.module.ref_model, seed=1, scale=0.05)
+    n_good = int(batch["label"].sum())
+    assert 0 < n_good < batch["label"].shape[0] and 2 * n_good != batch["label"].shape[0]  # mixed, unbalanced
+    assert not bool(batch["label"][:n_good].all())  # not sorted desirable-first: per-example labels matter
+    return parts, batch
+
+
 def _trl_kto(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[float, dict[str, float]]:
-    """TRL's KTOTrainer on our batch's rows as unpaired examples (chosen rows desirable, then
-    rejected rows undesirable), its KL completions rotated by one as its dataset preparation does,
-    padded by its own collator; the reference log-probs go in precomputed (see _trl_dpo)."""
+    """TRL's KTOTrainer on our batch's rows as unpaired examples (pairs split: chosen rows
+    desirable, then rejected rows undesirable; unpaired: each row's label), its KL completions
+    rotated by one as its dataset preparation does, padded by its own collator; the reference
+    log-probs go in precomputed (see _trl_dpo)."""
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
+    from rolemrc.modules.kto import layout
+
     module = parts.module
-    b = batch["index"].shape[0]
+    desirable = layout(batch)[0]
+    n = batch["input_ids"].shape[0]
     examples = []
-    for r in range(2 * b):
+    for r in range(n):
         att = batch["attention_mask"][r].bool()
         resp = batch["labels"][r] != IGNORE_INDEX
         examples.append({"prompt_ids": batch["input_ids"][r][att & ~resp].tolist(),
-                         "completion_ids": batch["input_ids"][r][resp].tolist(), "label": r < b})
+                         "completion_ids": batch["input_ids"][r][resp].tolist(), "label": bool(desirable[r])})
     completions = [e["completion_ids"] for e in examples]
     for e, kl_completion in zip(examples, [completions[-1]] + completions[:-1]):
         e["KL_completion_ids"] = kl_completion
@@ -315,7 +335,7 @@ def _trl_kto(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[f
                     "index": batch["index"]}
         inputs["ref_KL_logps"] = module.reference_logps(kl_batch, "train")
     config = KTOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
-                       precompute_ref_log_probs=True, per_device_train_batch_size=2 * b, max_length=None,
+                       precompute_ref_log_probs=True, per_device_train_batch_size=n, max_length=None,
                        save_strategy="no", **args)
     dummy = Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
                                {"prompt": "c", "completion": "d", "label": False}])
@@ -338,8 +358,9 @@ KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "l
      {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7}),
     ({"beta": 0.2, "loss_type": "apo_zero_unpaired"}, {"beta": 0.2, "loss_type": "apo_zero_unpaired"}),
 ])
-def test_kto_equals_trls_kto_first_step(kto, ours_args, trl_args) -> None:
-    parts, batch = kto
+@pytest.mark.parametrize("data", ["pairs", "unpaired"])
+def test_kto_equals_trls_kto_first_step(request, data: str, ours_args, trl_args) -> None:
+    parts, batch = request.getfixturevalue("kto" if data == "pairs" else "kto_unpaired")
     loss, ours = _ours(parts.module, batch, ours_args)
     trl_loss, theirs = _trl_kto(parts, batch, **trl_args)
     assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)

@@ -163,6 +163,27 @@ def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path) -> None:
         assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
 
 
+@pytest.mark.parametrize("data", ["pairs", "unpaired"])
+def test_kto_apo_zero_unpaired_with_a_precomputed_reference_equals_the_copy(train_cfg, tmp_path: Path, data: str) -> None:
+    """Without the KL term the reference is per example, so a precomputed table is exact: the
+    first steps' losses equal those against a reference copy (pairs split and unpaired examples)."""
+    from tests.data.test_unpaired_records import split_sample_pairs
+
+    extra = [f"data.unpaired=[{{path: '{split_sample_pairs(tmp_path, keep=50)}'}}]"] if data == "unpaired" else []
+    losses = {}
+    for mode in ("copy", "precomputed"):
+        run = setup(train_cfg("objective=kto", "objective.loss_type=apo_zero_unpaired", f"objective.reference={mode}",
+                              *extra, "trainer.max_steps=2", "export.enabled=false", "data.max_length=160",
+                              "data.max_prompt_length=96", "data.val_fraction=0.1", f"run_dir={tmp_path / mode}"))
+        fit(run)
+        losses[mode] = series(run.cfg.run_dir, "train/loss") + series(run.cfg.run_dir, "val/loss")
+        if mode == "precomputed":
+            assert run.module.reference.models() == [] and set(run.module.reference.tables) == {"train", "val"}
+            width = run.module.reference.tables["train"].shape[1]
+            assert width == (2 if data == "pairs" else 1)
+    assert len(losses["copy"]) == 3 and losses["precomputed"] == pytest.approx(losses["copy"], rel=1e-5, abs=1e-6)
+
+
 def test_kto_metrics_of_a_step_without_desirable_examples_are_nan() -> None:
     """TRL logs no rewards/chosen for a batch without a desirable example; a 0 would read as a value."""
     from rolemrc.modules.kto import KTOModule
@@ -180,7 +201,7 @@ def test_kto_unpaired_val_needs_unpaired_train_sources(train_cfg, tmp_path: Path
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective=kto"),
+    (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective.loss_type=kto"),
     (["data.packing=true"], "objective=kto needs unpacked examples"),
     (["objective.desirable_weight=0"], "objective.desirable_weight must be > 0, got 0"),
     (["data.batch_size=1"], "objective=kto needs data.batch_size >= 2, got 1"),

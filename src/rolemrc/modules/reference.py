@@ -73,7 +73,10 @@ def rows_fingerprint(rows: Sequence[dict]) -> str:
         return f"s{stored}"
     h = hashlib.sha256()
     for r in rows:
-        h.update(json.dumps([r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]]).encode())
+        if "completion_ids" in r:  # an unpaired example (KTO)
+            h.update(json.dumps([r["prompt_ids"], r["completion_ids"], bool(r["label"])]).encode())
+        else:
+            h.update(json.dumps([r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]]).encode())
     return h.hexdigest()[:16]
 
 
@@ -143,8 +146,10 @@ class PrecomputedReference(Reference):
         self.rows: dict[str, str] = {}  # stage -> rows_fingerprint of its table (unknown: absent)
 
     def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        pair = self.tables[stage].to(module.device)[batch["index"]]  # [B, 2]: chosen, rejected
-        return torch.cat([pair[:, 0], pair[:, 1]])
+        # [B, 2] (pairs: chosen, rejected) or [N, 1] (single rows, e.g. KTO's unpaired examples),
+        # in the batch's row order: each column's rows after the previous column's
+        cols = self.tables[stage].to(module.device)[batch["index"]]
+        return cols.T.reshape(-1)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -240,8 +245,9 @@ def reference_key(model: nn.Module, settings: str) -> str:
 
 @torch.no_grad()
 def compute_table(module: DPOModule, rows: Sequence[dict], stage: str, batch_size: int) -> torch.Tensor:
-    """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now, in eval
-    mode under the trainer's precision context; each rank computes a strided share (collective)."""
+    """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now (``[len(rows),
+    1]`` where a batch has one row per index, e.g. KTO's unpaired examples), in eval mode under the
+    trainer's precision context; each rank computes a strided share (collective)."""
     trainer = module.trainer
     world, rank = trainer.world_size, trainer.global_rank
     sampler = ResumableSampler(len(rows), False, 0, rank, world)
@@ -254,12 +260,12 @@ def compute_table(module: DPOModule, rows: Sequence[dict], stage: str, batch_siz
             sums = module.pair_logps(module.model, batch).logps
             b = batch["index"].shape[0]
             index.append(batch["index"])
-            values.append(torch.stack([sums[:b], sums[b:]], dim=-1))
+            values.append(sums.reshape(-1, b).T)  # [b, rows per index]: pairs' chosen, rejected columns
     index_t, values_t = torch.cat(index), torch.cat(values)
     if world > 1:  # every rank computed a strided share; gather all of them
         index_t = module.all_gather(index_t).reshape(-1)
-        values_t = module.all_gather(values_t).reshape(-1, 2)
-    table = torch.zeros(len(rows), 2, dtype=torch.float32)
+        values_t = module.all_gather(values_t).reshape(-1, values_t.shape[-1])
+    table = torch.zeros(len(rows), values_t.shape[-1], dtype=torch.float32)
     table[index_t.cpu()] = values_t.float().cpu()
     return table
 

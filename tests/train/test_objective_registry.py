@@ -154,7 +154,18 @@ def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path) -> None:
                           "export.enabled=false", "data.max_length=160", "data.max_prompt_length=96",
                           "data.val_fraction=0.1"))
     assert run.datamodule.kind == "unpaired"
+    # The KL rows come with the batch from the module's hook, built on the host before the batch
+    # moves (Lightning calls only the DataModule's hook, which hands it on), not in the step.
+    arrived_with_kl_rows = []
+    terms = type(run.module)._terms
+
+    def spy(self, batch, stage):
+        arrived_with_kl_rows.append("kl_input_ids" in batch)
+        return terms(self, batch, stage)
+
+    run.module._terms = spy.__get__(run.module)
     fit(run)
+    assert arrived_with_kl_rows and all(arrived_with_kl_rows)
     assert run.datamodule.report["train"]["examples"] == 126 and len(run.datamodule.val_rows) == 14
     for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                  "logps/rejected"):

@@ -381,9 +381,14 @@ class ChatDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts the training micro-batches as the fit loop takes them (not as the loader
-        prefetches them): the sampler's place."""
+        prefetches them): the sampler's place; then the module's own hook, if it has one."""
         if self.trainer is not None and self.trainer.training:
             self.place.count()
+        # Lightning calls only this hook when the DataModule and the LightningModule both define
+        # it: hand the batch on to the module's (KTO builds its KL rows there, on the host).
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None and type(module).on_before_batch_transfer is not L.LightningModule.on_before_batch_transfer:
+            batch = module.on_before_batch_transfer(batch, dataloader_idx)
         return batch
 
     def state_dict(self) -> dict[str, Any]:

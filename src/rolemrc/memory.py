@@ -38,7 +38,8 @@ from typing import Any
 from omegaconf import OmegaConf, open_dict
 
 from rolemrc import ASSETS, __version__
-from rolemrc.config import OBJECTIVES, check_train_config, checkpointing_setting, register, upgrade_train_config
+from rolemrc.config import (OBJECTIVES, check_train_config, checkpointing_setting, register, source_group,
+                            upgrade_train_config)
 from rolemrc.entry import entry_point
 from rolemrc.fileio import atomic_write_json
 from rolemrc.models.family import memory_shape
@@ -123,7 +124,8 @@ def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, ch
 def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, int]:
     """(GB per device, devices, tokens per micro-batch) of the configured run."""
     entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
-    tokens = cfg.data.batch_size * cfg.data.max_length * (2 if entry.pairs else 1)
+    rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
+    tokens = cfg.data.batch_size * cfg.data.max_length * rows
     gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
     fsdp = cfg.strategy.name == "fsdp"
     gb = estimate_gb(
@@ -236,7 +238,7 @@ def resolve_checkpointing(cfg: Any) -> bool:
 NOT_SIZED: dict[str, tuple[str, ...]] = {
     "model": ("gradient_checkpointing",),  # decided here; the step is simulated without it
     "objective": ("beta", "label_smoothing", "reference_cache_dir"),
-    "data": ("name", "dir", "sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val", "unpaired",
+    "data": ("name", "dir", "sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val",
              "unpaired_val", "val_fraction",
              "on_error", "num_workers", "shuffle", "cache", "cache_dir", "num_proc", "roles", "rolebench", "characterllm"),
     "optim": ("lr", "scheduler", "warmup_ratio", "min_lr_ratio"),

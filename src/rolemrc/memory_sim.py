@@ -163,18 +163,23 @@ def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> l
         return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
     prompt = int(cfg.data.get("max_prompt_length") or full // 2) * length // full
     response = max(1, length - prompt)
+    if _unpaired(cfg):  # one row per example (KTO on data.unpaired), desirable and not alternating
+        return [{"prompt_ids": [tok] * prompt, "completion_ids": [tok] * response, "label": i % 2 == 0, "index": i}
+                for i in range(batch_size)]
     return [{"prompt_ids": [tok] * prompt, "chosen_ids": [tok] * response, "rejected_ids": [tok] * response,
              "index": i} for i in range(batch_size)]
 
 
 def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
-    from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, row_totals
+    from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
 
     rows = _rows(cfg, batch_size, vocab, length)
     pairs = _entry(cfg).pairs
     share = pairs and bool(cfg.objective.get("share_prompt", False))
-    if cfg.data.get("packing") or share:
+    if _unpaired(cfg):
+        batch = UnpairedCollator(0)(rows)
+    elif cfg.data.get("packing") or share:
         batch = PackedCollator(0, share)(rows)
     else:
         batch = (PairCollator(0) if pairs else SFTCollator(0))(rows)
@@ -187,7 +192,10 @@ def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> 
     if "attention_mask" in batch and bool(batch["attention_mask"].all()):
         del batch["attention_mask"]
     totals = [row_totals(r) for r in rows]
-    if not pairs:
+    if _unpaired(cfg):
+        batch["step_examples"] = torch.tensor(float(len(rows)), dtype=torch.float64)
+        batch["step_desirable"] = torch.tensor(float(sum(t[1] for t in totals)), dtype=torch.float64)
+    elif not pairs:
         batch["step_tokens"] = torch.tensor(float(sum(t[0] for t in totals)), dtype=torch.float64)
     else:
         batch["step_pairs"] = torch.tensor(float(len(rows)), dtype=torch.float64)
@@ -240,6 +248,13 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
 
 
 # ---------------------------------------------------------------- the step
+
+def _unpaired(cfg: Any) -> bool:
+    """Whether the run's rows are single examples (data kind unpaired with ``data.unpaired`` given)."""
+    from rolemrc.config import source_group
+
+    return source_group(_entry(cfg).data, cfg.data) == "unpaired"
+
 
 def _entry(cfg: Any) -> Any:
     """The objective's registry entry: what it trains on (pairs or not), whether it has a reference."""

@@ -239,6 +239,11 @@ def test_kto_is_simulated_as_itself() -> None:
     apo = simulate(compose_train([*base, "objective=kto", "objective.loss_type=apo_zero_unpaired"]),
                    checkpointing=False)
     assert apo.peak_bytes < kto.peak_bytes  # no KL rows
+    # data.unpaired: batch_size examples, one row each (not a pair's two): less than the pairs' step
+    unpaired = simulate(compose_train([*base, "objective=kto", "data.unpaired=[{path: /nowhere/u.jsonl}]"]),
+                        checkpointing=False)
+    assert unpaired.after_backward["Sharded Param"] == kto.after_backward["Sharded Param"]
+    assert dpo.peak_bytes < kto.peak_bytes and unpaired.peak_bytes < kto.peak_bytes
 
 
 def _kl_on_rank(rank: int, port: int, out: str) -> None:

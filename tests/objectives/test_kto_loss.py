@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemrc.objectives.kto import kto_kl, kto_loss
+from rolemrc.objectives.kto import kto_kl, kto_loss, weight_advice
 
 
 def sig(x: float) -> float:
@@ -60,3 +60,12 @@ def test_gradient_flows_to_the_policy_only_through_the_ratio():
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kto_loss(t(-1), t(-1), torch.tensor([True]), **kwargs)
+
+
+def test_weight_advice_follows_the_papers_range() -> None:
+    """TRL's check of eqn 8: desirable_weight * n_D : undesirable_weight * n_U in [1, 4/3]."""
+    assert weight_advice(100, 100, 1.0, 1.0) is None  # balanced
+    msg = weight_advice(10, 80, 1.0, 1.0)  # 10 desirable: weigh them 8 to 10.64 times
+    assert msg is not None and "desirable_weight in [8.0, 10.64]" in msg and "undesirable_weight in [0.09, 0.12]" in msg
+    assert weight_advice(10, 80, 9.0, 1.0) is None and weight_advice(10, 80, 1.0, 0.1) is None
+    assert weight_advice(80, 10, 1.0, 1.0) is not None and weight_advice(75, 100, 1.33, 1.0) is None

@@ -3,6 +3,7 @@ nothing in build.py or train.py changes for it."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> Non
         assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
 
 
-def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path) -> None:
+def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path, caplog) -> None:
     """data.unpaired given: its {prompt, completion, label} examples are the batch rows (not
     data.pairs), unbalanced labels, TRL's metric names logged each step and at validation."""
     from tests.data.test_unpaired_records import split_sample_pairs
@@ -164,8 +165,11 @@ def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path) -> None:
         return terms(self, batch, stage)
 
     run.module._terms = spy.__get__(run.module)
-    fit(run)
+    with caplog.at_level(logging.WARNING, logger="rolemrc.modules.kto"):
+        fit(run)
     assert arrived_with_kl_rows and all(arrived_with_kl_rows)
+    # unbalanced labels (about 60:80) at weights 1 and 1: TRL's imbalance warning
+    assert "outside the KTO paper's range" in caplog.text
     assert run.datamodule.report["train"]["examples"] == 126 and len(run.datamodule.val_rows) == 14
     for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                  "logps/rejected"):

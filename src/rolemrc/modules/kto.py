@@ -23,14 +23,17 @@ the step's desirable / undesirable examples; NaN for a step without any, where T
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from rolemrc.modules.dpo import DPOModule
 from rolemrc.objectives.dpo import pair_mean
-from rolemrc.objectives.kto import kto_kl, kto_loss
+from rolemrc.objectives.kto import kto_kl, kto_loss, weight_advice
 from rolemrc.objectives.logprobs import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
 
 
 
@@ -100,6 +103,16 @@ class KTOModule(DPOModule):
     def pair_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
         """Summed completion log-probs and token counts of each row ``[N]`` (either layout)."""
         return self.sequence_logps(model, batch, batch["input_ids"].shape[0])
+
+    def on_fit_start(self) -> None:
+        """Warns, as TRL does, when unbalanced training labels meet weights outside the paper's range."""
+        super().on_fit_start()
+        report = getattr(getattr(self.trainer, "datamodule", None), "report", {}).get("train", {})
+        if "desirable" in report and self.trainer.is_global_zero:
+            advice = weight_advice(report["desirable"], report["undesirable"], self.objective.desirable_weight,
+                                   self.objective.undesirable_weight)
+            if advice:
+                log.warning(advice)
 
     def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
         """The KL rows are built from the collated batch on the host, where its values are (the

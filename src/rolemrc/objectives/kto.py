@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["KTO_LOSS_TYPES", "KTOOutput", "kto_kl", "kto_loss"]
+__all__ = ["KTO_LOSS_TYPES", "KTOOutput", "kto_kl", "kto_loss", "weight_advice"]
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")  # TRL 1.16's KTOConfig.loss_type
 
@@ -58,3 +58,21 @@ def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl: Ten
         bad = torch.sigmoid(beta * r)
     losses = torch.where(desirable.bool(), desirable_weight * good, undesirable_weight * bad)
     return KTOOutput(losses, beta * r.detach())
+
+
+def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
+                  undesirable_weight: float) -> str | None:
+    """A warning when unbalanced data meets weights outside the paper's range (its eqn 8, as TRL's
+    KTOTrainer checks it): ``desirable_weight * n_D : undesirable_weight * n_U`` should lie in
+    [1, 4/3]. None when the counts are equal or either weight is in its range."""
+    n_d, n_u = max(n_desirable, 1), max(n_undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_low, d_high = round(n_u * undesirable_weight / n_d, 2), round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_low, u_high = round(n_d * desirable_weight / n_u / 1.33, 2), round(n_d * desirable_weight / n_u, 2)
+    if d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high:
+        return None
+    return (f"{n_desirable} desirable and {n_undesirable} undesirable examples, but objective.desirable_weight="
+            f"{desirable_weight} and objective.undesirable_weight={undesirable_weight} are outside the KTO paper's "
+            f"range (eqn 8): set EITHER objective.desirable_weight in [{d_low}, {d_high}] OR "
+            f"objective.undesirable_weight in [{u_low}, {u_high}]")

@@ -147,3 +147,24 @@ def test_datamodule_serves_unpaired_batches_with_their_step_totals(tmp_path: Pat
         assert float(b["step_desirable"]) == int(b["label"].sum())
     val = next(iter(dm.val_dataloader()))
     assert set(val) >= {"input_ids", "labels", "attention_mask", "label", "index"}
+
+
+def test_tokens_equal_trls_for_the_llama3_template(tmp_path: Path) -> None:
+    """TRL 1.16's KTOTrainer tokenizes a conversational record as the prompt with the generation
+    prompt, and the completion as the rest of prompt + completion: the same tokens as ours with
+    Llama-3's template (ChatML writes a newline after <|im_end|>, which TRL's completion keeps and
+    ours, ending at the end-of-turn token as pairs do, does not: docs/preference.md#kto)."""
+    from transformers import AutoTokenizer
+    from trl.trainer.kto_trainer import _tokenize, common_prefix_length
+
+    from rolemrc.data.templates import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3"))
+    examples, _ = read_examples([{"path": str(split_sample_pairs(tmp_path, keep=5))}], "unpaired")
+    rows, _ = encode_unpaired(examples, ChatFormat(tokenizer), 100_000, 90_000)
+    assert len(rows) == len(examples) == 85
+    for ex, row in zip(examples, rows):
+        prompt_ids = _tokenize(tokenizer, ex.prompt, add_generation_prompt=True)["input_ids"]
+        full = _tokenize(tokenizer, ex.prompt + [{"role": "assistant", "content": ex.completion}])["input_ids"]
+        cut = common_prefix_length(prompt_ids, full)
+        assert (prompt_ids[:cut], full[cut:]) == (row["prompt_ids"], row["completion_ids"]), ex.origin

@@ -1,5 +1,7 @@
-"""DPO training throughput (preference pairs per second) on RoleMRC-shaped pairs (long prompt,
-short replies), one contender per process:
+"""Preference training throughput (pairs per second) on RoleMRC-shaped pairs (long prompt, short
+replies), one contender per process: DPO (``--objective dpo``, the default), and the
+reference-free SimPO and ORPO (``--objective simpo|orpo``) against TRL's CPOTrainer
+(``loss_type=simpo``) and ORPOTrainer:
 
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours           # share_prompt, copy reference
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours_pre       # share_prompt, reference=precomputed
@@ -7,6 +9,10 @@ short replies), one contender per process:
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl            # TRL DPOTrainer, its defaults
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl_no_gc      # ... gradient_checkpointing=False
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender trl_pre_no_gc  # ... + precompute_ref_log_probs
+
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective simpo --contender ours       # objective=simpo
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective simpo --contender trl        # CPOTrainer, its defaults
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective orpo --contender trl_no_gc   # ORPOTrainer, no checkpointing
 
 ``<dir>`` is prepared by ``benchmarks/run_all.py``. Every contender: the same model and the same
 ``dpo_pairs_used`` pairs (exactly one pass), ``dpo_batch`` pairs per optimizer step, sigmoid loss,
@@ -23,6 +29,14 @@ paper's recipe).
   ``max_length`` (the default 1024 would cut RoleMRC prompts), precision, batch size, run length.
 - trl_no_gc: ``gradient_checkpointing=False``. trl_pre_no_gc: also ``precompute_ref_log_probs=True``
   (no reference model kept during training). TRL 1.16 disables ``padding_free`` for DPO.
+
+SimPO and ORPO (reference-free: no reference model, no reference pass): ours is
+``objective=simpo|orpo`` at its defaults (chosen and rejected as padded rows; ORPO's NLL over prompt
++ response, as TRL); trl is ``CPOTrainer``/``ORPOTrainer`` at ``CPOConfig``/``ORPOConfig`` defaults
+(gradient checkpointing on) and trl_no_gc without checkpointing (their fastest setting here: neither
+has padding-free or prompt sharing), both with the loss settings of ours so the objective is the
+same (SimPO: ``beta`` 2.0, ``simpo_gamma`` 1.0, ``cpo_alpha`` 0 where CPOConfig's default is 1.0;
+ORPO: ``beta`` 0.1, TRL's default).
 
 Precomputed references: the pass over the used pairs is timed separately (``precompute_s``) and
 ``pairs_per_s`` charges it per pair (``timed pairs / (timed seconds + precompute_s x timed
@@ -45,15 +59,21 @@ from common import FlopSpan, Spec, add_callback, compose, hf_timer, lightning_ti
 set_env()
 
 
-def run_ours(work: Path, spec: Spec, contender: str) -> dict:
+def run_ours(work: Path, spec: Spec, contender: str, objective: str = "dpo") -> dict:
     from rolemrc.train import run
 
     timer = lightning_timer()
     share_prompt = contender != "ours_separate"
     reference = "precomputed" if contender == "ours_pre" else "copy"
+    if objective == "dpo":
+        chosen_objective = ["objective=dpo", f"objective.reference={reference}",
+                            f"objective.share_prompt={str(share_prompt).lower()}"]
+    else:  # reference-free: the objective's defaults (conf/objective/<name>.yaml)
+        reference = "none"
+        chosen_objective = [f"objective={objective}"]
     overrides = [
-        f"model.path={work / 'model'}", "model.name=bench", "objective=dpo", f"objective.reference={reference}",
-        f"objective.share_prompt={str(share_prompt).lower()}", f"data.pairs=[{{path:{work / 'pairs_used.jsonl'}}}]",
+        f"model.path={work / 'model'}", "model.name=bench", *chosen_objective,
+        f"data.pairs=[{{path:{work / 'pairs_used.jsonl'}}}]",
         "data.val_fraction=0", f"data.max_length={spec.dpo_max_length}",
         f"data.max_prompt_length={spec.dpo_max_prompt_length}", f"data.batch_size={spec.dpo_batch}",
         f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={spec.warmup + spec.steps}",
@@ -65,7 +85,8 @@ def run_ours(work: Path, spec: Spec, contender: str) -> dict:
         cfg = compose(overrides, Path(tmp))
         add_callback(timer)
         run(cfg)
-    return {"contender": contender, "batch_size": spec.dpo_batch, "overrides": overrides,
+    return {"contender": contender, "objective": objective, "reference": reference, "batch_size": spec.dpo_batch,
+            "overrides": overrides,
             "precompute_s": timer.precompute_seconds() if reference == "precomputed" else 0.0,
             "precompute_flops": timer.precompute_flops if reference == "precomputed" else 0.0,
             **timer.steps.summary(spec.warmup)}
@@ -78,6 +99,60 @@ TRL_VARIANTS = {  # contender -> DPOConfig overrides on top of TRL's defaults
 }
 
 
+# --objective simpo|orpo: the peer trainer, and the loss settings that make its objective ours
+# (conf/objective/simpo.yaml, orpo.yaml); the training settings stay the trainer's defaults.
+REFERENCE_FREE = {
+    "simpo": ("trl.experimental.cpo", "CPOConfig", "CPOTrainer",
+              {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0, "cpo_alpha": 0.0, "label_smoothing": 0.0}),
+    "orpo": ("trl.experimental.orpo", "ORPOConfig", "ORPOTrainer", {"beta": 0.1}),
+}
+REFERENCE_FREE_VARIANTS = {"trl": {}, "trl_no_gc": {"gradient_checkpointing": False}}
+
+
+def _trl_records(work: Path) -> list[dict]:
+    """The used pairs in TRL's conversational preference format (its chat template applies)."""
+    records = []
+    for line in (work / "pairs_used.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        prompt = [{"role": m["role"].lower(), "content": m["content"]} for m in r["prompt"]]
+        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                        "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+    return records
+
+
+def run_trl_reference_free(work: Path, spec: Spec, contender: str, objective: str) -> dict:
+    """TRL's CPOTrainer (loss_type=simpo) or ORPOTrainer: no reference model, no reference pass."""
+    import importlib
+    import warnings
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    module, config_name, trainer_name, loss = REFERENCE_FREE[objective]
+    with warnings.catch_warnings():  # trl.experimental warns on import that its API may change
+        warnings.simplefilter("ignore")
+        mod = importlib.import_module(module)
+    config_class, trainer_class = getattr(mod, config_name), getattr(mod, trainer_name)
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(work / "model")
+    timer = hf_timer(model, pairs=True)
+    overrides = REFERENCE_FREE_VARIANTS[contender]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = config_class(output_dir=tmp, max_length=spec.dpo_max_length,
+                            per_device_train_batch_size=spec.dpo_batch, max_steps=spec.warmup + spec.steps,
+                            report_to="none", save_strategy="no", seed=spec.seed, disable_tqdm=True,
+                            use_cpu=not torch.cuda.is_available(), bf16=spec.precision == "bf16", **loss, **overrides)
+        trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(_trl_records(work)),
+                                processing_class=tokenizer, callbacks=[timer])
+        settings = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "per_device_train_batch_size",
+                                                  "max_length", *loss)}
+        trainer.train()
+    return {"contender": contender, "objective": objective, "trainer": trainer_name, "reference": "none",
+            "config": {k: str(v) for k, v in settings.items()}, "precompute_s": 0.0, "precompute_flops": 0.0,
+            **timer.steps.summary(spec.warmup)}
+
+
 def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     import time
 
@@ -86,12 +161,7 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    records = []
-    for line in (work / "pairs_used.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        prompt = [{"role": m["role"].lower(), "content": m["content"]} for m in r["prompt"]]
-        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                        "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+    records = _trl_records(work)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
     timer = hf_timer(model, pairs=True)
@@ -131,14 +201,19 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--objective", choices=["dpo", *REFERENCE_FREE], default="dpo")
     p.add_argument("--contender", choices=["ours", "ours_pre", "ours_separate", *TRL_VARIANTS], required=True)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     spec = Spec.load(args.work)
-    if args.contender.startswith("trl"):
+    if args.objective != "dpo" and args.contender not in ("ours", *REFERENCE_FREE_VARIANTS):
+        p.error(f"--objective {args.objective}: contenders are ours, {', '.join(REFERENCE_FREE_VARIANTS)}")
+    if args.objective != "dpo" and args.contender.startswith("trl"):
+        result = run_trl_reference_free(args.work, spec, args.contender, args.objective)
+    elif args.contender.startswith("trl"):
         result = run_trl(args.work, spec, args.contender)
     else:
-        result = run_ours(args.work, spec, args.contender)
+        result = run_ours(args.work, spec, args.contender, args.objective)
     result["command"] = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
     steps_only = result.pop("samples_per_s")
     share = result["samples"] / spec.dpo_pairs_used  # the timed pairs' part of the precompute pass
@@ -149,7 +224,7 @@ def main() -> None:
     result["flops_per_pair"] = charged / result["samples"]
     result["flop_per_s"] = charged / (result["seconds"] + result["precompute_s"] * share)
     result["tokens_per_s"] = round(result["tokens_per_s"], 2)
-    write_result(args.out or args.work / "results" / f"dpo_{args.contender}.json", result)
+    write_result(args.out or args.work / "results" / f"{args.objective}_{args.contender}.json", result)
 
 
 if __name__ == "__main__":

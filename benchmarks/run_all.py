@@ -21,6 +21,11 @@ Contenders, each in its own process with the same allocator settings (MALLOC_*, 
 - DPO, pairs/s: ours (shared prompt; copy reference, and precomputed reference) vs TRL DPOTrainer
   without checkpointing, and with precompute_ref_log_probs and no checkpointing (``--more`` adds
   TRL's defaults, checkpointing on, and ours with separate chosen/rejected rows);
+- SimPO and ORPO, pairs/s (proxy only): ours (``objective=simpo|orpo``) vs TRL's CPOTrainer
+  (``loss_type=simpo``) / ORPOTrainer at their defaults (checkpointing on) and without
+  checkpointing (their fastest setting), the loss settings equal to ours. Reference-free: the table
+  sets their FLOPs per pair and peak RSS beside the DPO rows of the same run (the reference pass
+  saved; against ``dpo/ours_separate`` where it ran, the same row layout as SimPO/ORPO);
 - log-prob peak memory at a 128k vocabulary (benchmarks/logprob_memory.py).
 
 Precision is fp32 by default: this CPU has no native bf16 matmul (2.2 vs 59.5 GFLOP/s), so bf16
@@ -56,6 +61,8 @@ PLANS = {
     "proxy": {
         "sft": ["ours", "trl_no_gc", "trl_pack_no_gc", "trl"],
         "dpo": ["ours", "trl_no_gc", "ours_pre", "trl_pre_no_gc"],
+        "simpo": ["ours", "trl_no_gc", "trl"],
+        "orpo": ["ours", "trl_no_gc", "trl"],
     },
     "head_heavy": {"sft": ["ours", "trl_no_gc"], "dpo": ["ours", "trl_pre_no_gc"]},
 }
@@ -64,15 +71,20 @@ MORE = {"sft": ["pad_max", "trl_pack", "trl_padfree_no_gc"], "dpo": ["ours_separ
 SMOKE = {"hidden": 64, "layers": 1, "intermediate": 128, "heads": 4, "kv_heads": 2, "n_sft": 12, "n_pairs": 6,
          "prompt_tokens": (100, 200), "reply_tokens": (10, 20), "sft_max_length": 600, "dpo_max_length": 400,
          "dpo_max_prompt_length": 300}
-RATE = {"sft": ("tokens_per_s", "tokens/s"), "dpo": ("pairs_per_s", "pairs/s")}
-WORK = {"sft": ("flops_per_token", "token"), "dpo": ("flops_per_pair", "pair")}  # counted FLOPs per unit of RATE
+KINDS = ("sft", "dpo", "simpo", "orpo")
+PAIR_KINDS = ("dpo", "simpo", "orpo")  # benchmarks/dpo_throughput.py --objective <kind>
+RATE = {"sft": ("tokens_per_s", "tokens/s"), **{k: ("pairs_per_s", "pairs/s") for k in PAIR_KINDS}}
+WORK = {"sft": ("flops_per_token", "token"), **{k: ("flops_per_pair", "pair") for k in PAIR_KINDS}}  # counted FLOPs per unit of RATE
+TITLE = {"simpo": "SimPO (TRL: CPOTrainer loss_type=simpo)", "orpo": "ORPO (TRL: ORPOTrainer)"}
 
 
 def run_contender(kind: str, contender: str, work: Path, log_dir: Path, tag: str) -> dict:
-    script = HERE / f"{kind}_throughput.py"
+    script = HERE / ("dpo_throughput.py" if kind in PAIR_KINDS else f"{kind}_throughput.py")
     out = work / "results" / f"{kind}_{contender}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(script), "--work", str(work), "--contender", contender, "--out", str(out)]
+    if kind in PAIR_KINDS:
+        cmd += ["--objective", kind]
     env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT / "src")}
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
@@ -157,7 +169,7 @@ def ratios(kind: str, table: dict[str, dict]) -> dict:
                      "flop_rate": round(r["flop_per_s"] / best["flop_per_s"], 2),
                      "peak_rss": round(r["peak_rss_mib"] / best["peak_rss_mib"], 2),
                      "peak_rss_vs_lowest_trl": round(r["peak_rss_mib"] / trl[lowest_rss]["peak_rss_mib"], 2)}
-        if kind == "dpo" and best.get("pairs_per_s_steps_only"):
+        if kind in PAIR_KINDS and best.get("pairs_per_s_steps_only"):
             out[name]["speed_steps_only"] = round(r["pairs_per_s_steps_only"] / best["pairs_per_s_steps_only"], 2)
     return out
 
@@ -171,7 +183,7 @@ def report(results: dict) -> str:
         smoke = " [--smoke: tiny model, figures mean nothing]" if results.get("smoke") else ""
         lines.append(f"== {MODEL_LABELS[model]}{smoke}; {s['precision']}; data: prompts {s['prompt_tokens'][0]}-"
                      f"{s['prompt_tokens'][1]} tokens, replies {s['reply_tokens'][0]}-{s['reply_tokens'][1]}")
-        for kind in ("sft", "dpo"):
+        for kind in KINDS:
             table = part.get(kind, {})
             if not table:
                 continue
@@ -181,9 +193,13 @@ def report(results: dict) -> str:
                 lines.append(f"SFT ({s['sft_batch']} conversations a step, max_length {s['sft_max_length']}):")
                 lines.append(f"  {'contender':18s} {'tokens/s':>9s} {'conv/s':>7s} {'padding':>7s} {'peak RSS':>9s} "
                              f"{'MFLOP/tok':>9s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per token)")
-            else:
+            elif kind == "dpo":
                 lines.append(f"DPO ({s['dpo_batch']} pairs a step, max_length {s['dpo_max_length']}; pairs/s charges a "
                              f"precomputed reference pass per pair, 'steps' leaves it out):")
+            else:
+                lines.append(f"{TITLE[kind]} ({s['dpo_batch']} pairs a step, max_length {s['dpo_max_length']}; "
+                             f"reference-free: no reference pass):")
+            if kind != "sft":
                 lines.append(f"  {'contender':18s} {'pairs/s':>9s} {'steps':>7s} {'tokens/s':>8s} {'peak RSS':>9s} "
                              f"{'GFLOP/pair':>10s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per pair)")
             for name, row in table.items():
@@ -204,6 +220,7 @@ def report(results: dict) -> str:
                     lines.append(f"  {name:18s} {row['pairs_per_s']:9.4f} {row['pairs_per_s_steps_only']:7.4f} "
                                  f"{row['tokens_per_s']:8.1f} {row['peak_rss_mib']:6.0f} MiB "
                                  f"{row['flops_per_pair'] / 1e9:10.2f} {rate}{versus}{mark}")
+        lines.extend(reference_saved(part))
     tgt = results["targets"]
     lines.append(f"Targets on the proxy (issue 15): SFT >= {tgt['sft_vs_best_trl']}x and DPO >= {tgt['dpo_vs_best_trl']}x "
                  f"the best TRL row, peak RSS <= {tgt['peak_rss_vs_best_trl']}x its:")
@@ -228,6 +245,33 @@ def report(results: dict) -> str:
     lines.append(f"Shared machine: {spec['cpus']} cores, load average {spec['load']} (1 min) at start. Command: "
                  f"{results['command']}")
     return "\n".join(lines)
+
+
+def reference_saved(part: dict) -> list[str]:
+    """The reference-free rows' FLOPs per pair and peak RSS against the DPO rows of the same run
+    (copy reference, a reference forward per pair): what not having a reference saves. Ours against
+    ``dpo/ours_separate`` where it ran (chosen and rejected as rows, as SimPO/ORPO), else ``dpo/ours``
+    (shared prompt); TRL's against ``dpo/trl_no_gc`` (the same concatenated rows, reference model kept)."""
+    dpo = {n: r for n, r in part.get("dpo", {}).items() if "error" not in r}
+    against = {"ours": next((n for n in ("ours_separate", "ours") if n in dpo), None),
+               "trl_no_gc": "trl_no_gc" if "trl_no_gc" in dpo else None,
+               "trl": "trl" if "trl" in dpo else None}
+    lines: list[str] = []
+    for kind in ("simpo", "orpo"):
+        for name, row in part.get(kind, {}).items():
+            ref = against.get(name)
+            if "error" in row or ref is None:
+                continue
+            d = dpo[ref]
+            saved = d["flops_per_pair"] - row["flops_per_pair"]
+            if not lines:
+                lines.append("Reference pass saved (reference-free rows against the DPO rows of this run, copy reference):")
+            lines.append(f"  {kind + '/' + name:16s} {row['flops_per_pair'] / 1e9:7.1f} vs {'dpo/' + ref:17s} "
+                         f"{d['flops_per_pair'] / 1e9:7.1f} GFLOP/pair ({row['flops_per_pair'] / d['flops_per_pair']:.2f}x, "
+                         f"{saved / 1e9:+.1f} saved), peak RSS {row['peak_rss_mib']:.0f} vs {d['peak_rss_mib']:.0f} MiB "
+                         f"({row['peak_rss_mib'] / d['peak_rss_mib']:.2f}x), pairs/s "
+                         f"{row['pairs_per_s'] / d['pairs_per_s']:.2f}x")
+    return lines
 
 
 def main() -> None:
@@ -269,8 +313,8 @@ def main() -> None:
                       "ratios": {}}
         log_dir = work / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        for kind in ("sft", "dpo"):
-            names = PLANS[model][kind] + (MORE[kind] if args.more and model == "proxy" else [])
+        for kind in KINDS:
+            names = PLANS[model].get(kind, []) + (MORE.get(kind, []) if args.more and model == "proxy" else [])
             names = [n for n in interleave(names) if not only or f"{kind}/{n}" in only]
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for round_ in range(args.repeats):

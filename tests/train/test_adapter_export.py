@@ -61,13 +61,19 @@ def lora_run(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path, tmp_path: Path) -> None:
+def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from peft import AutoPeftModelForCausalLM
 
     export = lora_run / "export"
     config = json.loads((export / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
+    assert not (export / "rolemrc_base.json").exists()  # nothing shipped: the base is a folder of its own
     with_adapter = logits(AutoPeftModelForCausalLM.from_pretrained(str(export)))
+    moved = tmp_path / "moved" / "export"  # the export moved; loaded from another working directory
+    shutil.copytree(export, moved, ignore=shutil.ignore_patterns("merged*"))
+    monkeypatch.chdir(tmp_path)
+    torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(str(moved))), with_adapter)
 
     merged = tmp_path / "merged"  # export.py --merge: merged although the run said merge_on_export=false
     done = python("export.py", str(lora_run / "checkpoints" / "last.ckpt"), "--out", str(merged), "--merge")
@@ -83,9 +89,10 @@ def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path
 
 
 def test_a_random_init_adapter_carries_its_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shipped base is named relatively: the export folder moved elsewhere still loads through
-    peft (which resolves the name from the working directory: the export folder) and as evaluate.py's
-    ``model.path`` (rolemrc resolves it beside the adapter, from anywhere)."""
+    """The base ships inside the export; adapter_config.json names a content-keyed copy in rolemrc's
+    cache (peft reads the name as a path from the working directory): the export folder moved
+    elsewhere loads through peft from another working directory, and as evaluate.py's
+    ``model.path`` from its shipped copy (rolemrc_base.json), even with the cached copy gone."""
     from peft import AutoPeftModelForCausalLM
 
     from rolemrc.eval.run import run as evaluate
@@ -102,15 +109,19 @@ def test_a_random_init_adapter_carries_its_base(tmp_path: Path, monkeypatch: pyt
     adapter = export_state(cfg, state, tmp_path / "adapter", merge_lora=False)
     merged = export_state(cfg, state, tmp_path / "merged", merge_lora=True)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "base_model"
+    cached = Path(config["base_model_name_or_path"])
+    assert cached.is_absolute() and cached.parent == Path(os.environ["ROLEMRC_CACHE_DIR"]).resolve() / "bases"
+    assert json.loads((adapter / "rolemrc_base.json").read_text())["shipped_base"] == "base_model"
     assert (adapter / "base_model" / "config.json").is_file()
-    moved = tmp_path / "elsewhere" / "export"  # the run folder moved (or copied to another machine)
+    assert (cached / "model.safetensors").read_bytes() == (adapter / "base_model" / "model.safetensors").read_bytes()
+    moved = tmp_path / "elsewhere" / "export"  # the run folder moved
     moved.parent.mkdir()
     adapter.rename(moved)
-    monkeypatch.chdir(moved)
+    monkeypatch.chdir(tmp_path / "elsewhere")  # neither the export folder nor where it was written
     torch.testing.assert_close(logits(AutoPeftModelForCausalLM.from_pretrained(str(moved))),
                                logits(AutoModelForCausalLM.from_pretrained(merged)), atol=1e-5, rtol=1e-5)
     monkeypatch.chdir(tmp_path)
+    shutil.rmtree(cached)  # the cached copy gone (or the folder copied to another machine): the shipped one serves
     out = tmp_path / "eval"
     evaluate(compose_eval(f"model.path={moved}", "limit=1", "generation.max_new_tokens=2", "generation.progress=false",
                           "metrics.names=[bleu]", f"out_dir={out}"))

@@ -45,11 +45,28 @@ def adapter_base(adapter: str | Path) -> str:
     beside = adapter / local
     if not local.is_absolute() and beside.is_dir():  # a base shipped inside the export, named relatively
         local = beside
+    shipped = _shipped_base(adapter)
+    if shipped is not None:  # the copy that travels with the export, whatever the config names (export.py: _ship_base)
+        local = shipped
     if not local.exists() and (base.startswith((".", "/", "~")) or base.count("/") > 1):
         raise ModelSourceError(f"{config_file}: base_model_name_or_path={base}: no such folder")
     if not (adapter / "adapter_model.safetensors").is_file() and not (adapter / "adapter_model.bin").is_file():
         raise ModelSourceError(f"{adapter}: {ADAPTER_CONFIG} without adapter_model.safetensors")
     return str(local.resolve()) if local.exists() else base
+
+
+def _shipped_base(adapter: Path) -> Path | None:
+    """The base model folder shipped inside ``adapter``, as its ``rolemrc_base.json`` names it."""
+    record = adapter / "rolemrc_base.json"
+    if not record.is_file():
+        return None
+    try:
+        name = json.loads(record.read_text(encoding="utf-8")).get("shipped_base")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelSourceError(f"{record}: unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(name, str) or Path(name).is_absolute() or not (adapter / name / "config.json").is_file():
+        raise ModelSourceError(f"{record}: shipped_base={name!r}: no base model folder inside {adapter}")
+    return adapter / name
 
 
 def _signature(adapter: Path, base: str) -> dict[str, object]:

@@ -5,7 +5,11 @@ run's model (:func:`export_state`) or from a checkpoint file/folder (:func:`expo
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from rolemrc.models.logprob_head import install_logprob_head, restore_linear_hea
 log = logging.getLogger(__name__)
 
 SHIPPED_BASE = "base_model"  # the folder, inside an adapter export, of a random-init run's base weights
+SHIPPED_BASE_RECORD = "rolemrc_base.json"  # beside adapter_config.json: the shipped base's relative name
 
 
 def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True,
@@ -31,7 +36,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     whose ``adapter_config.json`` names its base model, so ``peft.AutoPeftModelForCausalLM``
     loads it: ``base`` (the ``model.path`` it was loaded from: a hub id, or a folder written as
     an absolute path) or, for a random-init base, the base weights saved next to the adapter in
-    ``<out_dir>/base_model``, named relatively (``"base_model"``) so the folder can be moved. Writes into ``<out_dir>.partial`` and swaps it in at the end
+    ``<out_dir>/base_model`` (:func:`_ship_base`). Writes into ``<out_dir>.partial`` and swaps it in at the end
     (:func:`rolemrc.fileio.atomic_dir`), so an interrupted export never leaves a folder that looks
     complete and a previous export stays in place until the new one is; rerunning simply writes it again.
     """
@@ -99,9 +104,7 @@ def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) 
     if base is not None and Path(base).expanduser().exists():
         base = str(Path(base).expanduser().resolve())  # a folder: valid from any working directory
     for config in model.peft_config.values():
-        # A shipped base is named relatively: the export folder can move. rolemrc resolves it beside
-        # the adapter; peft resolves it against the working directory (the export folder itself).
-        config.base_model_name_or_path = base or SHIPPED_BASE
+        config.base_model_name_or_path = base or SHIPPED_BASE  # a shipped base: re-pointed by _ship_base
     with warnings.catch_warnings():
         # peft looks for the base's config to see whether the vocabulary changed; a random-init
         # base is written just below (same vocabulary), so its warning would only mislead.
@@ -109,6 +112,41 @@ def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) 
         model.save_pretrained(partial, safe_serialization=True)
     if base is None:  # random init: the adapter means nothing without these very base weights
         model.unload().save_pretrained(partial / SHIPPED_BASE, safe_serialization=True)
+        _ship_base(partial)
+
+
+def _ship_base(partial: Path) -> None:
+    """Make an adapter export with its base shipped inside (``base_model/``) loadable after the
+    folder moves. peft (0.21) hands ``base_model_name_or_path`` to ``from_pretrained`` as it is,
+    so a relative name resolves against the working directory, and an absolute path into the
+    export breaks when it moves. The name written is therefore an absolute path outside the export
+    that does not move: a copy of the base in rolemrc's cache, keyed by its content
+    (``$ROLEMRC_CACHE_DIR/bases/<sha256>``, else ``~/.cache/rolemrc/bases``). The shipped copy's
+    relative name is recorded beside (``rolemrc_base.json``): rolemrc loads the shipped copy, so the
+    folder also works on another machine, where peft needs the path edited to its ``base_model``."""
+    from filelock import FileLock
+
+    shipped = partial / SHIPPED_BASE
+    digest = hashlib.sha256()
+    for f in sorted(shipped.glob("*.safetensors")) + [shipped / "config.json"]:
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc").resolve()
+    cached = cache / "bases" / digest.hexdigest()[:32]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cached) + ".lock"):
+        if not (cached / "config.json").is_file():
+            with atomic_dir(cached) as tmp:
+                for f in shipped.iterdir():
+                    shutil.copy2(f, tmp / f.name)
+    config_file = partial / "adapter_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = str(cached)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (partial / SHIPPED_BASE_RECORD).write_text(json.dumps({"shipped_base": SHIPPED_BASE, "cached_copy": str(cached)},
+                                                          indent=2) + "\n", encoding="utf-8")
 
 
 def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:

@@ -42,3 +42,48 @@ def test_lightnings_sync_dist_advice_on_val_metrics_is_dropped() -> None:
         for name in ("val/loss", "train/loss"):
             warnings.warn_explicit(advice.format(name), UserWarning, "result.py", 434, module=module)
     assert [str(w.message) for w in caught] == [advice.format("train/loss")]  # only rolemrc's val/* gathered
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_other_ranks_print_only_errors_on_the_console_and_keep_the_rest_in_their_file(
+        rank: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tests/distributed/test_strategies.py checks on a real 2-rank run, for each handler kind
+    and for Python warnings (rank 1 routes them through logging)."""
+    import io
+
+    from rolemrc.warnings import console_on_rank_zero
+
+    for var in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", rank)  # what Lightning's launcher sets in the processes it starts
+    root = logging.getLogger()
+    console, log_file = io.StringIO(), tmp_path / "job.log"
+    handlers = [logging.StreamHandler(console), logging.FileHandler(log_file)]
+    saved = root.handlers[:], root.level
+    root.handlers[:] = handlers
+    root.setLevel(logging.INFO)
+    try:
+        console_on_rank_zero()
+        console_on_rank_zero()  # idempotent
+        log = logging.getLogger("rolemrc.something")
+        log.info("an info line")
+        log.warning("a warning line")
+        log.error("an error line")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a python warning", UserWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        for h in handlers:
+            h.close()
+    printed, kept = console.getvalue(), log_file.read_text()
+    assert "an error line" in printed
+    for line in ("an info line", "a warning line", "an error line"):
+        assert line in kept
+    if rank == "1":
+        assert "an info line" not in printed and "a warning line" not in printed
+        assert "a python warning" in kept and "a python warning" not in printed
+    else:
+        assert "an info line" in printed and "a warning line" in printed

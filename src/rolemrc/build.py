@@ -152,7 +152,10 @@ def build_trainer(cfg: Any) -> L.Trainer:
         # against parallel jobs hanging, which a one-process run cannot do (a login node's test run).
         warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used",
                                 module=r"lightning\.fabric\.plugins\.environments\.slurm")
-    if SLURMEnvironment.detect():
+    on_slurm = SLURMEnvironment.detect()  # gives Lightning's srun advice where it applies, once:
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used",
+                            module=r"lightning\.fabric\.plugins\.environments\.slurm")  # the Trainer and fit repeat it
+    if on_slurm:
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())
     return L.Trainer(

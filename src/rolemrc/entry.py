@@ -1,5 +1,6 @@
 """What every entry script (train.py, evaluate.py, probe.py, synthesize.py, export.py) wraps its
-work in: bad input ends in one ``error: <message>`` line, and Lightning's log lines print once."""
+work in: bad input ends in one ``error: <message>`` line, and Lightning's log lines print once,
+from rank 0 only in a multi-process run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from rolemrc.errors import exit_on_user_error
 from rolemrc.sweep import job_outcome, summarised_job_dir
-from rolemrc.warnings import filter_known_warnings
+from rolemrc.warnings import console_on_rank_zero, filter_known_warnings
 
 
 def one_copy_of_lightning_logs() -> None:
@@ -37,12 +38,14 @@ def entry_point(cfg: Any = None) -> Iterator[None]:
     and exit status 1 (:func:`~rolemrc.errors.exit_on_user_error`); any other exception is a bug
     and keeps its traceback. In one job of a sweep (``-m``) the job's failure is printed the same
     way and recorded for the sweep's summary, and the sweep goes on (:mod:`rolemrc.sweep`).
-    Known warnings that ask nothing of the user are filtered (:mod:`rolemrc.warnings`). Import
+    Known warnings that ask nothing of the user are filtered (:mod:`rolemrc.warnings`), and on
+    ranks other than 0 the console prints errors only (:func:`~rolemrc.warnings.console_on_rank_zero`). Import
     the run function (and so Lightning) before entering. ``cfg``: the composed config, whose keys
     are checked against its schema first (:func:`rolemrc.config.check_known_keys`: a key added
     with ``+`` that the schema lacks is an error before anything loads)."""
     filter_known_warnings()
     one_copy_of_lightning_logs()
+    console_on_rank_zero()
     job_dir = summarised_job_dir()
     if job_dir is not None:
         with job_outcome(job_dir):

@@ -30,6 +30,9 @@ What is filtered, and why it asks nothing of a rolemrc user:
 - absl's "Using default tokenizer." from rouge-score, once per ROUGE scorer.
 - transformers' "Loading weights" / "Writing model shards" progress bars when progress bars are
   off (``trainer.enable_progress_bar=false``) or the output is not a terminal (a log file).
+
+And one copy of each line: a process that a launcher started as a rank other than 0 prints only
+errors on the console (:func:`console_on_rank_zero`); its own log file keeps every line.
 """
 
 from __future__ import annotations
@@ -90,3 +93,35 @@ def hf_progress_bars(enabled: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+
+
+def launched_rank() -> int:
+    """This process's global rank from its launcher's environment, read as Lightning reads it
+    (0 where no launcher set one: the process a user started, which Lightning makes rank 0)."""
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def console_on_rank_zero() -> None:
+    """On ranks other than 0, the console handlers (Hydra's on the root logger, Lightning's own
+    where they remain) print errors only, so that every info and warning line of a multi-process
+    run prints once, from rank 0, as Lightning's own rank-zero lines do; the rank's log file
+    (Hydra: ``<job>_ddp_process_<rank>.log`` or the job's own) keeps everything. Python warnings
+    go through logging there (``py.warnings``) so that they follow the same rule. Idempotent."""
+    if launched_rank() == 0:
+        return
+    for name in ("", "lightning", "lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            if console and not any(isinstance(f, _ErrorsOnly) for f in handler.filters):
+                handler.addFilter(_ErrorsOnly())
+    if not logging.getLogger().handlers:  # nothing configured logging: warnings would go nowhere
+        return
+    logging.captureWarnings(True)

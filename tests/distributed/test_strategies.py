@@ -1,13 +1,15 @@
 """Two processes on CPU (gloo): FSDP2 and DDP runs of the tiny model train, checkpoint,
-resume and export; under FSDP the parameters are really sharded. (DPO with a sharded reference
+resume and export; under FSDP the parameters are really sharded; each console line prints once. (DPO with a sharded reference
 copy under FSDP2: tests/train/test_precision.py; with a precomputed one: test_tied.py; LoRA under
 FSDP2, exported merged: tests/callbacks/test_callbacks_fsdp.py.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,21 +26,36 @@ BASE = ["trainer.accelerator=cpu", "trainer.devices=2", "data.max_length=96", "d
         "+callbacks.record._target_=tests.recorder.Recorder"]
 
 
-def train(run_dir: Path, *overrides: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "train.py", *BASE, f"hydra.run.dir={run_dir}", f"+callbacks.record.path={run_dir}/record",
          *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def assert_console_once(proc: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """Every console line of the 2-rank run printed once (rank 1 prints errors only: issue 34);
+    rank 1's lines are kept in its own log file."""
+    lines = [re.sub(r"^\[\d{4}-\d\d-\d\d [\d:,]+\]", "", line).strip()  # Hydra's timestamp
+             for line in (proc.stdout + proc.stderr).splitlines()]
+    counts = Counter(line for line in lines if re.search(r"\w", line))  # not blank or a rule of dashes
+    assert not [line for line, n in counts.items() if n > 1], [line for line, n in counts.items() if n > 1]
+    assert not [line for line in lines if "[rank: 1]" in line or "GLOBAL_RANK: 1" in line]
+    assert any("[rolemrc." in line and "records kept" in line for line in lines)  # rank 0's still print
+    (rank1_log,) = run_dir.glob("*_process_1.log")
+    assert "records kept" in rank1_log.read_text()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_train_checkpoint_resume_export(tmp_path: Path, strategy: str) -> None:
     run_dir = tmp_path / strategy
     extra = [f"strategy={strategy}"] + (["strategy.param_dtype=null"] if strategy == "fsdp" else [])
-    train(run_dir, *extra, "trainer.max_steps=4")
+    assert_console_once(train(run_dir, *extra, "trainer.max_steps=4"), run_dir)
 
     starts = [next(r for r in recorder.read(run_dir / "record", rank) if r["event"] == "start") for rank in (0, 1)]
     assert all(s["world_size"] == 2 for s in starts)

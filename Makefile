@@ -42,8 +42,9 @@ docs: $(STAMP)
 	$(PY) scripts/gen_config_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
+# rolemrc vs TRL side by side (docs/benchmarks/speed.md): SFT, DPO, SimPO and ORPO throughput, FLOPs, peak RSS.
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 # Start-up at the real data scale (docs/benchmarks/data-scale.md): 12k and 48k records, store / no store / TRL, 2-rank DDP.
 bench-data: $(STAMP)

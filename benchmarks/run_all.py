@@ -4,6 +4,9 @@ machine, on the same model, data, tokenizer, precision, batch, max length, steps
     make bench                                          # = .venv/bin/python benchmarks/run_all.py
     .venv/bin/python benchmarks/run_all.py --models proxy --steps 6 --repeats 2   # longer, proxy only
     .venv/bin/python benchmarks/run_all.py --only sft/ours,sft/trl_no_gc          # a subset
+    .venv/bin/python benchmarks/run_all.py --models proxy --more --steps 3 --prompt-tokens 300,600 --skip-memory \
+        --only dpo/ours,dpo/ours_separate,dpo/trl_no_gc,simpo/ours,simpo/trl_no_gc,simpo/trl,orpo/ours,orpo/trl_no_gc,orpo/trl
+        # the preference rows alone, shorter prompts (docs/benchmarks/speed.md)
 
 Models (benchmarks/common.py ``MODELS``):
 - ``proxy`` (the headline): a random-init Llama with Llama-3.1-8B's FLOP shares at CPU size
@@ -282,6 +285,8 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=4, help="timed steps per contender (per-step times vary with the rows drawn: prompts 800-1800 tokens, and each side shuffles its own way; fewer steps, noisier ratios)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--prompt-tokens", default="", metavar="LO,HI",
+                   help="prompt lengths drawn (default 800,1800, RoleMRC's); shorter: a quicker, smaller run")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (the next in reverse order)")
     p.add_argument("--only", default="", help="comma list like sft/ours,dpo/trl (default: all)")
     p.add_argument("--more", action="store_true", help="also: " + ", ".join(f"{k}/{n}" for k, v in MORE.items() for n in v))
@@ -307,6 +312,9 @@ def main() -> None:
         spec = Spec.for_model(model, steps=args.steps, warmup=args.warmup, precision=args.precision)
         if args.smoke:
             spec.__dict__.update(SMOKE)
+        if args.prompt_tokens:
+            lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+            spec.prompt_tokens = (lo, hi)
         work = args.work / model
         print(f"[{model}] preparing model and data in {work} ...", flush=True)
         part: dict = {"label": MODEL_LABELS[model], "spec": dict(spec.__dict__), "data": prepare(work, spec),

@@ -14,6 +14,8 @@ the sum, never counted as 0.
 
 ``verifier`` (:class:`VerifierReward`): the nested-rule checks of ``rolemrc.eval.verifiers``.
 ``judge`` (:class:`JudgeReward`): the five-dimension judge through ``rolemrc.eval.judge.make_judge``.
+``reward_model`` (:class:`RewardModelReward`): a local HF sequence-classification model's logit for
+the conversation rendered with its chat template (TRL's reward-model scoring).
 Any callable by dotted path (``_target_``). :class:`RewardSet` weights and sums them and returns
 the per-reward values and TRL's metric names; :func:`disagreement_rate` is the judge-vs-verifier
 reward-hacking alarm. Nothing here trains yet: there is no ``objective=grpo``.
@@ -21,8 +23,9 @@ reward-hacking alarm. Nothing here trains yet: there is no ``objective=grpo``.
 
 from rolemrc.rewards.combine import RewardFn, RewardScores, RewardSet, build_rewards, disagreement_rate, load_target
 from rolemrc.rewards.judge import JUDGE_ON_FAILURE, JudgeReward, JudgeRewardError
+from rolemrc.rewards.reward_model import RewardModelReward
 from rolemrc.rewards.text import completion_text, completion_texts
 from rolemrc.rewards.verifier import VERIFIER_MODES, VerifierReward
 
-__all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardScores",
-           "RewardSet", "VerifierReward", "build_rewards", "completion_text", "completion_texts", "disagreement_rate", "load_target"]
+__all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardModelReward",
+           "RewardScores", "RewardSet", "VerifierReward", "build_rewards", "completion_text", "completion_texts", "disagreement_rate", "load_target"]

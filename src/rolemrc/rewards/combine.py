@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rolemrc.objectives.grpo import nanstd
 from rolemrc.rewards.judge import JudgeReward
+from rolemrc.rewards.reward_model import RewardModelReward
 from rolemrc.rewards.verifier import VerifierReward
 
 
@@ -133,11 +134,13 @@ def load_target(path: str, where: str = "reward") -> Callable[..., Any]:
 
 
 _KEYS = {"verifier": {"type", "weight", "mode"},
-         "judge": {"type", "weight", "judge", "dimension", "on_failure", "wait_s", "max_waits"}}
+         "judge": {"type", "weight", "judge", "dimension", "on_failure", "wait_s", "max_waits"},
+         "reward_model": {"type", "weight", "path", "tokenizer", "batch_size", "device", "dtype", "label",
+                          "trust_remote_code"}}
 
 
 def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Path | None = None) -> RewardSet:
-    """A :class:`RewardSet` from ``{name: {type: verifier|judge, weight, ...}}`` or
+    """A :class:`RewardSet` from ``{name: {type: verifier|judge|reward_model, weight, ...}}`` or
     ``{name: {_target_: dotted.path, weight, **kwargs}}`` (the kwargs bound to the callable).
     Unknown keys and types are ValueErrors naming ``rewards.<name>.<key>``."""
     rewards: dict[str, Callable[..., Sequence[float | None]]] = {}
@@ -162,6 +165,13 @@ def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Pat
                              f"known: {', '.join(sorted(_KEYS[kind]))}")
         if kind == "verifier":
             rewards[name] = VerifierReward(entry.get("mode", "all"))
+        elif kind == "reward_model":
+            if entry.get("path") is None:
+                raise ValueError(f"{where}.path is required (a sequence-classification model folder, as model.path)")
+            rewards[name] = RewardModelReward(
+                entry["path"], tokenizer=entry.get("tokenizer"), batch_size=entry.get("batch_size", 8),
+                device=entry.get("device"), dtype=entry.get("dtype", "float32"), label=entry.get("label"),
+                trust_remote_code=bool(entry.get("trust_remote_code", False)), where=where)
         else:
             if "judge" not in entry:
                 raise ValueError(f"{where}.judge is required (a judge config, as evaluate.py's judge:)")

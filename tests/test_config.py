@@ -22,7 +22,20 @@ def resolve(cfg):
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 OBJECTIVES = sorted(p.stem for p in (CONF / "objective").glob("*.yaml"))
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
-EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
+ALL_EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
+
+
+def _recipe_objective(name: str) -> str:
+    """The objective a recipe composes with (its ``override /objective: X`` default; else train.yaml's)."""
+    import re
+
+    found = re.search(r"override /objective:\s*(\w+)", (ROOT / "experiments" / f"{name}.yaml").read_text())
+    return found.group(1) if found else "sft"
+
+
+# A recipe whose objective is not registered on this branch yet (objective=grpo, issue 33) is left out
+# of the composition tests below and named by test_every_recipes_objective_exists (a skip, not a pass).
+EXPERIMENTS = [e for e in ALL_EXPERIMENTS if (CONF / "objective" / f"{_recipe_objective(e)}.yaml").exists()]
 
 
 def test_groups_exist() -> None:
@@ -42,7 +55,7 @@ def test_every_combination_composes(model: str, objective: str, data: str) -> No
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose(experiment: str) -> None:
-    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo", "kto")) else []
+    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo", "kto", "grpo")) else []
     cfg = compose_train([f"experiment={experiment}", *extra])
     cfg = resolve(cfg)
     assert cfg.task_name == experiment
@@ -74,6 +87,33 @@ def test_kto_recipes(model: str) -> None:
         (5e-6, "constant", 0.1, 0.01, 1e-5)
     assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.trainer.devices == 32
     assert cfg.data.batch_size >= 4 and cfg.trainer.max_epochs == 1 and cfg.trainer.gradient_clip_val == 1.0
+
+
+def test_every_recipes_objective_exists() -> None:
+    missing = {e: _recipe_objective(e) for e in ALL_EXPERIMENTS if e not in EXPERIMENTS}
+    if missing:
+        pytest.skip(f"recipes whose objective is not on this branch yet (not composed here): {missing}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_grpo_recipes(family: str) -> None:
+    """The GRPO recipes (issue 33): TRL 1.16 / DAPO values, the verifier reward, data=rolemrc_rl."""
+    from rolemrc.rewards import VerifierReward, build_rewards
+
+    name = f"rolemrc_{family}_grpo"
+    if name not in EXPERIMENTS:
+        pytest.skip("objective=grpo is not on this branch yet")
+    cfg = compose_train([f"experiment={name}", "model.path=/ckpt/dpo_export"])
+    o = cfg.objective
+    assert (cfg.model.name, cfg.model.path, o.name, cfg.data.name) == (family, "/ckpt/dpo_export", "grpo", "rolemrc_rl")
+    assert (o.loss_type, o.beta, o.epsilon, o.epsilon_high, o.num_iterations, o.scale_rewards) == (
+        "dapo", 0.0, 0.2, 0.28, 1, "group")
+    assert (o.num_generations, o.temperature, o.top_p, o.top_k, o.max_completion_length) == (8, 1.0, 1.0, 0, 256)
+    assert o.mask_truncated_completions is True and o.rollout == "hf"
+    rewards = build_rewards(OmegaConf.to_container(o.rewards, resolve=True))
+    assert list(rewards.rewards) == ["rules"] and isinstance(rewards.rewards["rules"], VerifierReward)
+    assert (cfg.optim.lr, cfg.optim.scheduler) == (1e-6, "constant")
+    assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.trainer.devices == 32
 
 
 def test_typo_in_key_fails_at_compose() -> None:

@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA := $(CURDIR)/$(VENV)/nltk_data
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test docs bench bench-data bench-gpu gpu-site gpu-wheels gpu-check clean
+.PHONY: setup demo demo-rl test docs bench bench-data bench-gpu gpu-site gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml scripts/provision_nltk.sh
 
 demo: $(STAMP)
 	bash scripts/demo.sh
+
+# GRPO on the sample rule-bearing prompts from the demo's SFT model, TRL's GRPOTrainer beside
+# rolemrc's objective=grpo (CPU, minutes): benchmarks/results/grpo_demo.{json,png}. Extra arguments
+# in DEMO_RL_ARGS, e.g. DEMO_RL_ARGS="--sft outputs/demo/<run>/sft/export --steps 60".
+demo-rl: $(STAMP)
+	$(PY) benchmarks/grpo_demo.py $(DEMO_RL_ARGS)
 
 # The suite on TEST_WORKERS processes (pytest-xdist; tests/conftest.py keeps those that share
 # something outside their tmp_path on one worker). TEST_WORKERS=0: one process.

@@ -16,10 +16,14 @@ side by side on the same model, prompts, reward and settings.
   ``epsilon=0.2``, one update per batch, group-scaled advantages, temperature 1, no top-p/top-k,
   ``--max-new`` completion tokens, AdamW at a constant ``--lr``, gradient clipping at 1, fp32.
 - TRL runs in this process; rolemrc runs ``train.py objective=grpo ...`` as a subprocess and its
-  figures are read from the run's CSV metrics. Completions/s: completions of the timed steps over
-  their wall time (sampling, rewards, backward, optimizer), the first step left out (warm-up).
+  figures are read from the run's CSV metrics. Throughput, first step left out (warm-up):
+  ``generate_tokens_per_s``, completion tokens per second inside ``generate`` (TRL: timed around
+  its model's ``generate``; ours: its logged ``completion_tokens_per_s``), comparable;
+  ``completions_per_s``: TRL over its timed steps (sampling, rewards, backward, optimizer), ours
+  over the whole ``train.py`` process (start, model load, export included: a lower bound).
 - Output: ``<json>`` (default ``benchmarks/results/grpo_demo.json``: settings, per-step verifier
-  reward of each, first/last-10-step means, completions/s) and a PNG of the curves next to it.
+  reward and mean completion length of each, first/last-10-step means, completions/s) and a PNG
+  of the curves next to it.
   Exit 1 when a part that was asked for did not produce its figures (the JSON says why).
 
 Not a timed test: minutes on a laptop CPU, seeded (the figures still vary with the machine's
@@ -62,7 +66,7 @@ def sft_export(args: argparse.Namespace, work: Path) -> Path:
             raise SystemExit(f"error: --sft {path}: not an exported model folder (no config.json)")
         return path
     cmd = [sys.executable, "train.py", "trainer.enable_progress_bar=false", "task_name=demo_sft",
-           "trainer.max_epochs=6", f"seed={args.seed}", f"hydra.run.dir={work / 'sft'}"]
+           "trainer.max_epochs=6", f"hydra.run.dir={work / 'sft'}"]
     print("== SFT (the demo's command):", shlex.join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, stdout=subprocess.DEVNULL)
     return work / "sft" / "export"
@@ -77,7 +81,7 @@ def prompts() -> list[dict[str, Any]]:
     return [{"prompt": it.prompt, "rule": json.dumps(it.rule)} for it in items]
 
 
-def rules_reward(*, prompts: list[Any], completions: list[Any], rule: list[str], **kw: Any) -> list[float | None]:
+def verifier(*, prompts: list[Any], completions: list[Any], rule: list[str], **kw: Any) -> list[float | None]:
     """rolemrc's verifier reward (mode all); rules travel as JSON text (Arrow would merge the rule
     objects' fields into one struct type)."""
     from rolemrc.rewards import VerifierReward
@@ -110,16 +114,33 @@ def run_trl(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
         temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=0.0, epsilon=0.2, num_iterations=1,
         scale_rewards="group", gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[],
         dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=str(sft), reward_funcs=[rules_reward], args=config,
+    trainer = GRPOTrainer(model=str(sft), reward_funcs=[verifier], args=config,
                           train_dataset=Dataset.from_list(prompts()), callbacks=[Timer()])
+    gen_s: list[float] = []  # seconds in generate() per step (TRL samples through the model's own generate)
+    generate = trainer.model.generate
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen_s.append(time.perf_counter() - t)
+
+    trainer.model.generate = timed_generate
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
-    rows = [r for r in trainer.state.log_history if "rewards/rules_reward/mean" in r]
-    curve = [float(r["rewards/rules_reward/mean"]) for r in rows]
+    rows = [r for r in trainer.state.log_history if "rewards/verifier/mean" in r]
+    curve = [float(r["rewards/verifier/mean"]) for r in rows]
     timed = step_s[1:] or step_s
-    return {"version": trl.__version__, "reward_per_step": curve,
-            "completions_per_s": len(timed) * args.prompts * args.generations / sum(timed),
+    lengths = [float(r["completions/mean_length"]) for r in rows]
+    if len(gen_s) != len(lengths):
+        raise RuntimeError(f"{len(gen_s)} generate() calls for {len(lengths)} logged steps: cannot time them")
+    n = args.prompts * args.generations
+    return {"version": trl.__version__, "reward_per_step": curve, "completion_tokens_per_step": lengths,
+            "completions_per_s": len(timed) * n / sum(timed),
+            "completions_per_s_source": "timed optimizer steps (sampling, rewards, backward, optimizer), first left out",
+            "generate_tokens_per_s": sum(x * n for x in lengths[1:]) / sum(gen_s[1:]) if len(gen_s) > 1 else math.nan,
             "mean_completion_tokens": statistics.fmean(float(r["completions/mean_length"]) for r in rows),
             "train_wall_s": wall}
 
@@ -143,7 +164,7 @@ def run_ours(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
            "objective.scale_rewards=group", f"objective.num_generations={args.generations}",
            "objective.temperature=1.0", "objective.top_p=1.0", "objective.top_k=0",
            f"objective.max_completion_length={args.max_new}", "objective.rollout=hf",
-           "objective.rewards={rules: {type: verifier, mode: all}}", f"seed={args.seed}",
+           "objective.rewards={verifier: {type: verifier, mode: all}}", f"seed={args.seed}",
            "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "task_name=grpo_demo",
            f"hydra.run.dir={run_dir}"]
     print("== rolemrc:", shlex.join(cmd), flush=True)
@@ -157,24 +178,26 @@ def run_ours(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
         raise RuntimeError(f"train.py objective=grpo exited {done.returncode}: {' | '.join(tail)} "
                            f"(log: {work / 'ours.log'})")
     rows = _csv_rows(run_dir)
-    key = next((k for k in rows[0] if k.endswith("rewards/rules/mean") and k.startswith("train")), None)
+    key = next((k for k in rows[0] if k.endswith("rewards/verifier/mean") and k.startswith("train")), None)
     if key is None:
-        raise RuntimeError(f"no train .../rewards/rules/mean column in the run's CSV; columns: {list(rows[0])}")
+        raise RuntimeError(f"no train .../rewards/verifier/mean column in the run's CSV; columns: {list(rows[0])}")
     by_step: dict[int, float] = {}
     for r in rows:
         if r.get(key) not in (None, ""):
             by_step[int(float(r["step"]))] = float(r[key])
     out: dict[str, Any] = {"reward_per_step": [by_step[s] for s in sorted(by_step)], "process_wall_s": wall,
                            "command": shlex.join(cmd[1:])}
-    # completions/s: the run's own timing where it logs one, else the process's wall time (start included)
-    rate = next((k for k in rows[0] if "completions_per_s" in k or "completions/s" in k), None)
+    length = next((k for k in rows[0] if k.endswith("completions/mean_length") and k.startswith("train")), None)
+    if length is not None:
+        out["completion_tokens_per_step"] = [float(r[length]) for r in rows if r.get(length) not in (None, "")]
+    # the run logs generate()'s completion tokens/s per step; it logs no step time, so completions/s
+    # is over the whole process (start, model load, final export included): a lower bound
+    rate = next((k for k in rows[0] if k.endswith("completion_tokens_per_s") and k.startswith("train")), None)
     if rate is not None:
-        vals = [float(r[rate]) for r in rows[1:] if r.get(rate) not in (None, "")]
-        out["completions_per_s"] = statistics.fmean(vals) if vals else math.nan
-        out["completions_per_s_source"] = f"mean of the logged {rate}, first logged step left out"
-    else:
-        out["completions_per_s"] = args.steps * args.prompts * args.generations / wall
-        out["completions_per_s_source"] = "whole process wall time (start, model load, export included)"
+        vals = [float(r[rate]) for r in rows if r.get(rate) not in (None, "")]
+        out["generate_tokens_per_s"] = statistics.fmean(vals[1:] or vals) if vals else math.nan
+    out["completions_per_s"] = args.steps * args.prompts * args.generations / wall
+    out["completions_per_s_source"] = "whole process wall time (start, model load, export included): a lower bound"
     return out
 
 
@@ -190,7 +213,9 @@ def plot(results: dict[str, Any], png: Path, window: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
-    names, rates = [], []
+    lx = ax.twinx()  # how the reward is earned: the replies' length
+    lx.set_ylabel("mean completion tokens (dashed)")
+    names, rates, gen_rates = [], [], []
     for name, color in (("trl", "tab:orange"), ("ours", "tab:blue")):
         r = results.get(name) or {}
         curve = r.get("reward_per_step")
@@ -201,16 +226,23 @@ def plot(results: dict[str, Any], png: Path, window: int) -> None:
         smooth = [statistics.fmean(curve[max(0, i - window + 1):i + 1]) for i in range(len(curve))]
         label = "TRL GRPOTrainer" if name == "trl" else "rolemrc objective=grpo"
         ax.plot(steps, smooth, color=color, lw=2, label=f"{label} ({window}-step mean)")
+        if r.get("completion_tokens_per_step"):
+            lx.plot(range(1, len(r["completion_tokens_per_step"]) + 1), r["completion_tokens_per_step"], color=color,
+                    ls="--", lw=1)
         names.append(label.split()[0])
         rates.append(r["completions_per_s"])
+        gen_rates.append(r.get("generate_tokens_per_s", math.nan) / 10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("verifier reward (share of replies obeying the rule)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     ax.set_title("GRPO from the demo SFT model, sample_rl prompts")
-    bx.bar(names, rates, color=["tab:orange", "tab:blue"][:len(names)])
-    bx.set_ylabel("completions / s")
+    x = range(len(names))
+    bx.bar([i - 0.2 for i in x], rates, width=0.4, color="tab:gray", label="completions/s")
+    bx.bar([i + 0.2 for i in x], gen_rates, width=0.4, color="tab:green", label="generate tokens/s / 10")
+    bx.set_xticks(list(x), names)
+    bx.legend(fontsize=8)
     bx.set_title("throughput (CPU)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -225,7 +257,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per optimizer step")
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt")
     ap.add_argument("--max-new", type=int, default=48, help="max completion tokens")
-    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads of each run")
     ap.add_argument("--window", type=int, default=10, help="steps in the smoothed curve and the first/last means")

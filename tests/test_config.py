@@ -111,7 +111,8 @@ def test_grpo_recipes(family: str) -> None:
     assert (o.num_generations, o.temperature, o.top_p, o.top_k, o.max_completion_length) == (8, 1.0, 1.0, 0, 256)
     assert o.mask_truncated_completions is True and o.rollout == "hf"
     rewards = build_rewards(OmegaConf.to_container(o.rewards, resolve=True))
-    assert list(rewards.rewards) == ["rules"] and isinstance(rewards.rewards["rules"], VerifierReward)
+    assert list(rewards.rewards) == ["verifier"] and isinstance(rewards.rewards["verifier"], VerifierReward)
+    assert rewards.rewards["verifier"].mode == "all" and rewards.weights == {"verifier": 1.0}
     assert (cfg.optim.lr, cfg.optim.scheduler) == (1e-6, "constant")
     assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.trainer.devices == 32
 

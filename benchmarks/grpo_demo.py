@@ -164,7 +164,7 @@ def run_ours(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
            "objective.scale_rewards=group", f"objective.num_generations={args.generations}",
            "objective.temperature=1.0", "objective.top_p=1.0", "objective.top_k=0",
            f"objective.max_completion_length={args.max_new}", "objective.rollout=hf",
-           "objective.rewards={verifier: {type: verifier, mode: all}}", f"seed={args.seed}",
+           "++objective.rewards.verifier.mode=all", f"seed={args.seed}",
            "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "task_name=grpo_demo",
            f"hydra.run.dir={run_dir}"]
     print("== rolemrc:", shlex.join(cmd), flush=True)

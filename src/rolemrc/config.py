@@ -77,7 +77,7 @@ class ObjectiveConfig:
     (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
     fails at compose time naming ``beta``."""
 
-    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto
+    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto | grpo
     logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
 
 
@@ -224,6 +224,89 @@ class KTOObjectiveConfig(ObjectiveConfig):
                               "data.unpaired when given, else on data.pairs split (validated on data.pairs_val)")
 
 
+def _default_rewards() -> dict[str, Any]:
+    return {"verifier": {"type": "verifier"}}
+
+
+GRPO_ROLLOUTS = ("hf", "vllm")
+
+
+@dataclass
+class GRPOObjectiveConfig(ObjectiveConfig):
+    """``objective=grpo``: online RL on prompts (data kind ``prompts``): ``num_generations``
+    completions sampled per prompt, scored by ``rewards``, group-normalised advantages, TRL 1.16's
+    clipped surrogate (:func:`rolemrc.objectives.grpo.grpo_loss`). Key names and defaults are TRL
+    ``GRPOConfig``'s, except ``max_completion_length`` (TRL: 512). ``data.batch_size`` counts
+    prompts: a micro-batch is ``batch_size x num_generations`` completions (TRL's
+    ``per_device_train_batch_size`` counts completions)."""
+
+    name: str = "grpo"
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default)
+    beta: float = 0.0  # KL coefficient to the reference; 0 builds no reference
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None: epsilon (DAPO's clip-higher: e.g. 0.28)
+    delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)
+    num_iterations: int = 1  # TRL's mu; only 1 so far (each rollout batch is used once)
+    scale_rewards: str = "group"  # group | batch | none
+    num_generations: int = 8  # completions per prompt (G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_completion_length: int = 256  # TRL: 512
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
+    reference: str = "copy"  # copy | adapter (needs model.peft.enabled); built only when beta > 0
+    # name -> reward spec as rolemrc.rewards.build_rewards takes it: {type: verifier|judge, weight, ...}
+    # or {_target_: dotted.path, weight, **kwargs}
+    rewards: dict[str, Any] = field(default_factory=_default_rewards)
+    rollout: str = "hf"  # hf (transformers generate); vllm: not available yet
+
+    def __post_init__(self) -> None:
+        from rolemrc.objectives.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
+
+        one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        one_of("objective.reference", self.reference, ("copy", "adapter"))
+        one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
+        if self.rollout == "vllm":
+            raise ConfigError("objective.rollout=vllm is not available yet: use objective.rollout=hf "
+                              "(transformers generate)")
+        if self.beta < 0:
+            raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
+        if self.epsilon < 0:
+            raise ConfigError(f"objective.epsilon must be >= 0, got {self.epsilon}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ConfigError(f"objective.epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.delta is not None and not self.delta > 0:
+            raise ConfigError(f"objective.delta must be > 0 (TRL recommends > 1 + epsilon), got {self.delta}")
+        if self.num_iterations != 1:
+            raise ConfigError(f"objective.num_iterations={self.num_iterations} is not available yet (reusing a "
+                              "rollout batch with old log-probs): use objective.num_iterations=1")
+        if self.num_generations < 2:
+            raise ConfigError(f"objective.num_generations must be >= 2 (a group needs two completions to compare), "
+                              f"got {self.num_generations}")
+        if not self.temperature > 0:
+            raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"objective.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"objective.max_completion_length must be >= 1, got {self.max_completion_length}")
+        if not self.rewards:
+            raise ConfigError("objective.rewards is empty: name at least one reward, e.g. "
+                              "{verifier: {type: verifier}}")
+        for name, spec in self.rewards.items():
+            if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
+                raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
+                                  f"or _target_, got {spec!r}")
+
+    def check_run(self, cfg: Any) -> None:
+        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        if cfg.data.packing:
+            raise ConfigError("objective=grpo samples its completions: data.packing=true does not apply, "
+                              "set data.packing=false")
+
+
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
     if value not in options:
@@ -272,6 +355,7 @@ OBJECTIVES: dict[str, Objective] = {
     "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", data="pairs"),
     "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", data="pairs"),
     "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="unpaired", reference=True),
+    "grpo": Objective(GRPOObjectiveConfig, "rolemrc.modules.grpo:GRPOModule", data="prompts", reference=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 

@@ -143,13 +143,44 @@ class PackedCollator:
 
 
 
-STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens"), "unpaired": ("examples", "desirable")}
+class PromptCollator:
+    """Prompts for online RL: ``prompt_ids`` ``[B, P]`` LEFT-padded (generation continues every row
+    at the same position), ``prompt_mask`` ``[B, P]`` (1 on the prompt tokens), ``index`` ``[B]``,
+    and, as Python lists, ``prompts`` (each prompt's messages) and ``columns`` (each reward column:
+    one value per prompt; a field some records lack is None there)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        width = max(len(r["prompt_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["prompt_ids"])
+            if n:
+                ids[i, width - n:] = torch.tensor(r["prompt_ids"], dtype=torch.long)
+                mask[i, width - n:] = 1
+        names = list(dict.fromkeys(k for r in rows for k in r["columns"]))
+        return {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "index": torch.tensor([r["index"] for r in rows], dtype=torch.long),
+            "prompts": [r["messages"] for r in rows],
+            "columns": {k: [r["columns"].get(k) for r in rows] for k in names},
+        }
+
+
+STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens"), "unpaired": ("examples", "desirable"),
+               "prompts": ("prompts",)}
 
 
 def row_totals(row: dict[str, Any]) -> tuple[int, ...]:
     """What one encoded row adds to its optimizer step's normalisers (:data:`STEP_TOTALS`):
     SFT: the tokens it trains (labels after the one-position shift); pairs: one pair and the
-    chosen response's trained tokens; unpaired: one example and whether it is desirable."""
+    chosen response's trained tokens; unpaired: one example and whether it is desirable; prompts: one prompt."""
+    if "messages" in row:  # a prompt row (data kind prompts)
+        return (1,)
     if "completion_ids" in row:
         return 1, int(bool(row["label"]))
     if "prompt_ids" in row:

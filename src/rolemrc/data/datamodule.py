@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace, epoch_batches_under_limit
 from rolemrc.config import DataConfig, as_schema, source_group
-from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, StepCollator, UnpairedCollator,
+from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, PromptCollator, SFTCollator, StepCollator,
+                                  UnpairedCollator,
                                   row_totals)
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
 from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
-from rolemrc.data.schemas import Conversation, DataError, Pair, Unpaired
+from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,38 @@ def encode_unpaired(examples: list[Unpaired], chat: ChatFormat, max_length: int,
     return rows, report
 
 
+def encode_prompts(examples: list[PromptItem], chat: ChatFormat, max_prompt_length: int,
+                   on_error: str = "raise") -> tuple[list[dict], dict]:
+    """Prompt rows for online RL (data kind ``prompts``): each prompt rendered with the chat template
+    and its generation prompt, cut from the left to ``max_prompt_length`` tokens (the end, where the
+    question and the assistant header are, is kept; counted as ``prompt_truncated``), with the
+    messages and reward columns (:meth:`PromptItem.columns`) the rewards read."""
+    rows: list[dict] = []
+    tokens = cut = 0
+    bad = _Unrenderable("prompts", on_error)
+    texts: list[str | None] = []
+    for ex in examples:
+        try:
+            texts.append(chat.render(ex.prompt, add_generation_prompt=True))
+        except TemplateRenderError as err:
+            bad.add(ex.origin, err)
+            texts.append(None)
+    ids = iter(chat.tokenize_many([t for t in texts if t is not None]))
+    for ex, text in zip(examples, texts, strict=True):
+        if text is None:
+            continue
+        prompt_ids = next(ids)
+        if len(prompt_ids) > max_prompt_length:
+            prompt_ids = prompt_ids[-max_prompt_length:]
+            cut += 1
+        tokens += len(prompt_ids)
+        rows.append({"prompt_ids": prompt_ids, "messages": ex.prompt, "columns": ex.columns(), "index": len(rows)})
+    report = {"examples": len(rows), "prompt_tokens": tokens, "prompt_truncated": cut,
+              "dropped_no_trainable_token": 0, "dropped_examples": [], **bad.report()}
+    bad.check()
+    return rows, report
+
+
 def _report_lines(report: dict) -> list[str]:
     """:meth:`ReadReport.lines` of a stored report."""
     out = [f"{src}: {n} records kept, {report['skipped'].get(src, 0)} skipped" for src, n in report["sources"].items()]
@@ -204,8 +237,8 @@ class ChatDataModule(L.LightningDataModule):
     def __init__(self, cfg: DataConfig | Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
                  share_prompt: bool = False) -> None:
         super().__init__()
-        if kind not in ("sft", "pairs", "unpaired"):
-            raise ValueError(f"kind must be 'sft', 'pairs' or 'unpaired', got {kind!r}")
+        if kind not in ("sft", "pairs", "unpaired", "prompts"):
+            raise ValueError(f"kind must be 'sft', 'pairs', 'unpaired' or 'prompts', got {kind!r}")
         self.cfg: DataConfig = as_schema(cfg, DataConfig, name="inline")
         kind = source_group(kind, self.cfg)  # unpaired without data.unpaired: the pairs, split by the module
         self.kind, self.chat, self.seed = kind, chat, seed
@@ -223,6 +256,8 @@ class ChatDataModule(L.LightningDataModule):
     def _encode(self, examples: list[Any]) -> tuple[list[dict], dict]:
         if self.kind == "sft":
             return encode_sft(examples, self.chat, self.cfg.max_length, self.cfg.on_error)
+        if self.kind == "prompts":
+            return encode_prompts(examples, self.chat, self.cfg.max_prompt_length, self.cfg.on_error)
         if self.kind == "unpaired":
             return encode_unpaired(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length,
                                    self.cfg.on_error)
@@ -259,7 +294,8 @@ class ChatDataModule(L.LightningDataModule):
             self._said_in_memory = True
             log.info("data.cache: unpaired examples are encoded in memory at each start (the store holds sft and "
                      "pairs rows)")
-        return bool(self.cfg.cache) and self.kind != "unpaired"
+        # prompt rows (objective=grpo) carry their reward columns: in memory too
+        return bool(self.cfg.cache) and self.kind not in ("unpaired", "prompts")
 
     def _setup_from_store(self) -> None:
         store = self._open_store()
@@ -306,6 +342,8 @@ class ChatDataModule(L.LightningDataModule):
     def collator(self) -> Any:
         """Takes a list of rows (or of packs when packing) and returns the batch tensors."""
         pad_id = self.chat.tokenizer.pad_token_id
+        if self.kind == "prompts":
+            return PromptCollator(pad_id)
         if self.cfg.packing or self.share_prompt:
             return PackedCollator(pad_id, self.share_prompt)
         if self.kind == "unpaired":

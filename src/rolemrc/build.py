@@ -66,7 +66,7 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     entry = objective_entry(cfg)
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
-    if entry.reference:
+    if entry.reference and getattr(objective, "needs_reference", True):  # GRPO: only when beta > 0
         share_prompt = bool(cfg.objective.get("share_prompt", False))  # an objective without the key: never
         if datamodule is not None and share_prompt != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={share_prompt} but the datamodule lays pairs out "

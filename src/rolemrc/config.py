@@ -300,6 +300,11 @@ class GRPOObjectiveConfig(ObjectiveConfig):
                 raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
                                   f"or _target_, got {spec!r}")
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run builds a reference (``beta > 0``: the KL term needs its log-probs)."""
+        return self.beta > 0
+
     def check_run(self, cfg: Any) -> None:
         """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
         if cfg.data.packing:

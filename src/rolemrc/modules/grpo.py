@@ -1,0 +1,378 @@
+"""GRPO: online RL on prompts (``objective=grpo``, data kind ``prompts``), as TRL 1.16's
+GRPOTrainer computes it with ``num_iterations=1``.
+
+Per micro-batch of ``B`` prompts (:meth:`GRPOModule.step_loss`, the one function training and
+the memory simulation run):
+
+1. **rollout** (:meth:`GRPOModule.rollout`): each prompt repeated ``num_generations`` (``G``)
+   times, completions sampled with transformers ``generate`` from the policy's current weights
+   (eval mode, no gradient, KV cache; ``temperature`` / ``top_p`` / ``top_k``; stops at eos or the
+   chat's end-of-turn token, at most ``max_completion_length`` tokens), from a sampling RNG of its
+   own (:class:`SamplingRNG`: seeded from the run's seed and rank, saved in every checkpoint, so a
+   resumed run samples what the uninterrupted one samples). Completions are decoded without
+   special tokens and scored by the :class:`~rolemrc.rewards.RewardSet` built once from
+   ``objective.rewards`` (judge caches under ``<run_dir>/judge_cache``); the rewards become
+   group-normalised advantages (:func:`~rolemrc.objectives.grpo.group_advantages`);
+2. **loss**: per-token log-probs of the completion tokens under the policy (with gradient) and,
+   when ``beta > 0``, under the reference (DPO's ``copy`` or ``adapter``, no gradient), at the
+   logits divided by ``temperature`` as TRL scores them, into
+   :func:`~rolemrc.objectives.grpo.grpo_loss` with the step's global normalisers: ``grpo`` and
+   ``dr_grpo`` divide by the step's completions (``step_prompts x G``, over every micro-batch and
+   rank: exact); ``dapo`` by the step's completion tokens: the micro-batch's tokens summed over
+   ranks, times ``accumulate_grad_batches`` (exact when a step is one micro-batch per rank; with
+   accumulation each micro-batch's tokens stand for the others', where TRL divides by the whole
+   generation batch's); ``bnpo`` the micro-batch's own token mean (TRL's definition).
+
+Old log-probs are never needed (``num_iterations > 1`` is refused by the schema), so the ratio is 1
+and the gradient the plain policy gradient, as TRL's. ``scale_rewards=batch`` takes the std over
+the micro-batch on its rank (TRL: over the generation batch on every rank).
+
+Logged per optimizer step under TRL's names (``train/`` prefixed): ``reward``, ``reward_std``,
+``rewards/<name>/mean|std``, ``frac_reward_zero_std``, ``completions/mean_length|min_length|
+max_length|clipped_ratio``, ``clip_ratio/*``, ``kl`` (``beta > 0``), plus ``completion_tokens_per_s``
+(sampled tokens per second of ``generate``). Validation (``data.prompts_val`` or the held-out
+``val_fraction``): one GREEDY completion per prompt, ``val/reward`` and ``val/rewards/<name>/mean``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rolemrc.eval.generation import stop_token_ids
+from rolemrc.models.forward import policy_hidden
+from rolemrc.models.loading import decoder_and_head, eval_mode
+from rolemrc.models.precision import PrecisionPolicy
+from rolemrc.modules.base import PolicyModule
+from rolemrc.modules.reference import Reference
+from rolemrc.objectives.grpo import group_advantages, grpo_loss, nanstd
+from rolemrc.objectives.logprobs import IGNORE_INDEX
+from rolemrc.rewards import RewardSet, build_rewards
+
+log = logging.getLogger(__name__)
+
+RNG_KEY = "grpo_sampling_rng"  # top-level checkpoint entry: the rollout sampler's RNG state
+
+
+class SamplingRNG:
+    """The rollouts' random stream, apart from the global one (dropout, shuffling): ``generate``
+    draws inside :meth:`fork`, which swaps this stream's state in and out. Seeded on first use from
+    ``seed`` (the run's, ``torch.initial_seed()`` after ``seed_everything``) and the rank; its state
+    travels in every checkpoint (a :func:`run_state_parts` part)."""
+
+    def __init__(self) -> None:
+        self.cpu: torch.Tensor | None = None
+        self.cuda: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device, seed: int) -> Iterator[None]:
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else "cpu"):
+            if self.cpu is None:
+                torch.manual_seed(seed)
+            else:
+                torch.set_rng_state(self.cpu)
+                if cuda and self.cuda is not None:
+                    torch.cuda.set_rng_state(self.cuda, device)
+            try:
+                yield
+            finally:
+                self.cpu = torch.get_rng_state()
+                self.cuda = torch.cuda.get_rng_state(device) if cuda else self.cuda
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.cpu is None:
+            return {}
+        state = {"cpu": self.cpu}
+        if self.cuda is not None:
+            state["cuda"] = self.cuda
+        return {RNG_KEY: state}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(RNG_KEY)
+        if state:
+            self.cpu, self.cuda = state["cpu"], state.get("cuda")
+
+
+class GRPOModule(PolicyModule):
+    """``objective``: the grpo node (:class:`~rolemrc.config.GRPOObjectiveConfig`); ``reference``:
+    DPO's copy / adapter (:func:`rolemrc.modules.reference.make_reference`), ``None`` when
+    ``beta == 0``; ``chat``: the tokenizer and chat format (default: the trainer's datamodule's);
+    ``rewards``: a ready :class:`RewardSet` (default: built from ``objective.rewards`` at first use)."""
+
+    # the step's passes without gradient besides the rollout: the memory simulation runs each as a module call
+    no_grad_passes = ("reference_token_logps",)
+
+    def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
+                 reference: Reference | None = None, sharding: Any = None, packed_attention: str = "auto",
+                 chat: Any = None, rewards: RewardSet | None = None) -> None:
+        super().__init__(model, objective, optim, policy, sharding, packed_attention)
+        if objective.beta > 0 and reference is None:
+            raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
+        self.reference = reference if objective.beta > 0 else None
+        self._chat = chat
+        self._rewards = rewards
+        self.sampling_rng = SamplingRNG()
+        self._step_stats: list[dict[str, Any]] = []
+        self._val_names: list[str] = []
+
+    # ---- parts ------------------------------------------------------------------------------
+    @property
+    def ref_model(self) -> nn.Module | None:
+        models = self.reference.models() if self.reference is not None else []
+        return models[0] if models else None
+
+    def models_to_shard(self) -> list[nn.Module]:
+        return [self.model] + (self.reference.models() if self.reference is not None else [])
+
+    def configure_model(self) -> None:
+        ref = self.ref_model
+        if ref is not None:  # frozen: stored as the precision policy says
+            if next(ref.parameters()).dtype != self.policy.frozen:
+                ref.to(dtype=self.policy.frozen)
+            ref.to(self.device)
+        super().configure_model()
+
+    def run_state_parts(self) -> tuple[Any, ...]:
+        """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts)."""
+        return (self.sampling_rng,)
+
+    @property
+    def chat(self) -> Any:
+        if self._chat is None:
+            self._chat = self.trainer.datamodule.chat
+        return self._chat
+
+    @property
+    def rewards(self) -> RewardSet:
+        if self._rewards is None:
+            root = getattr(self._trainer, "default_root_dir", None) if self._trainer is not None else None
+            cache = Path(root) / "judge_cache" if root else None
+            self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=cache)
+        return self._rewards
+
+    def teardown(self, stage: str) -> None:
+        if self._rewards is not None:
+            self._rewards.close()
+
+    # ---- rollout ----------------------------------------------------------------------------
+    def _sampling_seed(self) -> int:
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        return (torch.initial_seed() + 1_000_003 * (rank + 1)) % (2**63)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
+        """New token ids ``[N, C]`` after each (left-padded) prompt row, padded after the stop token."""
+        o, tok = self.objective, self.chat.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k) if sample else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        with torch.no_grad(), eval_mode(self.model):
+            return self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=o.max_completion_length,
+                eos_token_id=self.stop_ids, pad_token_id=pad_id, use_cache=True, repetition_penalty=1.0,
+                **sampling,
+            )[:, prompt_ids.shape[1]:]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return stop_token_ids(self.chat.tokenizer, self.chat.eot)
+
+    def completions_from(self, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """``(completion_ids [N, C], completion_mask [N, C], is_truncated [N])`` and the decoded texts:
+        each completion up to and including its first stop token (TRL's mask), truncated when it has none."""
+        stops = torch.tensor(self.stop_ids, device=new_ids.device)
+        is_stop = torch.isin(new_ids, stops)
+        has_stop = is_stop.any(dim=1)
+        first = torch.where(has_stop, is_stop.int().argmax(dim=1), torch.full_like(has_stop, new_ids.shape[1], dtype=torch.long))
+        positions = torch.arange(new_ids.shape[1], device=new_ids.device).expand_as(new_ids)
+        mask = (positions <= first.unsqueeze(1)).long()
+        texts = self.chat.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(new_ids, mask)],
+                                                 skip_special_tokens=True)
+        return mask, ~has_stop, texts
+
+    def rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Sample, score and lay out the batch's completions (see the module docstring); adds to
+        ``batch`` (in place, so callbacks count the sequences trained): ``input_ids``,
+        ``attention_mask``, ``labels`` (the completion tokens; -100 elsewhere), ``position_ids``,
+        ``advantages`` ``[N]`` and the statistics logged at the step's end. Returns ``batch``."""
+        o = self.objective
+        g = o.num_generations
+        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
+        start = time.perf_counter()
+        with self.sampling_rng.fork(prompt_ids.device, self._sampling_seed()):
+            new_ids = self.generate(prompt_ids, prompt_mask)
+        seconds = time.perf_counter() - start
+        return self.score(batch, new_ids, seconds)
+
+    def score(self, batch: dict[str, Any], new_ids: torch.Tensor, seconds: float = float("nan")) -> dict[str, Any]:
+        """The rest of :meth:`rollout` from the sampled ``new_ids`` ``[B x G, C]``: rewards, advantages, layout."""
+        o = self.objective
+        g = o.num_generations
+        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
+        completion_mask, truncated, texts = self.completions_from(new_ids)
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
+        scores = self.rewards(prompts, texts, columns)
+        rewards = scores.rewards.float().to(new_ids.device)
+        adv = group_advantages(rewards, g, o.scale_rewards)
+        lengths = completion_mask.sum(dim=1)
+        loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if o.mask_truncated_completions \
+            else completion_mask
+        ids = torch.cat([prompt_ids, new_ids * completion_mask], dim=1)  # pad id after the stop: masked anyway
+        attention = torch.cat([prompt_mask, completion_mask], dim=1)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, prompt_ids.shape[1]:] = torch.where(loss_mask.bool(), new_ids, IGNORE_INDEX)
+        batch.update({
+            "input_ids": ids, "attention_mask": attention, "labels": labels,
+            "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
+            "advantages": adv.advantages,
+            "rollout_stats": {
+                "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
+                "is_std_zero": adv.is_std_zero.cpu(), "lengths": lengths.cpu(), "truncated": truncated.cpu(),
+                "extra": {k: v for k, v in scores.metrics.items()
+                          if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))},
+                "seconds": seconds, "texts": texts,
+            },
+        })
+        return batch
+
+    # ---- log-probs --------------------------------------------------------------------------
+    def token_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position log-probs ``[N, T]`` of the next token where it is a trained completion token
+        (0 elsewhere), at the logits divided by ``temperature`` (TRL scores sampled tokens so), and
+        that mask ``[N, T]``. The head is called as a module (FSDP2 gathers it) with one "sequence"
+        per position, so its sums are the per-token values."""
+        decoder, head = decoder_and_head(model)
+        head.chunk_size = self.objective.logprob_chunk_size
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        hidden = policy_hidden(model, decoder, inputs, False, self.packed_attention)
+        t = float(self.objective.temperature)
+        if t != 1.0:
+            if getattr(head, "bias", None) is not None:
+                raise NotImplementedError("objective.temperature != 1 with an lm_head that has a bias")
+            hidden = hidden / t
+        labels = self.trained_labels(batch)
+        mask = labels != IGNORE_INDEX
+        n, width = labels.shape
+        ids = torch.where(mask, torch.arange(n * width, device=labels.device).view(n, width), -1)
+        per_position = head(hidden, labels=labels, sequence_ids=ids, num_sequences=n * width).logps
+        return per_position.view(n, width), mask
+
+    def reference_token_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The reference's per-position log-probs ``[N, T]`` (no gradient)."""
+        assert self.reference is not None
+        with torch.no_grad():
+            if self.reference.mode == "adapter":
+                with eval_mode(self.model), self.model.disable_adapter():
+                    return self.token_logps(self.model, batch)[0]
+            return self.token_logps(self.reference.models()[0], batch)[0]
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _num_tokens(self, mask: torch.Tensor) -> torch.Tensor:
+        """dapo's normaliser: this micro-batch's completion tokens summed over ranks, x the accumulation."""
+        total = mask.sum().double()
+        trainer = self._trainer
+        if trainer is None:
+            return total
+        if trainer.world_size > 1:
+            total = trainer.strategy.reduce(total, reduce_op="sum")
+        return total * trainer.accumulate_grad_batches
+
+    def step_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the step's GRPO loss (rolls out first unless ``batch``
+        already holds ``advantages``: the memory simulation and tests hand rollouts in)."""
+        o = self.objective
+        if "advantages" not in batch:
+            self.rollout(batch)
+        logps, mask = self.token_logps(self.model, batch)
+        ref = self.reference_token_logps(batch) if self.reference is not None else None
+        n = batch["input_ids"].shape[0]
+        step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
+        out = grpo_loss(logps, batch["advantages"], mask, ref_per_token_logps=ref, beta=o.beta,
+                        epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
+                        max_completion_length=o.max_completion_length, delta=o.delta,
+                        num_sequences=step_sequences, num_tokens=self._num_tokens(mask))
+        loss = out.loss
+        if o.loss_type == "bnpo" and self._trainer is not None:  # the local token mean, divided as TRL's trainer
+            loss = loss / (self.trainer.accumulate_grad_batches * self.trainer.world_size)
+        stats = batch.get("rollout_stats")
+        if stats is not None:
+            stats["tokens"] = float(mask.sum())
+            stats["loss_metrics"] = {k: float(v) for k, v in out.metrics.items()}
+            self._step_stats.append(stats)
+        return loss, {}
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if bool(batch["step_end"]):
+            self._log_rollouts()
+        return loss
+
+    def _log_rollouts(self) -> None:
+        """TRL's rollout metrics over the step's completions (every micro-batch, every rank)."""
+        stats, self._step_stats = self._step_stats, []
+        if self.trainer.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.trainer.world_size
+            dist.all_gather_object(gathered, [{k: v for k, v in s.items() if k != "texts"} for s in stats])
+            stats = [s for part in gathered for s in part]
+        if not stats:
+            return
+        names = stats[0]["names"]
+        rewards = torch.cat([s["rewards"] for s in stats]).double()
+        per = torch.cat([s["per_reward"] for s in stats]).double()
+        lengths = torch.cat([s["lengths"] for s in stats]).double()
+        metrics: dict[str, float] = {
+            "reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
+            "frac_reward_zero_std": torch.cat([s["is_std_zero"] for s in stats]).double().mean().item(),
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": torch.cat([s["truncated"] for s in stats]).double().mean().item(),
+        }
+        for k, name in enumerate(names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+        for key in stats[0]["extra"]:
+            values = [s["extra"][key] for s in stats if not math.isnan(s["extra"][key])]
+            summed = key.endswith("/missing")
+            metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")
+        tokens = [s["tokens"] for s in stats]
+        for key in stats[0]["loss_metrics"]:
+            values = [s["loss_metrics"][key] for s in stats]
+            if key.endswith("_min"):
+                metrics[key] = min(values)
+            elif key.endswith("_max"):
+                metrics[key] = max(values)
+            else:  # token means: weighted by each micro-batch's tokens
+                metrics[key] = sum(v * w for v, w in zip(values, tokens)) / max(sum(tokens), 1.0)
+        seconds = sum(s["seconds"] for s in stats)
+        metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
+        for key, value in metrics.items():  # already over every rank: no sync
+            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False,
+                     prog_bar=key == "reward")
+
+    # ---- validation: one greedy completion per prompt -----------------------------------------
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        new_ids = self.generate(batch["prompt_ids"], batch["prompt_mask"], sample=False)
+        _, _, texts = self.completions_from(new_ids)
+        scores = self.rewards(batch["prompts"], texts, batch["columns"])
+        self._val_names = scores.names
+        values = torch.cat([scores.rewards.unsqueeze(1), scores.per_reward], dim=1).to(self.device)
+        self.collect_val(batch["index"], values)
+
+    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"reward": torch.nanmean(values[:, 0])}
+        for k, name in enumerate(self._val_names):
+            out[f"rewards/{name}/mean"] = torch.nanmean(values[:, k + 1])
+        return out

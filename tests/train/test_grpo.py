@@ -1,0 +1,161 @@
+"""objective=grpo end to end: the step's loss against the pure functions on the same rollouts, a
+short run's TRL metric names, exact resume of the rollouts, and the reference built only when beta > 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from rolemrc.objectives.grpo import group_advantages, grpo_loss
+from rolemrc.train import run, setup
+from tests.train.helpers import metric_rows, series
+
+pytestmark = pytest.mark.xdist_group("grpo")
+
+# The 54 sample test items as prompts; a reward every completion gets (the verifier applies to 12 only).
+GRPO = ["objective=grpo", "data.prompts=[{path: ${asset:sample/test.jsonl}}]", "data.max_prompt_length=48",
+        "data.batch_size=2", "objective.num_generations=3", "objective.max_completion_length=6",
+        "data.val_fraction=0", "export.enabled=false", "optim.warmup_ratio=0", "optim.scheduler=constant",
+        "+objective.rewards.vowels._target_=tests.train.test_grpo.vowel_reward"]
+
+
+def vowel_reward(*, prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+    """The fraction of vowels among a completion's characters (varies between random completions)."""
+    assert len(prompts) == len(completions) and all(len(v) == len(completions) for v in columns.values())
+    return [sum(ch in "aeiouAEIOU" for ch in c) / max(len(c), 1) for c in completions]
+
+
+def by_hand_loss(module: Any, batch: dict, new_ids: torch.Tensor) -> torch.Tensor:
+    """The GRPO loss of fixed completions from the model's plain logits and the pure functions."""
+    o = module.objective
+    g = o.num_generations
+    stops = torch.tensor(module.stop_ids)
+    is_stop = torch.isin(new_ids, stops)
+    mask = torch.zeros_like(new_ids)
+    for i, row in enumerate(is_stop):
+        end = int(row.int().argmax()) + 1 if bool(row.any()) else new_ids.shape[1]
+        mask[i, :end] = 1
+    texts = module.chat.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(new_ids, mask)],
+                                               skip_special_tokens=True)
+    prompts = [p for p in batch["prompts"] for _ in range(g)]
+    rewards = torch.tensor(vowel_reward(prompts=prompts, completions=texts), dtype=torch.float32)
+    if "verifier" in o.rewards:  # the default verifier reward, None where a prompt has no rule
+        rules = [r for r in batch["columns"]["rule"] for _ in range(g)]
+        from rolemrc.rewards import VerifierReward
+
+        ver = VerifierReward("all")(prompts=prompts, completions=texts, rule=rules)
+        rewards = torch.stack([rewards, torch.tensor([float("nan") if v is None else v for v in ver])]).nansum(0)
+    adv = group_advantages(rewards, g, o.scale_rewards).advantages
+    prompt_ids = batch["prompt_ids"].repeat_interleave(g, 0)
+    prompt_mask = batch["prompt_mask"].repeat_interleave(g, 0)
+    ids = torch.cat([prompt_ids, new_ids], 1)
+    attention = torch.cat([prompt_mask, mask], 1)
+    logits = module.model(input_ids=ids, attention_mask=attention,
+                          position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
+    p = prompt_ids.shape[1]
+    logps = torch.log_softmax(logits[:, p - 1:-1] / o.temperature, -1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)
+    ref = None
+    if o.beta > 0:
+        with torch.no_grad():
+            ref_logits = module.ref_model(input_ids=ids, attention_mask=attention,
+                                          position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
+        ref = torch.log_softmax(ref_logits[:, p - 1:-1] / o.temperature, -1).gather(
+            -1, new_ids.unsqueeze(-1)).squeeze(-1)
+    return grpo_loss(logps, adv, mask, ref_per_token_logps=ref, beta=o.beta, epsilon=o.epsilon,
+                     loss_type=o.loss_type, max_completion_length=o.max_completion_length,
+                     num_sequences=batch["step_prompts"] * g, num_tokens=mask.sum()).loss
+
+
+@pytest.mark.parametrize("extra", [["objective.loss_type=dapo"], ["objective.loss_type=grpo"],
+                                   ["objective.loss_type=dr_grpo", "objective.scale_rewards=none"],
+                                   ["objective.loss_type=dapo", "objective.beta=0.04", "objective.temperature=0.7",
+                                    "objective.scale_rewards=batch"]])
+def test_step_loss_is_grpo_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
+    parts = setup(train_cfg(*GRPO, *extra))
+    module, dm = parts.module, parts.datamodule
+    module._chat = parts.chat
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    n = batch["prompt_ids"].shape[0] * module.objective.num_generations
+    gen = torch.Generator().manual_seed(0)
+    new_ids = torch.randint(10, module.chat.tokenizer.vocab_size, (n, 6), generator=gen)
+    new_ids[0, 2] = module.stop_ids[0]  # one completion stops early: the mask ends at its stop token
+    new_ids[4, 0] = module.stop_ids[0]
+    monkeypatch.setattr(module, "generate", lambda *a, **k: new_ids.clone())
+    if module.objective.beta > 0:  # move the policy off the reference: the KL term has a value
+        with torch.no_grad():
+            for p in module.model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    loss, _ = module.step_loss(batch)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    expected = by_hand_loss(module, batch, new_ids)
+    expected_grads = torch.autograd.grad(expected, params, allow_unused=True)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    assert batch["advantages"].abs().sum() > 0  # the rollouts teach something: the test can fail
+    # At a fresh rollout the ratio is 1, so the loss's value hides the log-probs: the gradient shows them
+    assert sum(g.abs().sum() for g in grads if g is not None) > 0
+    for g, e in zip(grads, expected_grads):
+        assert (g is None) == (e is None)
+        if g is not None:
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_beta_zero_builds_no_reference_beta_positive_builds_one(train_cfg) -> None:
+    assert setup(train_cfg(*GRPO)).module.reference is None
+    module = setup(train_cfg(*GRPO, "objective.beta=0.1")).module
+    assert module.reference is not None and module.reference.mode == "copy" and module.ref_model is not None
+    assert module.ref_model is not module.model
+
+
+TRL_NAMES = ["reward", "reward_std", "rewards/vowels/mean", "rewards/vowels/std", "rewards/verifier/mean",
+             "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
+             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "clip_ratio/low_min", "clip_ratio/high_max", "kl", "completion_tokens_per_s", "loss"]
+
+
+def test_a_short_run_logs_trl_metric_names(train_cfg) -> None:
+    out = run(train_cfg(*GRPO, "trainer.max_steps=3", "objective.beta=0.05", "data.val_fraction=0.1"))
+    run_dir = Path(out["run_dir"])
+    rows = [r for r in metric_rows(run_dir) if "train/loss" in r]
+    assert len(rows) == 3
+    for name in TRL_NAMES:
+        assert all(f"train/{name}" in r for r in rows), name
+    assert all(0 <= r["train/rewards/vowels/mean"] <= 1 for r in rows)
+    assert all(r["train/completions/max_length"] <= 6 for r in rows)
+    assert any(r["train/reward_std"] > 0 for r in rows)
+    assert series(run_dir, "val/reward") and series(run_dir, "val/rewards/vowels/mean")
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+class CrashAt(L.Callback):
+    """Stops the process's training with an exception at the start of step ``step`` (a crash)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"crash at step {self.step}")
+
+
+def test_crash_and_resume_gives_the_uninterrupted_rollouts(tmp_path: Path) -> None:
+    from tests.conftest import FAST, compose_train
+
+    common = [*FAST, *GRPO, "trainer.max_steps=5", "runtime.checkpoint_every_n_steps=2"]
+    reference = run(compose_train(common, run_dir=tmp_path / "reference"))
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="crash at step 3"):
+        run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
+                           "+callbacks.crash.step=3"], run_dir=crashed))
+    assert torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
+    for key in ("train/loss", "train/reward", "train/rewards/vowels/mean", "train/completions/mean_length"):
+        want, got = series(Path(reference["run_dir"]), key), series(crashed, key)
+        assert len(want) == 5 and got == pytest.approx(want, abs=1e-6, nan_ok=True), key
+    assert len(set(series(crashed, "train/reward"))) > 1  # rollouts differ from step to step

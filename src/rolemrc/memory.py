@@ -386,6 +386,7 @@ def simulated_report(cfg: Any) -> dict[str, Any]:
         "device_memory_gb": device_gb,
         "headroom": HEADROOM,
         "strategy": sim.strategy,
+        "note": sim.note,
         "micro_batch": {"rows": sim.rows, "tokens": sim.tokens},
         "tracker": sim.tracker,
     }
@@ -400,6 +401,8 @@ def _print_report(r: dict[str, Any]) -> None:
           f"{r['headroom'] * r['device_memory_gb']:.1f} GiB)")
     for name, gib in sorted(r["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:16s} {gib:9.3f} GiB")
+    if r.get("note"):
+        print(f"note: {r['note']}")
     gc = r["gradient_checkpointing"]
     if r["setting"] == "auto":
         print(f"model.gradient_checkpointing=auto: on {gc['on']:.2f} GiB, off {gc['off']:.2f} GiB -> "

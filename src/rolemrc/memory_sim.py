@@ -75,6 +75,7 @@ class Simulation:
     tracker: str  # FSDPMemTracker | MemTracker
     after_backward: dict[str, int] = field(default_factory=dict)  # bytes by category once backward is done
     kind: str = "fake"  # fake: FakeTensorMode on a fake process group; else the real backend (gloo)
+    note: str = ""  # what of the step is not simulated (the module's memory_note), printed with the report
 
     @property
     def peak_gib(self) -> float:
@@ -174,6 +175,9 @@ def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> 
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
     from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
 
+    maker = getattr(_module_class(cfg), "memory_batch", None)  # an objective that lays out its own (GRPO's rollouts)
+    if maker is not None:
+        return maker(cfg, batch_size, vocab, length)
     rows = _rows(cfg, batch_size, vocab, length)
     pairs = _entry(cfg).pairs
     share = pairs and bool(cfg.objective.get("share_prompt", False))
@@ -244,7 +248,9 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
     from rolemrc.objectives.logprobs import IGNORE_INDEX
 
     labels = module.trained_labels(batch)
-    return {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
+    counts = {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
+    more = getattr(module, "memory_mask_counts", None)  # other masks of known size in its step
+    return {**counts, **more(batch)} if more is not None else counts
 
 
 # ---------------------------------------------------------------- the step
@@ -263,6 +269,13 @@ def _entry(cfg: Any) -> Any:
     return OBJECTIVES[cfg.objective.name]
 
 
+def _module_class(cfg: Any) -> Any:
+    """The objective's LightningModule class (the registry names it)."""
+    from rolemrc.build import import_object
+
+    return import_object(_entry(cfg).module)
+
+
 def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss of one micro-batch as the module's ``training_step`` computes it: its own
     ``step_loss`` (without the trainer's logging and scaling), whatever the objective."""
@@ -274,8 +287,8 @@ def _simulated_reference(module: Any) -> None:
     one is a table lookup (zeros of the log-probs' shape: no weights, no forward); a copy or an
     adapter runs its forward as a module call (:class:`_ReferencePass`)."""
     if not hasattr(module, "reference_logps"):
-        return
-    if getattr(module, "mode", None) == "precomputed":
+        pass  # no DPO-style reference (GRPO's passes without gradient: below)
+    elif getattr(module, "mode", None) == "precomputed":
         def lookup(batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
             n = 2 * batch["index"].shape[0]
             return torch.zeros(n, dtype=torch.float32, device=batch["input_ids"].device)
@@ -459,7 +472,7 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     return Simulation(ranks=world, peak_bytes=total, by_category={k: int(v) for k, v in snap.items()},
                       checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
                       strategy=cfg.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
-                      after_backward=after, kind=kind)
+                      after_backward=after, kind=kind, note=str(getattr(module, "memory_note", "")))
 
 
 @contextlib.contextmanager

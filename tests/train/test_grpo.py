@@ -159,3 +159,12 @@ def test_crash_and_resume_gives_the_uninterrupted_rollouts(tmp_path: Path) -> No
         want, got = series(Path(reference["run_dir"]), key), series(crashed, key)
         assert len(want) == 5 and got == pytest.approx(want, abs=1e-6, nan_ok=True), key
     assert len(set(series(crashed, "train/reward"))) > 1  # rollouts differ from step to step
+
+
+def test_memory_simulation_runs_the_loss_step_on_rollout_shapes() -> None:
+    from rolemrc.memory_sim import simulate
+    from tests.conftest import compose_train
+
+    sim = simulate(compose_train(GRPO), checkpointing=False)
+    assert sim.rows == 2 * 3 and sim.tokens == 2 * 3 * (48 + 6)  # prompts x generations, prompt + completion
+    assert sim.peak_bytes > 0 and "not simulated" in sim.note

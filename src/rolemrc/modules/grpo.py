@@ -246,6 +246,31 @@ class GRPOModule(PolicyModule):
         })
         return batch
 
+    # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------
+    memory_note = ("objective=grpo: simulated is the loss step on data.batch_size x num_generations rollouts of "
+                   "max_prompt_length + max_completion_length tokens (policy and, beta > 0, reference passes); "
+                   "the rollout itself (generate and its KV cache) is not simulated")
+
+    @staticmethod
+    def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
+        """A rollout batch of the longest shape the config allows (or of ``length`` tokens), as
+        :meth:`score` lays it out: ``batch_size x num_generations`` rows, the completion labelled."""
+        g = int(cfg.objective.num_generations)
+        prompt, completion = int(cfg.data.max_prompt_length), int(cfg.objective.max_completion_length)
+        if length is not None:
+            prompt, completion = max(1, length // 2), max(1, length - length // 2)
+        n, tok = batch_size * g, min(5, vocab - 1)
+        ids = torch.full((n, prompt + completion), tok, dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, prompt:] = tok
+        return {"input_ids": ids, "labels": labels, "advantages": torch.ones(n),
+                "index": torch.arange(batch_size), "step_prompts": torch.tensor(float(batch_size), dtype=torch.float64)}
+
+    def memory_mask_counts(self, batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
+        """grpo_loss's per-sequence mask (sequences with a token): every simulated row has some."""
+        n = batch["input_ids"].shape[0]
+        return {(n,): n}
+
     # ---- log-probs --------------------------------------------------------------------------
     def token_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position log-probs ``[N, T]`` of the next token where it is a trained completion token
@@ -268,7 +293,7 @@ class GRPOModule(PolicyModule):
         per_position = head(hidden, labels=labels, sequence_ids=ids, num_sequences=n * width).logps
         return per_position.view(n, width), mask
 
-    def reference_token_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+    def reference_token_logps(self, batch: dict[str, Any], stage: str = "train") -> torch.Tensor:
         """The reference's per-position log-probs ``[N, T]`` (no gradient)."""
         assert self.reference is not None
         with torch.no_grad():

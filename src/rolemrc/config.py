@@ -300,6 +300,11 @@ class GRPOObjectiveConfig(ObjectiveConfig):
                 raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
                                   f"or _target_, got {spec!r}")
 
+    def micro_batch_tokens(self, data: Any) -> int:
+        """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``
+        rollouts of ``data.max_prompt_length + max_completion_length``."""
+        return int(data.batch_size) * self.num_generations * (int(data.max_prompt_length) + self.max_completion_length)
+
     @property
     def needs_reference(self) -> bool:
         """Whether the run builds a reference (``beta > 0``: the KL term needs its log-probs)."""

@@ -38,7 +38,7 @@ from typing import Any
 from omegaconf import OmegaConf, open_dict
 
 from rolemrc import ASSETS, __version__
-from rolemrc.config import (OBJECTIVES, check_train_config, checkpointing_setting, register, source_group,
+from rolemrc.config import (OBJECTIVES, check_train_config, checkpointing_setting, register, source_group, typed,
                             upgrade_train_config)
 from rolemrc.entry import entry_point
 from rolemrc.fileio import atomic_write_json
@@ -125,12 +125,15 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, in
     """(GB per device, devices, tokens per micro-batch) of the configured run."""
     entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
     rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
-    tokens = cfg.data.batch_size * cfg.data.max_length * rows
+    objective = typed(cfg.objective)
+    own = getattr(objective, "micro_batch_tokens", None)  # an objective that says its own shape (GRPO's rollouts)
+    tokens = own(cfg.data) if own is not None else cfg.data.batch_size * cfg.data.max_length * rows
     gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
     fsdp = cfg.strategy.name == "fsdp"
     gb = estimate_gb(
         arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens, checkpointing=checkpointing,
-        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=entry.reference and cfg.objective.reference == "copy",
+        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=entry.reference and cfg.objective.reference == "copy"
+        and getattr(objective, "needs_reference", True),
         lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
         qlora=cfg.model.quantization.load_in_4bit,
     )

@@ -168,3 +168,14 @@ def test_memory_simulation_runs_the_loss_step_on_rollout_shapes() -> None:
     sim = simulate(compose_train(GRPO), checkpointing=False)
     assert sim.rows == 2 * 3 and sim.tokens == 2 * 3 * (48 + 6)  # prompts x generations, prompt + completion
     assert sim.peak_bytes > 0 and "not simulated" in sim.note
+
+
+def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_positive() -> None:
+    from rolemrc.memory import check
+    from tests.conftest import compose_train
+
+    assert f"{2 * 3 * (48 + 6)} tokens/micro-batch" in check(compose_train(GRPO))
+    big = ["model.init.hidden_size=1024", "model.init.intermediate_size=4096", "model.init.num_hidden_layers=8"]
+    without, with_ref = (float(check(compose_train([*GRPO, *big, f"objective.beta={b}"])).split()[0].lstrip("~"))
+                         for b in (0.0, 0.1))
+    assert with_ref > without

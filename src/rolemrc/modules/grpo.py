@@ -384,8 +384,7 @@ class GRPOModule(PolicyModule):
         seconds = sum(s["seconds"] for s in stats)
         metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
         for key, value in metrics.items():  # already over every rank: no sync
-            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False,
-                     prog_bar=key == "reward")
+            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
 
     # ---- validation: one greedy completion per prompt -----------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

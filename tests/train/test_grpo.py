@@ -42,14 +42,15 @@ def by_hand_loss(module: Any, batch: dict, new_ids: torch.Tensor) -> torch.Tenso
     texts = module.chat.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(new_ids, mask)],
                                                skip_special_tokens=True)
     prompts = [p for p in batch["prompts"] for _ in range(g)]
-    rewards = torch.tensor(vowel_reward(prompts=prompts, completions=texts), dtype=torch.float32)
+    rewards = torch.tensor(vowel_reward(prompts=prompts, completions=texts), dtype=torch.float64)
     if "verifier" in o.rewards:  # the default verifier reward, None where a prompt has no rule
         rules = [r for r in batch["columns"]["rule"] for _ in range(g)]
         from rolemrc.rewards import VerifierReward
 
         ver = VerifierReward("all")(prompts=prompts, completions=texts, rule=rules)
-        rewards = torch.stack([rewards, torch.tensor([float("nan") if v is None else v for v in ver])]).nansum(0)
-    adv = group_advantages(rewards, g, o.scale_rewards).advantages
+        rewards = torch.stack([rewards, torch.tensor([float("nan") if v is None else v for v in ver],
+                                                     dtype=torch.float64)]).nansum(0)
+    adv = group_advantages(rewards, g, o.scale_rewards).advantages.float()
     prompt_ids = batch["prompt_ids"].repeat_interleave(g, 0)
     prompt_mask = batch["prompt_mask"].repeat_interleave(g, 0)
     ids = torch.cat([prompt_ids, new_ids], 1)
@@ -103,6 +104,24 @@ def test_step_loss_is_grpo_loss_of_the_rollouts(train_cfg, monkeypatch, extra: l
         assert (g is None) == (e is None)
         if g is not None:
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+def constant_reward(*, prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+    return [0.45] * len(completions)  # float32 sums of 0.45s leave a std of ~3e-8
+
+
+def test_identical_completions_teach_nothing_and_are_counted(train_cfg) -> None:
+    parts = setup(train_cfg(*GRPO, "data.batch_size=3",
+                            "objective.rewards.vowels._target_=tests.train.test_grpo.constant_reward"))
+    module, dm = parts.module, parts.datamodule
+    module._chat = parts.chat
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    row = torch.tensor([[300, 301, 302, 303, 304, 305]])
+    new_ids = torch.cat([row + 7 * k for k in range(3) for _ in range(3)])  # each prompt's 3 completions alike
+    module.score(batch, new_ids)
+    assert bool(batch["rollout_stats"]["is_std_zero"].all())  # frac_reward_zero_std = 1: exactly, in float64
+    assert torch.equal(batch["advantages"], torch.zeros(9))
 
 
 def test_beta_zero_builds_no_reference_beta_positive_builds_one(train_cfg) -> None:

@@ -223,8 +223,9 @@ class GRPOModule(PolicyModule):
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
         scores = self.rewards(prompts, texts, columns)
-        rewards = scores.rewards.float().to(new_ids.device)
-        adv = group_advantages(rewards, g, o.scale_rewards)
+        # float64: identical rewards give a std of exactly 0 (float32 sums leave ~1e-8, which
+        # frac_reward_zero_std would not count as zero); the advantages are cast to float32 after
+        adv = group_advantages(scores.rewards.to(new_ids.device), g, o.scale_rewards)
         lengths = completion_mask.sum(dim=1)
         loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if o.mask_truncated_completions \
             else completion_mask
@@ -235,7 +236,7 @@ class GRPOModule(PolicyModule):
         batch.update({
             "input_ids": ids, "attention_mask": attention, "labels": labels,
             "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
-            "advantages": adv.advantages,
+            "advantages": adv.advantages.float(),
             "rollout_stats": {
                 "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
                 "is_std_zero": adv.is_std_zero.cpu(), "lengths": lengths.cpu(), "truncated": truncated.cpu(),

@@ -174,11 +174,14 @@ class GRPOModule(PolicyModule):
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k) if sample else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        # FSDP2: every rank's forward gathers the shards with the others', so every rank runs the same
+        # number of decoding steps (until the last rank's completions end: transformers' synced_gpus)
+        synced = self.device_mesh is not None and self._trainer is not None and self.trainer.world_size > 1
         with torch.no_grad(), eval_mode(self.model):
             return self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=o.max_completion_length,
                 eos_token_id=self.stop_ids, pad_token_id=pad_id, use_cache=True, repetition_penalty=1.0,
-                **sampling,
+                synced_gpus=synced, **sampling,
             )[:, prompt_ids.shape[1]:]
 
     @property
@@ -268,16 +271,18 @@ class GRPOModule(PolicyModule):
                 "index": torch.arange(batch_size), "step_prompts": torch.tensor(float(batch_size), dtype=torch.float64)}
 
     def memory_mask_counts(self, batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
-        """grpo_loss's per-sequence mask (sequences with a token): every simulated row has some."""
-        n = batch["input_ids"].shape[0]
-        return {(n,): n}
+        """The head's mask over one row per position (:meth:`token_logps`), and grpo_loss's
+        per-sequence mask (sequences with a token: every simulated row has some)."""
+        labels = self.trained_labels(batch)
+        n, width = labels.shape
+        return {(n * width, 1): int((labels != IGNORE_INDEX).sum()), (n,): n}
 
     # ---- log-probs --------------------------------------------------------------------------
     def token_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position log-probs ``[N, T]`` of the next token where it is a trained completion token
         (0 elsewhere), at the logits divided by ``temperature`` (TRL scores sampled tokens so), and
-        that mask ``[N, T]``. The head is called as a module (FSDP2 gathers it) with one "sequence"
-        per position, so its sums are the per-token values."""
+        that mask ``[N, T]``. The head is called as a module (FSDP2 gathers it) on one row per
+        position, so its per-row sums are the per-token values."""
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.objective.logprob_chunk_size
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
@@ -288,11 +293,9 @@ class GRPOModule(PolicyModule):
                 raise NotImplementedError("objective.temperature != 1 with an lm_head that has a bias")
             hidden = hidden / t
         labels = self.trained_labels(batch)
-        mask = labels != IGNORE_INDEX
         n, width = labels.shape
-        ids = torch.where(mask, torch.arange(n * width, device=labels.device).view(n, width), -1)
-        per_position = head(hidden, labels=labels, sequence_ids=ids, num_sequences=n * width).logps
-        return per_position.view(n, width), mask
+        rows = head(hidden.reshape(n * width, 1, hidden.shape[-1]), labels=labels.reshape(n * width, 1)).logps
+        return rows.view(n, width), labels != IGNORE_INDEX
 
     def reference_token_logps(self, batch: dict[str, Any], stage: str = "train") -> torch.Tensor:
         """The reference's per-position log-probs ``[N, T]`` (no gradient)."""

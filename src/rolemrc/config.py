@@ -315,6 +315,10 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if cfg.data.packing:
             raise ConfigError("objective=grpo samples its completions: data.packing=true does not apply, "
                               "set data.packing=false")
+        if not cfg.data.get("prompts"):
+            raise ConfigError(f"objective=grpo samples completions for data.prompts, which data={cfg.data.get('name')} "
+                              "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "
+                              "{prompt: [...]} records or conversations)")
 
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:

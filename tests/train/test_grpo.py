@@ -124,6 +124,23 @@ def test_identical_completions_teach_nothing_and_are_counted(train_cfg) -> None:
     assert torch.equal(batch["advantages"], torch.zeros(9))
 
 
+def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
+    from rolemrc.config import check_train_config
+    from rolemrc.errors import ConfigError
+
+    for overrides, message in ((["objective=grpo"], "data.prompts, which data=sample leaves empty"),
+                               ([*GRPO, "data.packing=true"], "set data.packing=false"),
+                               ([*GRPO, "objective.num_iterations=2"], "objective.num_iterations=2 is not available"),
+                               ([*GRPO, "objective.rollout=vllm"], "objective.rollout=vllm is not available yet"),
+                               ([*GRPO, "objective.num_generations=1"], "objective.num_generations must be >= 2"),
+                               ([*GRPO, "objective.loss_type=cispo"], "objective.loss_type must be one of"),
+                               ([*GRPO, "objective.scale_rewards=rank"], "objective.scale_rewards must be one of"),
+                               ([*GRPO, "objective.beta=0.1", "objective.reference=adapter"],
+                                "objective.reference=adapter needs a LoRA model")):
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+            check_train_config(train_cfg(*overrides))
+
+
 def test_beta_zero_builds_no_reference_beta_positive_builds_one(train_cfg) -> None:
     assert setup(train_cfg(*GRPO)).module.reference is None
     module = setup(train_cfg(*GRPO, "objective.beta=0.1")).module

@@ -120,6 +120,7 @@ class GRPOModule(PolicyModule):
         self.reference = reference if objective.beta > 0 else None
         self._chat = chat
         self._rewards = rewards
+        self._own_rewards = rewards is None
         self.sampling_rng = SamplingRNG()
         self._step_stats: list[dict[str, Any]] = []
         self._val_names: list[str] = []
@@ -160,8 +161,9 @@ class GRPOModule(PolicyModule):
         return self._rewards
 
     def teardown(self, stage: str) -> None:
-        if self._rewards is not None:
+        if self._rewards is not None and self._own_rewards:  # built here: closed, and built again if used again
             self._rewards.close()
+            self._rewards = None
 
     # ---- rollout ----------------------------------------------------------------------------
     def _sampling_seed(self) -> int:

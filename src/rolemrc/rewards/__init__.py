@@ -18,7 +18,7 @@ the sum, never counted as 0.
 the conversation rendered with its chat template (TRL's reward-model scoring).
 Any callable by dotted path (``_target_``). :class:`RewardSet` weights and sums them and returns
 the per-reward values and TRL's metric names; :func:`disagreement_rate` is the judge-vs-verifier
-reward-hacking alarm. Nothing here trains yet: there is no ``objective=grpo``.
+reward-hacking alarm. ``objective=grpo`` (:mod:`rolemrc.modules.grpo`) builds its rewards here.
 """
 
 from rolemrc.rewards.combine import RewardFn, RewardScores, RewardSet, build_rewards, disagreement_rate, load_target

@@ -92,3 +92,16 @@ def test_dpo_copy_reference_is_held_and_sharded_like_the_policy() -> None:
     shards, _ = _shard_bytes(compose_train(base), 2)
     assert copy.after_backward["Sharded Param"] == shards + shards // 2  # fp32 masters + the copy's bf16 shards
     assert copy.rows == 2 * 2 and copy.tokens == 4 * 256  # chosen and rejected rows of max_length
+
+
+@pytest.mark.parametrize("extra", [["objective=dpo", "objective.reference=copy"], ["objective=dpo", "model.peft.enabled=true"]])
+def test_single_device_simulation_with_frozen_parameters(extra: list[str]) -> None:
+    """One device (torch's MemTracker, not FSDP's): a frozen reference copy or LoRA's frozen base is
+    simulated (torch's tracker would hook every parameter's gradient and raise on a frozen one), and
+    the copy's parameters are counted beside the policy's."""
+    base = ["strategy=single", "data.batch_size=2", "data.max_length=128", "data.max_prompt_length=64"]
+    sim = simulate(compose_train([*base, *extra]), checkpointing=False)
+    assert sim.tracker == "MemTracker" and sim.peak_bytes > 0
+    if "objective.reference=copy" in extra:
+        alone = simulate(compose_train([*base, "objective=simpo"]), checkpointing=False)
+        assert sim.after_backward["Parameter"] > alone.after_backward["Parameter"]

@@ -382,11 +382,31 @@ def _optimizer(module: Any) -> torch.optim.Optimizer:
                              foreach=True)
 
 
+class _NoHook:
+    """A stand-in hook handle (nothing to remove)."""
+
+    def remove(self) -> None:
+        pass
+
+
 def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    class TrainableMemTracker(MemTracker):
+        """MemTracker with its gradient hooks on trainable parameters only: torch's registers one on
+        every parameter of each module it enters, which raises on a frozen one (a reference copy,
+        LoRA's base weights). A frozen parameter gets a no-op handle, so torch hooks it no more."""
+
+        def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                             install_grad_hooks: bool = True) -> tuple[int, int]:
+            if install_grad_hooks:
+                for p in module.parameters():
+                    if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                        self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
     if not fsdp:
-        tracker = MemTracker()
+        tracker = TrainableMemTracker()
         tracker.track_external(*module.models_to_shard(), optimizer)
         return tracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker

@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> dict | None:
     # bad input: one "error: ..." line, exit 1 (one job of a sweep: recorded, the sweep goes on)
     with entry_point():
         check_train_config(cfg)  # before the slow imports: a key no run can satisfy is refused at once
-        from rolemrc.train import run
+        from rolemrc.run.train import run
 
         one_copy_of_lightning_logs()  # Lightning's log lines printed once (now that it is imported)
         return run(cfg)
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> dict | None:
 if __name__ == "__main__":
     import sys
 
-    from rolemrc.resume import continue_run_argv
+    from rolemrc.run.resume import continue_run_argv
 
     with entry_point():  # ckpt_path=last: continue the matching run in its folder (README: Training)
         sys.argv = continue_run_argv(sys.argv, Path(__file__).parent / "conf", "train")

@@ -377,8 +377,8 @@ def lightning_timer() -> Any:
 
 
 def add_callback(callback: Any) -> None:
-    """Make the next rolemrc training run (``rolemrc.train.run``) use ``callback`` too."""
-    import rolemrc.build as build
+    """Make the next rolemrc training run (``rolemrc.run.train.run``) use ``callback`` too."""
+    import rolemrc.run.build as build
 
     original = build.build_callbacks
     build.build_callbacks = lambda cfg, **kw: [*original(cfg, **kw), callback]

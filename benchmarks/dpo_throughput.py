@@ -60,7 +60,7 @@ set_env()
 
 
 def run_ours(work: Path, spec: Spec, contender: str, objective: str = "dpo") -> dict:
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     timer = lightning_timer()
     share_prompt = contender != "ours_separate"

@@ -319,7 +319,7 @@ def write_full_rows(folder: Path, cfg: Any, records: int) -> None:
 
 
 def measure_child(overrides: list[str], out: Path, work: Path, device: str) -> None:
-    """``--measure``: the case trained by rolemrc.train.run for MEMORY_STEPS steps on full rows; the
+    """``--measure``: the case trained by rolemrc.run.train.run for MEMORY_STEPS steps on full rows; the
     device's peak allocated memory during step 2 (torch.cuda.max_memory_allocated, reset at its
     start), the steps' times, and the model FLOPs counted as torchtitan does."""
     import lightning as L
@@ -331,7 +331,7 @@ def measure_child(overrides: list[str], out: Path, work: Path, device: str) -> N
 
     from rolemrc.callbacks.throughput import batch_counts, model_flop_coefficients, peak_flops
     from rolemrc.memory_sim import architecture_config
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     cfg = compose([*overrides, "trainer.accelerator=" + ("gpu" if device == "cuda" else "cpu"), "logger=csv",
                    "callbacks=none", "trainer.enable_progress_bar=false", "export.enabled=false",
@@ -382,7 +382,7 @@ def measure_child(overrides: list[str], out: Path, work: Path, device: str) -> N
                 self.counter = None
 
     probe = Probe()
-    import rolemrc.build as build
+    import rolemrc.run.build as build
 
     original = build.build_callbacks
     build.build_callbacks = lambda c, **kw: [*original(c, **kw), probe]

@@ -50,7 +50,7 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
 
     from rolemrc.data.datamodule import ChatDataModule
     from rolemrc.objectives import IGNORE_INDEX
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     timer = lightning_timer()
     if pad_max:

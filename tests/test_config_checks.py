@@ -132,16 +132,16 @@ def test_data_local_without_its_folder_names_data_dir() -> None:
     (["model.path=/no/such/export"], r"^model.path=/no/such/export: no such folder"),
 ])
 def test_files_named_in_the_config_are_checked_before_the_model_loads(train_cfg, monkeypatch, overrides, message) -> None:
-    import rolemrc.train
+    import rolemrc.run.train
     from rolemrc.errors import InputNotFound
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the files were checked")
 
-    monkeypatch.setattr(rolemrc.train, "build_model", no_model)
-    monkeypatch.setattr(rolemrc.train, "build_datamodule", no_model)
+    monkeypatch.setattr(rolemrc.run.train, "build_model", no_model)
+    monkeypatch.setattr(rolemrc.run.train, "build_datamodule", no_model)
     with pytest.raises(InputNotFound, match=message):
-        rolemrc.train.setup(train_cfg(*overrides))
+        rolemrc.run.train.setup(train_cfg(*overrides))
 
 
 @pytest.mark.parametrize("config_name,overrides", [

@@ -48,7 +48,7 @@ def _real_peak(tmp_path: Path, cfg, checkpointing: bool) -> dict:
 def _shard_bytes(cfg, world: int) -> int:
     """fp32 bytes of one rank's FSDP2 shards of the tiny model's parameters (dim 0 padded to a
     multiple of the ranks), from the model's own shapes."""
-    from rolemrc.build import build_chat, build_model
+    from rolemrc.run.build import build_chat, build_model
 
     model = build_model(cfg.model, build_chat(cfg.model).tokenizer)
     total = 0

@@ -12,7 +12,7 @@ import pytest
 
 from rolemrc.data.schemas import DataError
 from rolemrc.eval.generation import read_replies
-from rolemrc.train import summary_text
+from rolemrc.run.train import summary_text
 from tests.conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

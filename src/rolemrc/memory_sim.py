@@ -5,7 +5,7 @@
 
 :func:`simulate` builds the run's own parts the way training does, on the meta device: the model
 (:func:`rolemrc.models.loading.load_model`: dtype, attention, activation checkpointing, LoRA, the
-log-prob head), the objective's module (:func:`rolemrc.build.build_module`: precision policy, the
+log-prob head), the objective's module (:func:`rolemrc.run.build.build_module`: precision policy, the
 DPO reference copy or adapter), the FSDP2 units (:func:`rolemrc.models.sharding.shard_model`, over
 a ``trainer.devices x trainer.num_nodes`` mesh of a fake process group), then materialises it
 under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) and runs one optimizer step
@@ -30,7 +30,7 @@ The fake process group is global state of ``torch.distributed``: :func:`simulate
 before returning, and :func:`simulate_in_subprocess` runs it in a child process (what a training
 run's setup uses, so its own process group is never touched).
 
-The training code it builds with (``rolemrc.build`` and what it imports: Lightning, the data
+The training code it builds with (``rolemrc.run.build`` and what it imports: Lightning, the data
 store, the modules) is imported inside the functions that simulate: ``python -m rolemrc.memory``
 prints its estimate table from this module without importing Lightning.
 """
@@ -271,7 +271,7 @@ def _entry(cfg: Any) -> Any:
 
 def _module_class(cfg: Any) -> Any:
     """The objective's LightningModule class (the registry names it)."""
-    from rolemrc.build import import_object
+    from rolemrc.run.build import import_object
 
     return import_object(_entry(cfg).module)
 
@@ -327,7 +327,7 @@ def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, An
     """(the run's module on ``device`` (meta; cpu for a real validation step), its vocabulary size)."""
     from omegaconf import open_dict
 
-    from rolemrc.build import build_module
+    from rolemrc.run.build import build_module
     from rolemrc.models.loading import load_model
 
     if cfg.model.quantization.load_in_4bit:
@@ -512,7 +512,7 @@ def fake_process_group(world: int) -> Iterator[None]:
 
 
 def world_size(cfg: Any) -> int:
-    from rolemrc.strategies import world_size as ws
+    from rolemrc.run.strategies import world_size as ws
 
     return ws(cfg.trainer)
 

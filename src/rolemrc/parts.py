@@ -1,6 +1,6 @@
 """Config -> the parts every entry script builds: the chat format, the model and the loggers.
 
-Training's own parts (datamodule, LightningModule, trainer) are :mod:`rolemrc.build`'s, which
+Training's own parts (datamodule, LightningModule, trainer) are :mod:`rolemrc.run.build`'s, which
 re-exports these. Nothing here imports Lightning, so evaluate.py and probe.py start without it
 (a logger given by ``logger=...`` imports it when instantiated);
 ``tests/test_import_graph.py`` checks that.

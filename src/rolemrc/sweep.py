@@ -31,7 +31,7 @@ from rolemrc.errors import UserError
 from rolemrc.fileio import atomic_write_json, atomic_write_text
 
 JOB_FILE = "sweep_job.json"  # in each job's folder: {"status": "completed"|"failed", "error": ...}
-RUN_SUMMARY = "run_summary.json"  # written by training (rolemrc.train.fit)
+RUN_SUMMARY = "run_summary.json"  # written by training (rolemrc.run.train.fit)
 SUMMARY_FILE = "sweep_summary.md"
 TARGET = f"{__name__}.SweepSummary"
 

@@ -22,8 +22,8 @@ from rolemrc.data.readers import read_examples
 from rolemrc.eval.judge import judge_items
 from rolemrc.probing import balanced_subset, load_maps
 from rolemrc.tasks import dimensions_of
-from rolemrc.build import build_callbacks
-from rolemrc.train import run
+from rolemrc.run.build import build_callbacks
+from rolemrc.run.train import run
 from tests.callbacks.helpers import wandb_history
 from tests.conftest import compose_train
 from tests.train.helpers import metric_rows

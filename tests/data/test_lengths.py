@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from rolemrc import asset
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.conftest import ROOT
 
 

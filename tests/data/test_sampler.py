@@ -150,7 +150,7 @@ def test_epoch_batches_under_a_limit_are_lightnings() -> None:
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
 
-    from rolemrc.checkpointing.run_state import epoch_batches_under_limit
+    from rolemrc.data.sampler import epoch_batches_under_limit
 
     for n in (1, 7, 16, 31):
         for limit in (1.0, 0.5, 0.25, 0.99, 1, 3, 16, 100):

@@ -20,7 +20,7 @@ from rolemrc import asset
 from rolemrc.data import store as store_mod
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.conftest import FAST, ROOT, compose_train
 from tests.train.helpers import series
 
@@ -225,7 +225,7 @@ def test_two_ddp_ranks_share_one_build(tmp_path: Path) -> None:
 
 
 def test_checkpoints_hold_the_sampler_place_in_stored_rows(tmp_path: Path) -> None:
-    """The datamodule's state (Lightning's DataModule state_dict) says where the sampler stands:
+    """The train loader's state (saved once, in Lightning's fit-loop state) says where the sampler stands:
     the epoch, this rank's micro-batches trained in it, and the layout (the store's rows) they count."""
     import torch
 
@@ -234,7 +234,9 @@ def test_checkpoints_hold_the_sampler_place_in_stored_rows(tmp_path: Path) -> No
                          f"data.cache_dir={tmp_path / 'store'}"], run_dir=tmp_path / "run")
     out = run(cfg)
     ckpt = torch.load(Path(out["run_dir"]) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    place = ckpt["ChatDataModule"]["sampler_place"]
+    assert "ChatDataModule" not in ckpt  # saved once: not a second time as the DataModule's state
+    (loader,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    place = loader["sampler_place"]
     assert place["epoch"] == 0 and place["batches"] == 6  # 3 steps of 2 micro-batches
     (meta_file,) = (tmp_path / "store").glob("sft-*/meta.json")
     meta = json.loads(meta_file.read_text())

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rolemrc import asset
-from rolemrc.build import build_chat
+from rolemrc.run.build import build_chat
 from rolemrc.data import store as store_mod
 from rolemrc.data.templates import ChatFormat
 from rolemrc.data.test_items import generation_prompts, load_test_items

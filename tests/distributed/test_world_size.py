@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rolemrc.strategies import world_size
+from rolemrc.run.strategies import world_size
 
 
 def trainer(devices, num_nodes: int = 1) -> SimpleNamespace:

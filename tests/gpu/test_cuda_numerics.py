@@ -73,7 +73,7 @@ def test_chunked_logprob_head_matches_full_logits(dtype: torch.dtype) -> None:
 
 @functools.cache
 def _sft_module(model: str):
-    from rolemrc.build import build_module
+    from rolemrc.run.build import build_module
     from rolemrc.data.datamodule import ChatDataModule
     from rolemrc.data.templates import ChatFormat
     from rolemrc.models.loading import load_model, load_tokenizer

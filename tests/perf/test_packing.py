@@ -16,7 +16,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.objectives import IGNORE_INDEX
 from rolemrc.models.loading import load_model, load_tokenizer
 from rolemrc.models.family import attention_implementation
-from rolemrc.build import build_module
+from rolemrc.run.build import build_module
 from rolemrc.models import packed_attention
 from tests.conftest import compose_train
 from tests.perf.helpers import max_abs_diff, token_logps, tokens_by_sequence
@@ -177,7 +177,7 @@ def test_model_packed_attention_reaches_the_forward(train_cfg, caplog) -> None:
     import logging
 
     from rolemrc.errors import ConfigError
-    from rolemrc.train import fit, setup
+    from rolemrc.run.train import fit, setup
 
     with pytest.raises(ConfigError, match="model.packed_attention must be one of"):
         setup(train_cfg("model.packed_attention=flex"))

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rolemrc.callbacks.throughput import ThroughputMonitor, batch_counts, model_flop_coefficients, peak_flops
 from rolemrc.data.collate import PackedCollator, SFTCollator
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests import recorder
 from tests.conftest import FAST, compose_train
 from tests.train.helpers import metric_rows, series

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rolemrc.data.readers import read_examples
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.conftest import FAST, compose_train
 from tests.train.helpers import series
 

@@ -28,7 +28,7 @@ def train_in_process(run_dir: Path, *overrides: str) -> Path:
     (tests/train/test_console.py, test_resume_folder.py)."""
     from omegaconf import OmegaConf
 
-    from rolemrc.train import run
+    from rolemrc.run.train import run
     from tests.conftest import CONF, compose_train
 
     cfg = compose_train(list(overrides), run_dir=run_dir)

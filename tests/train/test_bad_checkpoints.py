@@ -196,7 +196,7 @@ def test_a_damaged_shard_of_a_sharded_checkpoint_is_one_error_line(tmp_path: Pat
         read_model_state(ckpt)
     # Resuming it without strategy=fsdp names the mismatch rather than calling the folder corrupt
     # (a ConfigError: entry scripts print it as the one error line above).
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     with pytest.raises(ConfigError, match=r"is a sharded \(FSDP\) checkpoint: resume it with strategy=fsdp"):
         run(compose_train([*TINY, "trainer.max_steps=2", f"ckpt_path={ckpt}"], run_dir=tmp_path / "s"))

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rolemrc.build import build_chat, build_model, build_module
+from rolemrc.run.build import build_chat, build_model, build_module
 from rolemrc.config import DPOObjectiveConfig, OptimConfig, SFTObjectiveConfig, StrategyConfig
 from tests.conftest import compose_train
 
@@ -43,11 +43,11 @@ def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, 
     by the simulated step; the simulation itself: tests/test_memory_sim.py)."""
     import logging
 
-    from rolemrc.train import setup
+    from rolemrc.run.train import setup
 
     cfg = train_cfg("model.gradient_checkpointing=auto", f"runtime.device_memory_gb={device_gb}",
                     f"runtime.simulate_memory={str(simulate).lower()}")
-    with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
+    with caplog.at_level(logging.INFO, logger="rolemrc.run.sizing"):
         run = setup(cfg)
     assert run.cfg.model.gradient_checkpointing is expected
     assert run.module.model.is_gradient_checkpointing is expected
@@ -63,8 +63,8 @@ def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_
     import logging
 
     import rolemrc.memory_sim as memory_sim
-    from rolemrc.memory import sizing_cache_dir
-    from rolemrc.train import setup
+    from rolemrc.run.sizing import sizing_cache_dir
+    from rolemrc.run.train import setup
 
     monkeypatch.setenv("ROLEMRC_CACHE_DIR", str(tmp_path / "cache"))
     real = memory_sim.simulate_in_subprocess
@@ -76,13 +76,13 @@ def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_
 
     monkeypatch.setattr(memory_sim, "simulate_in_subprocess", counted)
     small = ("model.gradient_checkpointing=auto", "runtime.device_memory_gb=0.0001")
-    with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
+    with caplog.at_level(logging.INFO, logger="rolemrc.run.sizing"):
         for overrides in (small, small, (*small, "optim.lr=0.5")):  # two starts, then a sweep job
             assert setup(train_cfg(*overrides)).cfg.model.gradient_checkpointing is True
         assert len(calls) == 1
         assert len(list(sizing_cache_dir().glob("*.json"))) == 1
         assert caplog.text.count("simulated per-rank peak") == 3 and caplog.text.count("; stored in ") == 2
-        from rolemrc.memory import resolve_checkpointing, sizing_key
+        from rolemrc.run.sizing import resolve_checkpointing, sizing_key
 
         assert resolve_checkpointing(train_cfg("model.gradient_checkpointing=auto")) is False  # 80 GB: fits
         assert len(calls) == 1
@@ -99,7 +99,7 @@ def test_importing_the_recipe_loads_no_simulator() -> None:
     import subprocess
     import sys
 
-    code = "import sys, rolemrc.train; print(sorted(m for m in sys.modules if m.startswith('rolemrc.memory_sim')))"
+    code = "import sys, rolemrc.run.train; print(sorted(m for m in sys.modules if m.startswith('rolemrc.memory_sim')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -128,7 +128,7 @@ def test_resolve_model_sources_rewrites_only_what_names_a_checkpoint(lora_run: P
 
 @pytest.mark.parametrize("key", ["model.path", "model.tokenizer"])
 def test_a_missing_local_folder_is_named_before_anything_loads(train_cfg, key: str) -> None:
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     with pytest.raises(FileNotFoundError, match=f"{key}=/no/such/model: no such folder"):
         run(train_cfg(f"{key}=/no/such/model"))
@@ -150,7 +150,7 @@ def test_ranks_resolving_one_checkpoint_at_once_export_it_once(lora_run: Path, t
 
 
 def test_a_hub_model_missing_offline_names_the_key_and_the_way_out(train_cfg, monkeypatch) -> None:
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")  # an empty cache, whatever this machine holds

@@ -81,7 +81,7 @@ def test_a_crafted_metadata_runs_nothing_through_the_entry_points(tmp_path: Path
     assert "refused: unpickling it could run code" in done.stderr
     assert not marker.exists()
 
-    from rolemrc.train import run as train
+    from rolemrc.run.train import run as train
 
     for override in (f"ckpt_path={ckpt}", f"model.path={run}"):
         with pytest.raises(CheckpointError, match="unreadable, the checkpoint is corrupt"):

@@ -182,7 +182,7 @@ def _fit_loop_state(epochs_done: int, epoch_ready: int, batches: int, is_last_ba
 
 
 def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
-    from rolemrc.checkpointing.run_state import reopen_epoch_stopped_by_max_steps
+    from rolemrc.run.state import reopen_epoch_stopped_by_max_steps
 
     # Lightning's checkpoint at the end of a run stopped by max_steps: epoch counted as finished.
     cut = _fit_loop_state(epochs_done=1, epoch_ready=1, batches=2, is_last_batch=False)
@@ -203,7 +203,7 @@ def test_only_an_epoch_cut_short_by_max_steps_is_reopened() -> None:
 
 
 def test_an_epoch_whose_last_step_was_checkpointed_counts_as_complete() -> None:
-    from rolemrc.checkpointing.run_state import completed_epochs
+    from rolemrc.run.state import completed_epochs
 
     # Saved as epoch 2's last step ended (a checkpoint interval dividing the epoch), the end of training.
     progress = lambda ready, done: {"ready": ready, "started": ready, "processed": done, "completed": done}  # noqa: E731
@@ -223,7 +223,7 @@ def test_reopening_reads_the_checkpoint_lightning_writes(tmp_path: Path) -> None
     import lightning as L
     import torch
 
-    from rolemrc.checkpointing.run_state import completed_epochs, reopen_epoch_stopped_by_max_steps
+    from rolemrc.run.state import completed_epochs, reopen_epoch_stopped_by_max_steps
 
     class Tiny(L.LightningModule):
         def __init__(self) -> None:

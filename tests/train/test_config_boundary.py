@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from rolemrc.models.export import skeleton_config
 from rolemrc.models.loading import load_model, load_tokenizer, plain
-from rolemrc.train import run
+from rolemrc.run.train import run
 
 
 def test_skeleton_from_a_saved_config_loads(train_cfg, tmp_path: Path) -> None:

@@ -97,4 +97,4 @@ def test_a_key_no_run_can_satisfy_is_refused_before_lightning_loads(tmp_path: Pa
                          "no effect on this objective")
     imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
     assert "rolemrc.config" in imported
-    assert not {"lightning", "transformers", "rolemrc.train"} & imported
+    assert not {"lightning", "transformers", "rolemrc.run.train"} & imported

@@ -11,8 +11,8 @@ from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
 from rolemrc.modules.dpo import DPOModule
-from rolemrc.build import build_module
-from rolemrc.train import fit, run, setup
+from rolemrc.run.build import build_module
+from rolemrc.run.train import fit, run, setup
 from tests.train.helpers import series
 
 DPO = ["objective=dpo", "data.max_length=160", "data.max_prompt_length=96", "trainer.max_epochs=50",

@@ -86,7 +86,7 @@ def test_exports_are_saved_for_inference(train_cfg) -> None:
     """Training turns the KV cache off; the exported config turns it back on (generation, judges)."""
     import json
 
-    from rolemrc.train import run
+    from rolemrc.run.train import run
 
     out = run(train_cfg("trainer.max_steps=0", "data.val_fraction=0"))
     assert json.loads((Path(out["export"]) / "config.json").read_text())["use_cache"] is True

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rolemrc.objectives.grpo import group_advantages, grpo_loss
-from rolemrc.train import run, setup
+from rolemrc.run.train import run, setup
 from tests.train.helpers import metric_rows, series
 
 pytestmark = pytest.mark.xdist_group("grpo")

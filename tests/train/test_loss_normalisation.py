@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.conftest import ROOT
 from tests.train.helpers import series
 

@@ -21,7 +21,7 @@ from omegaconf import open_dict
 
 from rolemrc.config import typed
 from rolemrc.objectives.logprobs import IGNORE_INDEX
-from rolemrc.train import setup
+from rolemrc.run.train import setup
 from tests.conftest import FAST, compose_train
 
 pytestmark = pytest.mark.xdist_group("objective_conformance")

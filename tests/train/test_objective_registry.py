@@ -14,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 from rolemrc.config import OBJECTIVES, Objective, ObjectiveConfig, check_train_config
 from rolemrc.errors import ConfigError
 from rolemrc.modules.sft import SFTModule
-from rolemrc.train import fit, setup
+from rolemrc.run.train import fit, setup
 from tests.train.helpers import series
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rolemrc.checkpointing import read_model_state
 from rolemrc.models.precision import precision_policy
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.conftest import ROOT
 
 RECIPE = ["model.dtype=bfloat16", "trainer.precision=bf16-mixed"]

@@ -16,8 +16,8 @@ import torch
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import load_model, load_tokenizer
-from rolemrc.build import build_module
-from rolemrc.train import run
+from rolemrc.run.build import build_module
+from rolemrc.run.train import run
 from tests.train.helpers import series
 
 ARGS = ["objective=dpo", "objective.reference=precomputed", "data.max_length=128", "data.max_prompt_length=96",

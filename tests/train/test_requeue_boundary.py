@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rolemrc.checkpointing.run_state import SlurmRequeue
+from rolemrc.run.requeue import SlurmRequeue
 
 
 class FakeTrainer:

@@ -28,7 +28,8 @@ ARGS = ["data.max_length=96", "trainer.max_steps=18", "trainer.max_epochs=5", "t
 
 
 def train(run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # this checkout's src ahead of an installed rolemrc (a shared venv's editable install may point elsewhere)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
     return subprocess.Popen(
         [sys.executable, "train.py", *ARGS, f"hydra.run.dir={run_dir}", f"+callbacks.record.path={run_dir}/record",
          *extra],

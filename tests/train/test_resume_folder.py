@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rolemrc.resume import continue_run_argv
+from rolemrc.run.resume import continue_run_argv
 from tests.conftest import CONF, ROOT
 from tests.train.helpers import metric_rows, train_in_process
 

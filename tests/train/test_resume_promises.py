@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from rolemrc.resume import continue_run_argv, run_folder_lock
+from rolemrc.run.resume import continue_run_argv, run_folder_lock
 from tests.conftest import CONF, ROOT
 from tests.train.helpers import metric_rows, train_in_process
 
@@ -193,17 +193,17 @@ def test_a_ckpt_path_last_start_looks_up_and_checks_its_checkpoint_once(tmp_path
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # On main one such start called find_checkpoint 6 times and check_checkpoint 3 times.
     import rolemrc.checkpointing
-    import rolemrc.train
-    from rolemrc.train import run
+    import rolemrc.run.train
+    from rolemrc.run.train import run
     from tests.conftest import compose_train
 
     args = [*FAST, "task_name=count", "export.enabled=false", "data.val_fraction=0"]
     folder = tmp_path / "outputs" / "count" / "2026-01-01_00-00-00"
     train_in_process(folder, *args, "trainer.max_steps=2")
     found, checked = [], []
-    find, check = rolemrc.checkpointing.find_checkpoint, rolemrc.train.check_checkpoint
+    find, check = rolemrc.checkpointing.find_checkpoint, rolemrc.run.train.check_checkpoint
     monkeypatch.setattr(rolemrc.checkpointing, "find_checkpoint", lambda d: found.append(Path(d).resolve()) or find(d))
-    monkeypatch.setattr(rolemrc.train, "check_checkpoint", lambda p: checked.append(p) or check(p))
+    monkeypatch.setattr(rolemrc.run.train, "check_checkpoint", lambda p: checked.append(p) or check(p))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolemrc import asset
 from rolemrc.data.schemas import DataError
-from rolemrc.train import run
+from rolemrc.run.train import run
 from tests.train.helpers import series
 
 QUICK = ["data.max_length=192", "trainer.max_epochs=50"]

@@ -6,12 +6,12 @@ figures would be those of an earlier step, or none. At the step ``max_steps`` st
 asks Lightning to stop there (``trainer.should_stop``), which makes it run the validation loop
 before leaving (when there is validation data); a step that validates anyway validates once.
 
-The figures of the end-of-run summary (:func:`rolemrc.train.fit` prints them and writes
+The figures of the end-of-run summary (:func:`rolemrc.run.train.fit` prints them and writes
 ``<run>/run_summary.json``): optimizer steps, epochs, the last ``train/loss`` and ``val/loss``,
 and input tokens per second of training (validation time left out, all ranks counted). The
 figures so far go into every checkpoint (the callback's ``state_dict``), so a resumed run's
 summary counts the whole run, and a run resumed at its end (killed during its final validation
-or export: :func:`rolemrc.train.fit` completes them) still has its last losses.
+or export: :func:`rolemrc.run.train.fit` completes them) still has its last losses.
 """
 
 from __future__ import annotations

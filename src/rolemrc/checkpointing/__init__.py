@@ -1,6 +1,6 @@
 """Checkpoint storage: atomic writes (:mod:`.io`), finding a run's checkpoints (:mod:`.find`)
 and reading weights and other entries out of them (:mod:`.state`); Lightning is imported only by
-:mod:`.io` and :mod:`.run_state` (training), so reading a checkpoint (evaluate.py, export.py,
+:mod:`.io` (training's atomic saves), so reading a checkpoint (evaluate.py, export.py,
 ``ckpt_path=last`` before Hydra starts) does not import it. Exporting them to HF format is
 :mod:`rolemrc.models.export`; turning ``model.path`` into something loadable is
 :mod:`rolemrc.models.source`."""

@@ -20,14 +20,14 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from rolemrc.checkpointing.run_state import ResumableLoader, SamplerPlace, epoch_batches_under_limit
 from rolemrc.config import DataConfig, as_schema, source_group
 from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, PromptCollator, SFTCollator, StepCollator,
                                   UnpairedCollator,
                                   row_totals)
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
-from rolemrc.data.sampler import ResumableSampler, StepBatchSampler, StepItems
+from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
+                                  epoch_batches_under_limit)
 from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
 from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
@@ -374,7 +374,7 @@ class ChatDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Micro-batches tagged with their optimizer step's global totals (label tokens, pairs):
         see :class:`~rolemrc.data.sampler.StepBatchSampler`. Resumes mid-epoch at the restored
-        :class:`~rolemrc.checkpointing.run_state.SamplerPlace`."""
+        :class:`~rolemrc.data.sampler.SamplerPlace`."""
         assert self.train_rows is not None, "call setup() first"
         rank, world = self._rank_world()
         items = self.items("train")
@@ -429,12 +429,10 @@ class ChatDataModule(L.LightningDataModule):
             batch = module.on_before_batch_transfer(batch, dataloader_idx)
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """The train sampler's place (:class:`~rolemrc.checkpointing.run_state.SamplerPlace`),
-        saved in every checkpoint under this DataModule's name, as the loader saves it too."""
-        return self.place.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The place as older runs also saved it, under this DataModule's name
+        (Lightning restores that entry where a checkpoint has one); it is saved once now, with the
+        train loader's state (:class:`~rolemrc.data.sampler.ResumableLoader`)."""
         self.place.load_state_dict(state)
 
     def val_dataloader(self) -> DataLoader | list:

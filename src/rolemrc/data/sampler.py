@@ -1,11 +1,22 @@
-"""A seeded, rank-aware sampler that can start mid-epoch, for exact resume."""
+"""A seeded, rank-aware sampler that can start mid-epoch, for exact resume, and its place
+(:class:`SamplerPlace`: the epoch being read and how many of this rank's micro-batches of it were
+trained, with the layout they count in), saved once in every checkpoint through the train
+loader's ``state_dict`` (:class:`ResumableLoader`: Lightning saves it with its loop state and so
+knows the loader resumes mid-epoch)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:
+    import lightning as L
+
+log = logging.getLogger(__name__)
 
 
 class ResumableSampler(Sampler[int]):
@@ -105,3 +116,105 @@ class StepItems(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, tuple[float, ...], bool]) -> tuple:
         i, totals, last = key
         return self.items[i], totals, last
+
+
+# ---- the train sampler's place ------------------------------------------------------------------
+class SamplerPlace:
+    """Where the train sampler is: this rank's micro-batches of ``epoch`` handed to training so far.
+
+    :meth:`attach` connects it to each new train loader's batch sampler (its
+    ``skip_batches_fn``: the micro-batches of the current epoch already trained before a restart);
+    :meth:`count` is called as the fit loop takes each micro-batch (not as the loader prefetches it).
+    Every rank trains the same number of micro-batches."""
+
+    def __init__(self) -> None:
+        self.epoch, self.batches = -1, 0
+        self._restored: dict[str, Any] | None = None
+        self._state_loaded = False
+        self._sampler: Any = None  # the StepBatchSampler being read
+        self._layout: dict[str, Any] = {}
+        self._trainer: L.Trainer | None = None
+
+    def attach(self, batch_sampler: Any, layout: dict[str, Any], trainer: L.Trainer | None) -> None:
+        """Read ``batch_sampler`` (a :class:`~rolemrc.data.sampler.StepBatchSampler`), whose place
+        counts in ``layout`` (items, batch size, accumulation, ranks, the rows' fingerprint)."""
+        self._sampler, self._layout, self._trainer = batch_sampler, layout, trainer
+        if trainer is not None:
+            batch_sampler.skip_batches_fn = self.batches_done_in_epoch
+
+    def count(self) -> None:
+        self.batches += 1
+
+    def batches_done_in_epoch(self) -> int:
+        """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
+        epoch): the restored place when it is this epoch's and counted in the same layout. From a
+        checkpoint without a place (runs older than it) or in another layout (say, other ranks),
+        :func:`place_from_step_count`."""
+        t, b = self._trainer, self._sampler
+        assert t is not None and b is not None
+        epoch = b.sampler.epoch
+        restored, self._restored = self._restored, None
+        if restored is not None and restored["layout"] == self._layout:
+            done = restored["batches"] if restored["epoch"] == epoch else 0
+        elif t.ckpt_path is not None and (restored is not None or not self._state_loaded) and self.epoch < 0:
+            if restored is not None:
+                log.warning("the checkpoint's data place was counted in another layout (%s, now %s): "
+                            "placing the sampler by the optimizer-step count", restored["layout"], self._layout)
+            done = place_from_step_count(t.global_step, t.current_epoch, b.steps_per_epoch(), b.epoch_batches,
+                                         b.accumulate)
+        else:
+            done = 0
+        self.epoch, self.batches = epoch, done
+        return done
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler_place": {epoch, batches, layout}}``: whole optimizer steps only (a partial
+        step's gradients are not in a checkpoint); empty before the first epoch starts."""
+        b = self._sampler
+        if b is None or self.epoch < 0:
+            return {}
+        done = self.batches
+        if done < b.epoch_batches:
+            done -= done % b.accumulate
+        return {"sampler_place": {"epoch": self.epoch, "batches": done, "layout": dict(self._layout)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state_loaded = True
+        self._restored = state.get("sampler_place")
+
+
+def place_from_step_count(global_step: int, current_epoch: int, steps_per_epoch: int, epoch_batches: int,
+                          accumulate: int) -> int:
+    """Micro-batches of the current epoch trained, derived from the optimizer-step count (an epoch
+    of ``epoch_batches`` micro-batches takes ``steps_per_epoch`` steps): for checkpoints that hold
+    no place, or one counted in another layout."""
+    steps_done = global_step - current_epoch * steps_per_epoch
+    return max(0, min(epoch_batches, steps_done * accumulate))
+
+
+def epoch_batches_under_limit(n: int, limit: Any) -> int:
+    """Batches Lightning trains per epoch of ``n`` under ``trainer.limit_train_batches`` (int: a
+    count, float: a fraction), as its fit loop computes it: the sampler must know where Lightning
+    ends the epoch to give the last step its totals. Lightning computes this in a private function;
+    ``tests/data/test_sampler.py`` compares the two."""
+    if limit is None:
+        return n
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return min(n, limit)
+    return n if float(limit) == 1.0 else int(n * float(limit))
+
+
+class ResumableLoader(DataLoader):
+    """The train loader: a DataLoader whose ``state_dict``/``load_state_dict`` are its
+    :class:`SamplerPlace`'s, so Lightning saves the place with its loop state and restores it before
+    the loader is read (and knows the loader resumes mid-epoch)."""
+
+    def __init__(self, *args: Any, place: SamplerPlace, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.place = place
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.place.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.place.load_state_dict(state)

@@ -208,7 +208,7 @@ class PolicyModule(L.LightningModule):
     # ---- sharding ------------------------------------------------------------------------
     def configure_model(self) -> None:
         """Trainable parameters become fp32 masters (:mod:`rolemrc.models.precision`); FSDP2
-        shards each decoder layer, then the rest, casting unit by unit (see rolemrc.strategies)."""
+        shards each decoder layer, then the rest, casting unit by unit (see rolemrc.run.strategies)."""
         if self._sharded:
             return
         if self.device_mesh is None:

@@ -75,7 +75,7 @@ class DPOModule(PolicyModule):
     # ---- reference hooks (see rolemrc.modules.reference) ------------------------------------
     def run_state_parts(self) -> tuple[Any, ...]:
         """The precomputed reference's tables travel with every checkpoint (saved and restored by
-        :class:`rolemrc.checkpointing.run_state.RunState`)."""
+        :class:`rolemrc.run.state.RunState`)."""
         return (self.reference,)
 
     def on_fit_start(self) -> None:

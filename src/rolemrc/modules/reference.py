@@ -13,7 +13,7 @@ trainer's precision context, as training computes), or read from the on-disk cac
 initial weights (fingerprinted at construction, before any checkpoint is restored into them), the
 encoded rows (data, tokenizer, template, max lengths), precision, attention implementation and
 FSDP compute dtype. Every checkpoint carries the tables (saved and restored with the run's state,
-:mod:`rolemrc.checkpointing.run_state`), so a run resumed in any folder finds them
+:mod:`rolemrc.run.state`), so a run resumed in any folder finds them
 there. A resume whose checkpoint lacks them and whose cache is gone is refused when the policy
 already holds the checkpoint's trained weights (single/DDP restore before ``on_fit_start``); FSDP2
 (ModelParallelStrategy) restores after it, so the tables are read from the checkpoint early (by the
@@ -99,7 +99,7 @@ class Reference:
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        """Entries added to every checkpoint (by :class:`rolemrc.checkpointing.run_state.RunState`)."""
+        """Entries added to every checkpoint (by :class:`rolemrc.run.state.RunState`)."""
         return {}
 
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:

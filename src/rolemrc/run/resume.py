@@ -364,11 +364,11 @@ def finished_run(cfg: DictConfig, run_dir: str | Path, checkpoint: Path) -> Fini
     (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
     training (which would only save the same checkpoint again and redo the export), naming how
     to extend it. None when there is more to train (or no checkpoint). Whether its end-of-run
-    work (export, summary) was done is the recipe's to check (:func:`rolemrc.train.run`).
+    work (export, summary) was done is the recipe's to check (:func:`rolemrc.run.train.run`).
     ``checkpoint``: the run's newest, looked up and checked by the recipe."""
-    # rolemrc.checkpointing.run_state loads Lightning: this module runs before Hydra starts and stays light
+    # rolemrc.run.state loads Lightning: this module runs before Hydra starts and stays light
     from rolemrc.checkpointing import read_checkpoint_entries
-    from rolemrc.checkpointing.run_state import completed_epochs
+    from rolemrc.run.state import completed_epochs
     from rolemrc.checkpointing.verify import reading
 
     with reading(checkpoint):

@@ -1,5 +1,5 @@
 """The training recipe behind ``python train.py``: :func:`setup` builds the parts from the
-config (:mod:`rolemrc.build`), :func:`fit` trains them and exports the result.
+config (:mod:`rolemrc.run.build`), :func:`fit` trains them and exports the result.
 
     run = setup(cfg)     # checks, chat format, data, trainer (strategy), model, module
     result = fit(run)    # trainer.fit (resuming from ckpt_path), then the HF export
@@ -18,23 +18,24 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from rolemrc.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing import full_state_dict
-from rolemrc.checkpointing.run_state import RunInterrupted, RunState
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.fileio import atomic_write_json, partial_path
-from rolemrc.memory import check_memory, resolve_checkpointing
+from rolemrc.memory import check_memory
 from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
-from rolemrc.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
-                            run_folder_lock)
+from rolemrc.run.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
+from rolemrc.run.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
+                                run_folder_lock)
+from rolemrc.run.sizing import resolve_checkpointing
+from rolemrc.run.state import RunInterrupted, RunState
 from rolemrc.warnings import hf_progress_bars
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def check_files(cfg: DictConfig) -> None:
 def last_checkpoint(run_dir: str | Path) -> Path | None:
     """The run folder's newest checkpoint, checked (a truncated or corrupt one is named here, before
     the model loads), or None: the one lookup of a ``ckpt_path=last`` start (the folder chosen
-    before Hydra started was looked up there: :func:`rolemrc.resume.chosen_checkpoint`)."""
+    before Hydra started was looked up there: :func:`rolemrc.run.resume.chosen_checkpoint`)."""
     found = chosen_checkpoint(run_dir)
     return check_checkpoint(found) if found is not None else None
 
@@ -130,7 +131,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
 def fit(run: TrainRun) -> dict[str, Any]:
     """Train (resuming from ``run.ckpt_path``), then export; returns the paths written and the
     final logged metrics. Ctrl-C (SIGINT) or SIGTERM during training: a checkpoint at the step
-    boundary (:class:`rolemrc.checkpointing.run_state.RunState`), the command that continues,
+    boundary (:class:`rolemrc.run.state.RunState`), the command that continues,
     exit status 128 + the signal's number."""
     cfg, trainer = run.cfg, run.trainer
     try:

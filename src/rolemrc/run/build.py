@@ -6,7 +6,7 @@
     module = build_module(cfg, model, datamodule)      # the objective's LightningModule
     trainer = build_trainer(cfg)                       # strategy, loggers, callbacks, plugins
 
-``rolemrc.train.setup`` strings them together for training. :func:`build_chat`, :func:`build_model`
+``rolemrc.run.train.setup`` strings them together for training. :func:`build_chat`, :func:`build_model`
 and :func:`build_loggers` live in :mod:`rolemrc.parts` (re-exported here), which evaluation and
 probing use without importing Lightning. ``_target_`` instantiation is
 kept for what users swap for third-party classes (loggers, callbacks); the rest is plain code.
@@ -28,7 +28,6 @@ from torch import nn
 
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing.io import AtomicCheckpointIO
-from rolemrc.checkpointing.run_state import RunState, SlurmRequeue
 from rolemrc.checkpointing.state import read_checkpoint_entries
 from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, typed
 from rolemrc.data.datamodule import ChatDataModule
@@ -37,7 +36,9 @@ from rolemrc.models.loading import count_parameters
 from rolemrc.models.precision import precision_policy
 from rolemrc.modules.reference import make_reference
 from rolemrc.parts import build_chat, build_loggers, build_model
-from rolemrc.strategies import build_strategy
+from rolemrc.run.requeue import SlurmRequeue
+from rolemrc.run.state import RunState
+from rolemrc.run.strategies import build_strategy
 
 log = logging.getLogger(__name__)
 

@@ -1,27 +1,22 @@
-"""Everything a resumed run restores, saved and restored here, through Lightning's public hooks.
+"""Everything a resumed run restores beyond the weights, the optimizer and the sampler's place,
+saved and restored here through Lightning's public hooks (:class:`RunState`, a callback
+``build_trainer`` adds to every trainer):
 
-A checkpoint holds, besides the weights and the optimizer (Lightning's own):
-
-- **the train sampler's place** (:class:`SamplerPlace`): the epoch being read and how many of this
-  rank's micro-batches of it were trained, with the layout they count in. The train loader
-  (:class:`ResumableLoader`) and the DataModule both hand it to Lightning through their
-  ``state_dict``/``load_state_dict`` (the loader's is how Lightning knows the loader resumes
-  mid-epoch; the DataModule's entry, ``ChatDataModule.sampler_place``, is where older runs kept it);
 - **random number generators** (``rng_state``), the **schedule position** (a resumed run with a
   raised ``trainer.max_steps`` follows the longer schedule), **an epoch that ``max_steps`` cut
-  short** reopened, and **a checkpoint at the end of training** (:class:`RunState`, a callback
-  ``build_trainer`` adds to every trainer);
-- **requeue bookkeeping** on SLURM (:class:`SlurmRequeue`: ``hpc_ckpt_<n>.ckpt`` at a step
-  boundary, then ``scontrol requeue``).
-
+  short** reopened, and **a checkpoint at the end of training**;
+- **an interruption**: Ctrl-C (SIGINT) or SIGTERM writes ``last.ckpt`` at the next step boundary
+  and stops with :class:`RunInterrupted` (the recipe prints the command that continues);
 - **the state of the run's other parts**: each object the LightningModule lists in its
-  ``run_state_parts()`` (``state_dict()`` -> top-level checkpoint entries, ``load_state_dict(checkpoint)``),
-  saved and restored by :class:`RunState`: the DPO reference's precomputed log-prob tables
-  (:mod:`rolemrc.modules.reference` computes them and says which rows they belong to).
+  ``run_state_parts()`` (``state_dict()`` -> top-level checkpoint entries, ``load_state_dict(checkpoint)``):
+  the DPO reference's precomputed log-prob tables (:mod:`rolemrc.modules.reference` computes them
+  and says which rows they belong to).
 
+The train sampler's place is the sampler's own (:class:`rolemrc.data.sampler.SamplerPlace`, saved
+once, with the train loader's state); SLURM's checkpoint-and-requeue is :mod:`rolemrc.run.requeue`.
 Two things continue from the run folder rather than the checkpoint, because they start before
 any checkpoint is read: which folder ``ckpt_path=last`` continues is decided before Hydra starts
-(:mod:`rolemrc.resume`), and the loggers continue their files (:mod:`rolemrc.loggers`: the CSV
+(:mod:`rolemrc.run.resume`), and the loggers continue their files (:mod:`rolemrc.loggers`: the CSV
 rows after the resumed step are replaced, the W&B run id is kept in the folder).
 
 One Lightning gap needs its private checkpoint format: at the end of a run stopped by
@@ -37,7 +32,6 @@ import copy
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from types import FrameType
@@ -45,118 +39,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
-from rolemrc.checkpointing.find import next_hpc_checkpoint
 from rolemrc.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "rng_state"  # top-level checkpoint entry: dropout etc. continue exactly after a resume
-
-
-# ---- the train sampler's place ------------------------------------------------------------------
-class SamplerPlace:
-    """Where the train sampler is: this rank's micro-batches of ``epoch`` handed to training so far.
-
-    :meth:`attach` connects it to each new train loader's batch sampler (its
-    ``skip_batches_fn``: the micro-batches of the current epoch already trained before a restart);
-    :meth:`count` is called as the fit loop takes each micro-batch (not as the loader prefetches it).
-    Every rank trains the same number of micro-batches."""
-
-    def __init__(self) -> None:
-        self.epoch, self.batches = -1, 0
-        self._restored: dict[str, Any] | None = None
-        self._state_loaded = False
-        self._sampler: Any = None  # the StepBatchSampler being read
-        self._layout: dict[str, Any] = {}
-        self._trainer: L.Trainer | None = None
-
-    def attach(self, batch_sampler: Any, layout: dict[str, Any], trainer: L.Trainer | None) -> None:
-        """Read ``batch_sampler`` (a :class:`~rolemrc.data.sampler.StepBatchSampler`), whose place
-        counts in ``layout`` (items, batch size, accumulation, ranks, the rows' fingerprint)."""
-        self._sampler, self._layout, self._trainer = batch_sampler, layout, trainer
-        if trainer is not None:
-            batch_sampler.skip_batches_fn = self.batches_done_in_epoch
-
-    def count(self) -> None:
-        self.batches += 1
-
-    def batches_done_in_epoch(self) -> int:
-        """Micro-batches of the current epoch this rank trained before a restart (0 on a fresh
-        epoch): the restored place when it is this epoch's and counted in the same layout. From a
-        checkpoint without a place (runs older than it) or in another layout (say, other ranks),
-        :func:`place_from_step_count`."""
-        t, b = self._trainer, self._sampler
-        assert t is not None and b is not None
-        epoch = b.sampler.epoch
-        restored, self._restored = self._restored, None
-        if restored is not None and restored["layout"] == self._layout:
-            done = restored["batches"] if restored["epoch"] == epoch else 0
-        elif t.ckpt_path is not None and (restored is not None or not self._state_loaded) and self.epoch < 0:
-            if restored is not None:
-                log.warning("the checkpoint's data place was counted in another layout (%s, now %s): "
-                            "placing the sampler by the optimizer-step count", restored["layout"], self._layout)
-            done = place_from_step_count(t.global_step, t.current_epoch, b.steps_per_epoch(), b.epoch_batches,
-                                         b.accumulate)
-        else:
-            done = 0
-        self.epoch, self.batches = epoch, done
-        return done
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"sampler_place": {epoch, batches, layout}}``: whole optimizer steps only (a partial
-        step's gradients are not in a checkpoint); empty before the first epoch starts."""
-        b = self._sampler
-        if b is None or self.epoch < 0:
-            return {}
-        done = self.batches
-        if done < b.epoch_batches:
-            done -= done % b.accumulate
-        return {"sampler_place": {"epoch": self.epoch, "batches": done, "layout": dict(self._layout)}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._state_loaded = True
-        self._restored = state.get("sampler_place")
-
-
-def place_from_step_count(global_step: int, current_epoch: int, steps_per_epoch: int, epoch_batches: int,
-                          accumulate: int) -> int:
-    """Micro-batches of the current epoch trained, derived from the optimizer-step count (an epoch
-    of ``epoch_batches`` micro-batches takes ``steps_per_epoch`` steps): for checkpoints that hold
-    no place, or one counted in another layout."""
-    steps_done = global_step - current_epoch * steps_per_epoch
-    return max(0, min(epoch_batches, steps_done * accumulate))
-
-
-def epoch_batches_under_limit(n: int, limit: Any) -> int:
-    """Batches Lightning trains per epoch of ``n`` under ``trainer.limit_train_batches`` (int: a
-    count, float: a fraction), as its fit loop computes it: the sampler must know where Lightning
-    ends the epoch to give the last step its totals. Lightning computes this in a private function;
-    ``tests/data/test_sampler.py`` compares the two."""
-    if limit is None:
-        return n
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        return min(n, limit)
-    return n if float(limit) == 1.0 else int(n * float(limit))
-
-
-class ResumableLoader(DataLoader):
-    """The train loader: a DataLoader whose ``state_dict``/``load_state_dict`` are its
-    :class:`SamplerPlace`'s, so Lightning saves the place with its loop state and restores it before
-    the loader is read (and knows the loader resumes mid-epoch)."""
-
-    def __init__(self, *args: Any, place: SamplerPlace, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.place = place
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.place.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.place.load_state_dict(state)
 
 
 # ---- RNG, schedule position, epochs cut short, a checkpoint at the end ------------------------
@@ -168,7 +57,7 @@ def reopen_epoch_stopped_by_max_steps(checkpoint: dict[str, Any]) -> bool:
     Lightning saves the checkpoint at the end of such a run as if the epoch had finished (its
     epoch counter already advanced), so resuming with a larger ``trainer.max_steps`` would start
     the next epoch, silently skipping the rest of this one's data, or, with ``max_epochs=1``, stop
-    at once. The sampler finds its place from :class:`SamplerPlace`, so only the epoch counter
+    at once. The sampler finds its place from :class:`~rolemrc.data.sampler.SamplerPlace`, so only the epoch counter
     needs to be set back. Reads Lightning's private loop format (see the module's docstring)."""
     loop = checkpoint.get("loops", {}).get("fit_loop")
     if not loop:
@@ -285,7 +174,7 @@ class RunState(L.Callback):
     once): at the next optimizer-step boundary every rank saves ``last.ckpt`` and training stops
     with :class:`RunInterrupted` once that step's row is logged (before a validation or the next
     batch). Saving in the handler could meet another rank inside a
-    collective (see :class:`SlurmRequeue`)."""
+    collective (see :class:`rolemrc.run.requeue.SlurmRequeue`)."""
 
     def __init__(self) -> None:
         self._saved_step = -1
@@ -389,53 +278,3 @@ class RunState(L.Callback):
                 log.info("end of training at step %d: checkpoint %s", trainer.global_step, path)
                 trainer.save_checkpoint(path, weights_only=False)
                 callback.last_model_path = path
-
-
-# ---- SLURM: checkpoint and requeue ----------------------------------------------------------
-class SlurmRequeue(L.Callback):
-    """On SIGUSR1 (``sbatch --signal=USR1@<s>``) every rank saves ``<run dir>/hpc_ckpt_<n>.ckpt``
-    after the next optimizer step, rank 0 runs ``scontrol requeue``, and all ranks exit; the
-    restarted job resumes from that checkpoint (Lightning picks the newest ``hpc_ckpt_*``).
-
-    The handler only sets a flag. Saving inside the handler (Lightning's built-in way) can put
-    one rank in the checkpoint's barrier while another waits in a gradient all-reduce, and the
-    job hangs until the time limit kills it.
-    """
-
-    def __init__(self, signum: int = signal.SIGUSR1) -> None:
-        self.signum = signal.Signals(signum)
-        self._signalled = False
-        self._active = False
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signalled = True
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._active = SLURMEnvironment.detect()
-        if self._active:
-            signal.signal(self.signum, self._on_signal)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if not self._active or not bool(batch["step_end"]):
-            return  # not under SLURM, or in the middle of gradient accumulation (the batch says so:
-            # rolemrc.data.sampler.StepBatchSampler tags the micro-batch that closes each step)
-        if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
-            return
-        # rank 0 names it (a rank that looked after rank 0 had written would pick the next number)
-        path = trainer.strategy.broadcast(str(next_hpc_checkpoint(trainer.default_root_dir)), src=0)
-        trainer.save_checkpoint(path)
-        requeued = False
-        if trainer.is_global_zero:
-            job = os.environ["SLURM_JOB_ID"]
-            if os.environ.get("SLURM_ARRAY_JOB_ID"):
-                job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            requeued = done.returncode == 0
-            if requeued:
-                log.info("saved %s at step %d and requeued job %s", path, trainer.global_step, job)
-            else:
-                log.error("saved %s but `scontrol requeue %s` failed: %s", path, job, done.stderr.strip())
-        if trainer.strategy.broadcast(requeued, src=0):
-            raise SystemExit(0)  # SLURM runs the job again
-        self._signalled = False

@@ -1,0 +1,155 @@
+"""The sizing decision of a training run: ``model.gradient_checkpointing=auto`` -> on or off,
+before anything loads.
+
+``auto`` decides from the simulated per-rank peak of one optimizer step without checkpointing
+(:mod:`rolemrc.memory_sim`, the simulator, run in a child process) where ``runtime.simulate_memory``
+is on, else from the formula (:func:`rolemrc.memory.choose_checkpointing`). The simulated peak is
+stored by a key of everything the simulated step depends on (:func:`sizing_key`, under
+``$ROLEMRC_CACHE_DIR/sizing``), so a second start, a resume, a requeue or a sweep job of the same
+shape decides without simulating: the simulator is imported only on a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf, open_dict
+
+from rolemrc import __version__
+from rolemrc.config import checkpointing_setting
+from rolemrc.fileio import atomic_write_json
+from rolemrc.memory import GB, choose_checkpointing
+
+log = logging.getLogger(__name__)
+PACKAGE = Path(__file__).resolve().parents[1]  # src/rolemrc
+
+
+def resolve_checkpointing(cfg: Any) -> bool:
+    """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by a bool (logged), so everything
+    built after sees one. ``auto`` decides from the simulated per-rank peak without checkpointing
+    (:func:`decide_by_simulation`) where ``runtime.simulate_memory`` is on and the run can be
+    simulated; otherwise (or when the simulation fails) from the formula
+    (:func:`choose_checkpointing`), and says so."""
+    choice, why = choose_checkpointing(cfg)
+    if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
+        choice, why = decide_by_simulation(cfg, formula=(choice, why))
+    log.info("activation checkpointing: %s, %s", "on" if choice else "off", why)
+    with open_dict(cfg):
+        cfg.model.gradient_checkpointing = choice
+    return choice
+
+
+# Keys of a run's groups that change no simulated step's memory: left out of the sizing key, so a
+# sweep over them (objective.beta, optim.lr), a longer run or another data file reuses the decision.
+NOT_SIZED: dict[str, tuple[str, ...]] = {
+    "model": ("gradient_checkpointing",),  # decided here; the step is simulated without it
+    "objective": ("beta", "label_smoothing", "reference_cache_dir"),
+    "data": ("name", "dir", "sft", "pairs", "prompts", "test", "sft_val", "pairs_val", "prompts_val",
+             "unpaired_val", "val_fraction",
+             "on_error", "num_workers", "shuffle", "cache", "cache_dir", "num_proc", "roles", "rolebench", "characterllm"),
+    "optim": ("lr", "scheduler", "warmup_ratio", "min_lr_ratio"),
+    "trainer": ("max_epochs", "max_steps", "log_every_n_steps", "val_check_interval", "check_val_every_n_epoch",
+                "limit_train_batches", "limit_val_batches", "num_sanity_val_steps", "enable_progress_bar",
+                "matmul_precision", "checkpoint_every_n_steps", "device_memory_gb"),
+}
+SIZED_GROUPS = ("model", "objective", "data", "trainer", "strategy", "optim")
+
+
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """(key, what it is made of): everything a simulated step without checkpointing depends on,
+    that is the run's groups the simulation builds from (less :data:`NOT_SIZED`), the model's
+    architecture files (``config.json`` of a local ``model.path`` / ``model.architecture``), and
+    the code that simulates (rolemrc's version, ``memory_sim.py`` itself, torch, transformers,
+    peft). ``runtime.device_memory_gb`` is not part of it: the stored peak is compared with it
+    at every start."""
+    parts: dict[str, Any] = {}
+    for group in SIZED_GROUPS:
+        node = OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=False)
+        parts[group] = {k: v for k, v in node.items() if k not in NOT_SIZED.get(group, ())}
+    files = {}
+    for key in ("path", "architecture"):
+        value = OmegaConf.select(cfg.model, key, throw_on_missing=False) if OmegaConf.is_config(cfg.model) else None
+        if isinstance(value, str) and value != "???":
+            files[f"model.{key}"] = _digest(Path(value) / "config.json")
+    parts["files"] = files
+    parts["code"] = {"rolemrc": __version__, "memory_sim": _digest(PACKAGE / "memory_sim.py"),
+                     **{name: _package_version(name) for name in ("torch", "transformers", "peft")}}
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32], parts
+
+
+def sizing_cache_dir() -> Path:
+    """``$ROLEMRC_CACHE_DIR/sizing``, else ``$XDG_CACHE_HOME/rolemrc/sizing`` (``~/.cache/rolemrc/sizing``)."""
+    root = os.environ.get("ROLEMRC_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "sizing"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "rolemrc" / "sizing"
+
+
+def simulated_peak(cfg: Any) -> tuple[dict[str, Any] | None, str]:
+    """(the stored simulation of the run's step without checkpointing: ``peak_bytes``, ``ranks``,
+    ``headroom``; where it came from). Simulated (:func:`rolemrc.memory_sim.simulate_in_subprocess`)
+    only when no simulation of this :func:`sizing_key` is stored; a simulation that fails stores
+    nothing and gives (None, why)."""
+    key, parts = sizing_key(cfg)
+    path = sizing_cache_dir() / f"{key}.json"
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if {"peak_bytes", "ranks", "headroom"} <= set(stored):
+            return stored, f"stored in {path}"
+    except (OSError, ValueError):
+        pass  # none stored (or unreadable: simulated again and rewritten)
+    from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate_in_subprocess
+
+    try:
+        sim = simulate_in_subprocess(cfg, checkpointing=False)
+    except (SimulationUnavailable, OSError, subprocess.TimeoutExpired) as err:
+        return None, str(err)
+    stored = {"peak_bytes": sim.peak_bytes, "ranks": sim.ranks, "headroom": HEADROOM,
+              "by_category": sim.by_category, "key": parts}
+    try:
+        atomic_write_json(path, stored)
+    except OSError as err:  # a read-only cache: the decision stands, the next start simulates again
+        log.warning("memory: could not store the sizing decision in %s (%s)", path, err)
+        return stored, "simulated"
+    return stored, f"simulated, stored in {path}"
+
+
+def decide_by_simulation(cfg: Any, formula: tuple[bool, str]) -> tuple[bool, str]:
+    """``auto`` from the simulated step without checkpointing (:mod:`rolemrc.memory_sim`, in a
+    child process, once per :func:`sizing_key`): off where its per-rank peak fits its headroom of
+    ``runtime.device_memory_gb``, else on. A disagreement with the formula's choice is logged;
+    where the run cannot be simulated the formula's choice stands (also logged)."""
+    device_gb = cfg.runtime.device_memory_gb
+    sim, where = simulated_peak(cfg)
+    if sim is None:
+        log.warning("memory simulation unavailable (%s): the formula decides activation checkpointing", where)
+        return formula
+    headroom = float(sim["headroom"])
+    fits = sim["peak_bytes"] <= headroom * device_gb * GB
+    choice = not fits
+    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak without it {sim['peak_bytes'] / GB:.1f} GiB "
+           f"on {sim['ranks']} rank(s) {'fits' if fits else 'exceeds'} {headroom:.0%} of {device_gb:g} GB devices; "
+           f"{where})")
+    if choice != formula[0]:
+        log.warning("memory: the simulation and the formula disagree on activation checkpointing; simulation: %s; "
+                    "formula: %s. Following the simulation.", why, formula[1])
+    return choice, why

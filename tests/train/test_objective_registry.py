@@ -73,6 +73,40 @@ def test_the_memory_simulation_runs_the_objectives_own_step(toy, train_cfg) -> N
     assert sim.rows == 2 and sim.tokens == 2 * 64 and sim.peak_bytes > 0
 
 
+STEP_SOURCE = """from rolemrc.modules.sft import SFTModule
+
+
+class EditedModule(SFTModule):
+    def step_loss(self, batch):
+        loss, shares = super().step_loss(batch)
+        return loss * {scale}, shares
+"""
+
+
+def test_editing_an_objectives_step_is_another_sizing_key(train_cfg, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stored sizing decision (rolemrc.run.sizing) is keyed by the objective's step as well as
+    by the simulator: an edited ``step_loss`` is simulated again at its next start, the same source
+    finds the stored decision, and what else the key holds is unchanged by the edit."""
+    from rolemrc.run.sizing import sizing_key
+
+    source = tmp_path / "edited_objective.py"
+    source.write_text(STEP_SOURCE.format(scale=2), encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(OBJECTIVES, "toy", Objective(ToyObjectiveConfig, "edited_objective:EditedModule", data="sft"))
+    cfg = train_cfg()
+    with_objective(cfg, OmegaConf.structured(ToyObjectiveConfig(scale=0.25)))
+    key, parts = sizing_key(cfg)
+    assert str(source.resolve()) in parts["code"]["step"] and "modules/sft.py" in parts["code"]["step"]
+    assert "objectives/logprobs.py" in parts["code"]["step"]
+    source.write_text(STEP_SOURCE.format(scale=3), encoding="utf-8")  # the step edited
+    edited, edited_parts = sizing_key(cfg)
+    assert edited != key
+    assert {k: v for k, v in edited_parts.items() if k != "code"} == {k: v for k, v in parts.items() if k != "code"}
+    source.write_text(STEP_SOURCE.format(scale=2), encoding="utf-8")
+    assert sizing_key(cfg)[0] == key
+
+
 def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> None:
     cfg = train_cfg()
     node = OmegaConf.structured(ToyObjectiveConfig)

@@ -77,8 +77,8 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
     """(key, what it is made of): everything a simulated step without checkpointing depends on,
     that is the run's groups the simulation builds from (less :data:`NOT_SIZED`), the model's
     architecture files (``config.json`` of a local ``model.path`` / ``model.architecture``), and
-    the code that simulates (rolemrc's version, ``memory_sim.py`` itself, torch, transformers,
-    peft). ``runtime.device_memory_gb`` is not part of it: the stored peak is compared with it
+    the code that simulates (rolemrc's version, ``memory_sim.py`` itself, the objective's step:
+    :func:`step_sources`, torch, transformers, peft). ``runtime.device_memory_gb`` is not part of it: the stored peak is compared with it
     at every start."""
     parts: dict[str, Any] = {}
     for group in SIZED_GROUPS:
@@ -91,9 +91,32 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
             files[f"model.{key}"] = _digest(Path(value) / "config.json")
     parts["files"] = files
     parts["code"] = {"rolemrc": __version__, "memory_sim": _digest(PACKAGE / "memory_sim.py"),
+                     "step": step_sources(cfg.objective.name),
                      **{name: _package_version(name) for name in ("torch", "transformers", "peft")}}
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32], parts
+
+
+def step_sources(objective: str) -> dict[str, str | None]:
+    """``{file: digest}`` of the code the simulation runs as the objective's step: the file of
+    the registered module and of each rolemrc class it derives from (``step_loss``,
+    ``training_step``, their helpers), the reference's module where the entry takes a reference, and
+    the pure loss functions (``rolemrc/objectives/*.py``). Editing one of them is another key (the
+    objective's next start simulates again); another objective's module is not part of it."""
+    import importlib
+    import inspect
+
+    from rolemrc.config import OBJECTIVES
+
+    entry = OBJECTIVES[objective]
+    module, _, name = entry.module.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    ours = [c for c in cls.__mro__ if c.__module__ == module or c.__module__.startswith("rolemrc.")]
+    files = {Path(f).resolve() for c in ours if (f := inspect.getsourcefile(c)) is not None}
+    if entry.reference:
+        files.add(PACKAGE / "modules" / "reference.py")
+    files.update((PACKAGE / "objectives").glob("*.py"))
+    return {(str(f.relative_to(PACKAGE)) if f.is_relative_to(PACKAGE) else str(f)): _digest(f) for f in sorted(files)}
 
 
 def sizing_cache_dir() -> Path:

@@ -144,6 +144,52 @@ def test_files_named_in_the_config_are_checked_before_the_model_loads(train_cfg,
         rolemrc.run.train.setup(train_cfg(*overrides))
 
 
+@pytest.mark.parametrize("case,message", [
+    ("file", r"^objective.reference_cache_dir=\S+/cache is a file, not a folder of reference log-probs$"),
+    ("run folder", r"^objective.reference_cache_dir=\S+/cache is a run folder; its reference log-probs are in \S+/cache/ref_cache$"),
+    ("damaged", r"^objective.reference_cache_dir: \S+/ref_logps-0-0.safetensors is not a readable safetensors file \(.+\); "
+                r"delete it to have the reference log-probs computed again$"),
+    ("foreign", r"^objective.reference_cache_dir: \S+/ref_logps-0-0.safetensors holds \['weight'\], not reference "
+                r"log-probs \('logps'\): a file of another program; move it out of the cache folder$"),
+])
+def test_a_precomputed_references_cache_is_checked_before_the_model_loads(train_cfg, monkeypatch, tmp_path, case,
+                                                                           message) -> None:
+    """objective.reference=precomputed with reference_cache_dir: a file, a run folder or a table that
+    is not ours is one error before the model (and the reference pass over the data) loads; a
+    folder not there yet, or one holding our tables, is fine."""
+    import torch
+    from safetensors.torch import save_file
+
+    import rolemrc.run.train
+    from rolemrc.errors import ConfigError
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the files were checked")
+
+    cache = tmp_path / "cache"
+    if case == "file":
+        cache.write_text("not a folder")
+    elif case == "run folder":
+        (cache / "ref_cache").mkdir(parents=True)
+    else:
+        cache.mkdir()
+        table = cache / "ref_logps-0-0.safetensors"
+        if case == "damaged":
+            table.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+        else:
+            save_file({"weight": torch.zeros(2)}, str(table))
+    monkeypatch.setattr(rolemrc.run.train, "build_model", no_model)
+    monkeypatch.setattr(rolemrc.run.train, "build_datamodule", no_model)
+    overrides = ["objective=dpo", "objective.reference=precomputed", f"objective.reference_cache_dir={cache}"]
+    with pytest.raises(ConfigError, match=message):
+        rolemrc.run.train.setup(train_cfg(*overrides))
+    fine = tmp_path / "fine"
+    fine.mkdir()
+    save_file({"logps": torch.zeros(3, 2)}, str(fine / "ref_logps-0-0.safetensors"))
+    for folder in (fine, tmp_path / "not-yet"):  # ours, and one this run will fill
+        rolemrc.run.train.check_files(train_cfg(*overrides[:2], f"objective.reference_cache_dir={folder}"))
+
+
 @pytest.mark.parametrize("config_name,overrides", [
     ("probe", []), ("probe", ["restraint.layers=[0,1]"]), ("evaluate", ["data=rolebench_sample"]),
     ("evaluate", ["data=characterllm_sample", "benchmarks=general_sample"]), ("train", ["experiment=rolemrc_qwen_dpo"]),

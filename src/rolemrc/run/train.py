@@ -76,7 +76,8 @@ def resolve_ckpt_path(cfg: DictConfig, last: Path | None = None) -> str | None:
 def check_files(cfg: DictConfig) -> None:
     """The files a run reads, named before anything loads (a missing one would otherwise be found
     after the model, minutes for an 8B one): the objective's local data files (hub datasets are
-    the readers' business) and an explicit ``ckpt_path``."""
+    the readers' business), an explicit ``ckpt_path`` and a precomputed reference's cache folder
+    (:func:`check_reference_cache`)."""
     from rolemrc.config import OBJECTIVES, source_group
     from rolemrc.data.readers import local_files, source_config
 
@@ -89,6 +90,39 @@ def check_files(cfg: DictConfig) -> None:
                 raise InputNotFound(f"data.{group}[{i}].path: {err}") from None
     if cfg.ckpt_path not in (None, "", "last") and not Path(cfg.ckpt_path).exists():
         raise InputNotFound(f"ckpt_path not found: {cfg.ckpt_path}")
+    if OBJECTIVES[cfg.objective.name].reference and cfg.objective.get("reference") == "precomputed":
+        given = cfg.objective.get("reference_cache_dir")
+        check_reference_cache(Path(given or Path(str(cfg.run_dir)) / "ref_cache"), given=bool(given))
+
+
+REFERENCE_TABLES = "ref_logps-*.safetensors"  # rolemrc.modules.reference.PrecomputedReference.cache_path
+
+
+def check_reference_cache(folder: Path, given: bool) -> None:
+    """``objective.reference=precomputed``'s cache folder, before the model loads (a bad one would
+    otherwise be found after the model and the reference pass): a file, a run folder (its cache is
+    its ``ref_cache``) or a table that is not one of ours is named. A folder that is not there yet is
+    this run's to fill; which table serves is known once the initial weights are fingerprinted."""
+    from safetensors import SafetensorError, safe_open
+
+    key = "objective.reference_cache_dir" if given else "the reference cache"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{key}={folder} is a file, not a folder of reference log-probs")
+    if not folder.is_dir():
+        return
+    tables = sorted(folder.glob(REFERENCE_TABLES))
+    if not tables and (folder / "ref_cache").is_dir():
+        raise ConfigError(f"{key}={folder} is a run folder; its reference log-probs are in {folder / 'ref_cache'}")
+    for table in tables:
+        try:
+            with safe_open(str(table), framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"{key}: {table} is not a readable safetensors file ({err}); delete it to "
+                              "have the reference log-probs computed again") from None
+        if names != ["logps"]:
+            raise ConfigError(f"{key}: {table} holds {names}, not reference log-probs ('logps'): a file of "
+                              "another program; move it out of the cache folder")
 
 
 def last_checkpoint(run_dir: str | Path) -> Path | None:

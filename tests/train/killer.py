@@ -5,7 +5,10 @@ optimizer steps (their rows logged, the checkpoint of step N not necessarily wri
 ``marker`` exists, which it creates first: the same command line, run again, is not killed.
 ``+callbacks.kill.at=validation`` signals at the start of the validation after step N instead,
 ``at=export`` once the end-of-run export has written into ``export.partial/``;
-``+callbacks.kill.signal=SIGINT`` sends that signal (Ctrl-C) instead of SIGKILL."""
+``+callbacks.kill.signal=SIGINT`` sends that signal (Ctrl-C) instead of SIGKILL;
+``+callbacks.kill.group=true`` sends it, from global rank 0 only, to the whole process group (what
+Ctrl-C in a terminal does: every rank of a multi-process run gets it; start the run in a session of
+its own)."""
 
 from __future__ import annotations
 
@@ -18,18 +21,27 @@ import lightning as L
 
 
 class KillAt(L.Callback):
-    def __init__(self, step: int, marker: str, at: str = "train_batch", signal: str = "SIGKILL") -> None:
+    def __init__(self, step: int, marker: str, at: str = "train_batch", signal: str = "SIGKILL",
+                 group: bool = False) -> None:
         self.step = step
+        self.group = group
+        self.rank = 0
         self.marker = Path(marker)
         self.at = at
         self.signum = signal
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.rank = trainer.global_rank
+
     def _kill(self) -> None:
-        if self.marker.exists():
+        if self.marker.exists() or (self.group and self.rank != 0):
             return
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         self.marker.write_text(f"{self.signum} at {self.at} of step {self.step}\n")
-        os.kill(os.getpid(), getattr(signal, self.signum))
+        if self.group:
+            os.killpg(os.getpgid(0), getattr(signal, self.signum))
+        else:
+            os.kill(os.getpid(), getattr(signal, self.signum))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:

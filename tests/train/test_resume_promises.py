@@ -140,6 +140,33 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_143(tmp_path: Path) 
     assert signal.getsignal(signal.SIGTERM) == handler  # the process's own handler again
 
 
+@pytest.mark.multiprocess
+def test_ctrl_c_under_ddp_checkpoints_at_one_step_boundary_and_says_so_once(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals every process of its group: under DDP (2 CPU processes) the ranks
+    agree on one step boundary, its checkpoint is written, the signal line and the continue command
+    are printed once (rank 0) and the run exits 130, no rank left behind. The run is started in a
+    session of its own, so the group's SIGINT (sent by rank 0 as step 3 starts) reaches only it.
+    Continuing a DDP run from its checkpoint: tests/distributed/test_strategies.py."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *FAST, "trainer.accelerator=cpu", "trainer.devices=2",
+         "strategy=ddp", "data.val_fraction=0", "trainer.max_steps=5", "export.enabled=false",
+         "+callbacks.kill._target_=tests.train.killer.KillAt", "+callbacks.kill.step=2",
+         "+callbacks.kill.signal=SIGINT", "+callbacks.kill.group=true", f"+callbacks.kill.marker={tmp_path / 'sigint'}",
+         f"hydra.run.dir={run}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    err = done.stderr
+    assert done.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.count("SIGINT: stopping at the end of this optimizer step") == 1, err[-3000:]
+    assert err.count("to continue: ") == 1, err[-3000:]
+    assert f"interrupted by SIGINT at step 3: checkpoint {run}/checkpoints/last.ckpt" in err
+    assert advised(err, "to continue: ")[:2] == [f"hydra.run.dir={run}", "ckpt_path=last"]
+    assert step_of(run) == 3
+
+
 def test_killed_validation_and_export_are_completed_on_resume(tmp_path: Path) -> None:
     args = [*FAST, "trainer.max_steps=8", "runtime.checkpoint_every_n_steps=4", "trainer.val_check_interval=4"]
     kills = ["+callbacks.kill._target_=tests.train.killer.KillAt", "+callbacks.kill.step=4",

@@ -184,6 +184,7 @@ class RunState(L.Callback):
         self._redoing_validation = False
         self.restored_before_validation = False
         self._interrupted: RunInterrupted | None = None
+        self._rank = 0  # the global rank, set when training starts
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -202,8 +203,9 @@ class RunState(L.Callback):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signum = signum
         signal.signal(signum, self._handlers.get(signum, signal.SIG_DFL))  # a second one: at once
-        print(f"\n{signal.Signals(signum).name}: stopping at the end of this optimizer step with a checkpoint "
-              f"(again: stop now, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
+        if self._rank == 0:  # Ctrl-C reaches every rank of the terminal's process group: said once
+                print(f"\n{signal.Signals(signum).name}: stopping at the end of this optimizer step with a checkpoint "
+                  f"(again: stop now, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
 
     def _restore_handlers(self) -> None:
         for signum, handler in self._handlers.items():
@@ -262,6 +264,7 @@ class RunState(L.Callback):
             self._rng_to_restore = None
         lr_from_schedule(trainer)
         self._redoing_validation = redo_validation_of_restored_step(trainer)
+        self._rank = trainer.global_rank
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._signum = None
             for signum in STOP_SIGNALS:

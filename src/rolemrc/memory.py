@@ -10,7 +10,7 @@
 fallback; the decision, and the stored simulated peak it reads, are the run's
 (:mod:`rolemrc.run.sizing`), which calls the simulator only when no peak of the run's shape is stored.
 
-A training run calls :func:`check_memory` in its setup, after the config checks and before any
+A training run calls :func:`log_estimate` in its setup, after the config checks and before any
 weight loads: it logs the estimate, and warns when it exceeds ``runtime.device_memory_gb``.
 
 The estimate counts: weights, gradients and AdamW states (sharded over the data-parallel
@@ -206,8 +206,13 @@ class _Model:
 def check_memory(cfg: Any) -> str:
     """The estimate for a composed training config (deprecated keys mapped first), logged at
     INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
+    return log_estimate(upgrade_train_config(cfg))
 
-    line = check(upgrade_train_config(cfg))
+
+def log_estimate(cfg: Any) -> str:
+    """:func:`check_memory` of a config already checked (``check_train_config`` moved the
+    deprecated keys): the training recipe's, which runs the config checks once."""
+    line = check(cfg)
     if not line.startswith("WARNING"):
         log.info("memory estimate: %s", line)
     return line
@@ -324,7 +329,7 @@ def main(argv: list[str]) -> int:
             return 1
         check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
         if "--simulate" not in flags:
-            print(check_memory(cfg))
+            print(log_estimate(cfg))  # checked just above: the checks run once
             return 0
         try:
             report = simulated_report(cfg)

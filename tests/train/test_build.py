@@ -103,3 +103,46 @@ def test_importing_the_recipe_loads_no_simulator() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_recipe_hands_the_whole_config_only_down_and_checks_it_once(train_cfg) -> None:
+    """Followed through setup() of a DPO run (every project function called with the root config as
+    an argument, seen by a profiler): the whole config never passes into a unit of a higher layer
+    than the one handing it on (the layers of tests/test_import_graph.py), and rolemrc.config gets
+    it twice: check_train_config (all checks, once) and lightning_trainer_args."""
+    import sys
+
+    from omegaconf import DictConfig
+
+    from rolemrc.run.train import setup
+    from tests.test_import_graph import layer_of, unit_of
+
+    roots = {"model", "objective", "data", "trainer", "strategy", "optim"}
+    handed: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event != "call" or not module.startswith("rolemrc."):
+            return
+        code = frame.f_code
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if not any(isinstance(v, DictConfig) and roots <= set(v.keys()) for v in map(frame.f_locals.get, names)):
+            return
+        caller = frame.f_back
+        while caller is not None and not caller.f_globals.get("__name__", "").startswith("rolemrc."):
+            caller = caller.f_back
+        if caller is not None:
+            handed.append((caller.f_globals["__name__"], f"{module}.{code.co_name}"))
+
+    cfg = train_cfg("objective=dpo")
+    sys.setprofile(profile)
+    try:
+        setup(cfg)
+    finally:
+        sys.setprofile(None)
+    across = {(a, b) for a, b in handed if unit_of(a) != unit_of(b.rpartition(".")[0])}
+    assert ("rolemrc.run.train", "rolemrc.run.build.build_module") in across  # the profiler saw the handoffs
+    up = [(a, b) for a, b in across if layer_of(unit_of(b.rpartition(".")[0])) < layer_of(unit_of(a))]
+    assert not up, up
+    into_config = sorted(b for a, b in handed if b.startswith("rolemrc.config.") and not a.startswith("rolemrc.config"))
+    assert into_config == ["rolemrc.config.check_train_config", "rolemrc.config.lightning_trainer_args"], into_config

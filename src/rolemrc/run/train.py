@@ -26,7 +26,7 @@ from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.fileio import atomic_write_json, partial_path
-from rolemrc.memory import check_memory
+from rolemrc.memory import log_estimate
 from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
@@ -146,7 +146,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
     resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
-    check_memory(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
+    log_estimate(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
     if cfg.trainer.get("enable_progress_bar") is False:  # transformers' loading/saving bars off too
 
         hf_progress_bars(False)

@@ -384,11 +384,13 @@ def imported_at_start(start: str, edges: list[Edge] = EDGES) -> dict[str, list[E
 
 
 @pytest.mark.parametrize("start", ["rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general",
-                                   "rolemrc.probing.run", "rolemrc.checkpointing", "rolemrc.memory"])
+                                   "rolemrc.probing.run", "rolemrc.checkpointing", "rolemrc.memory",
+                                   "rolemrc.run.resume"])
 def test_evaluation_probing_and_checkpoint_reading_start_without_lightning(start: str) -> None:
     """Lightning (and the torchmetrics/scipy/matplotlib/dynamo imports it brings, seconds of CPU
     at every start here) is training's: evaluate.py, probe.py, what reads a checkpoint and the memory estimate
-    (python -m rolemrc.memory, whose simulation imports the training code when it runs) do not import it.
+    (python -m rolemrc.memory, whose simulation imports the training code when it runs) do not import it,
+    nor does train.py's choice of the folder to continue (rolemrc.run.resume, before Hydra starts).
     The parts they build are rolemrc.parts'."""
     chains = imported_at_start(start)
     for name in ("lightning", "pytorch_lightning", "lightning_fabric"):

@@ -146,7 +146,8 @@ def test_files_named_in_the_config_are_checked_before_the_model_loads(train_cfg,
 
 @pytest.mark.parametrize("case,message", [
     ("file", r"^objective.reference_cache_dir=\S+/cache is a file, not a folder of reference log-probs$"),
-    ("run folder", r"^objective.reference_cache_dir=\S+/cache is a run folder; its reference log-probs are in \S+/cache/ref_cache$"),
+    ("run folder", r"^objective.reference_cache_dir=\S+/cache is a run folder; its reference log-probs are in "
+                   r"\S+/cache/ref_cache$"),
     ("damaged", r"^objective.reference_cache_dir: \S+/ref_logps-0-0.safetensors is not a readable safetensors file \(.+\); "
                 r"delete it to have the reference log-probs computed again$"),
     ("foreign", r"^objective.reference_cache_dir: \S+/ref_logps-0-0.safetensors holds \['weight'\], not reference "

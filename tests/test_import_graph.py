@@ -298,7 +298,8 @@ def test_checker_finds_lazy_relative_and_cyclic_imports(tmp_path: Path) -> None:
 # building blocks. Top to bottom; a unit imports units of its own layer or below, never above,
 # and the units form no cycle.
 RECIPE_MODULES = ["rolemrc.run.train", "rolemrc.run.sizing", "rolemrc.eval.run", "rolemrc.eval.suites",
-                  "rolemrc.eval.general", "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory", "rolemrc.memory_sim"]
+                  "rolemrc.eval.general", "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory",
+                  "rolemrc.memory_sim"]
 LAYERS: list[tuple[str, list[str]]] = [
     ("recipes", RECIPE_MODULES),
     ("parts", ["rolemrc.run", "rolemrc.parts"]),  # rolemrc.run less its recipe modules (train, sizing)

@@ -78,8 +78,8 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
     that is the run's groups the simulation builds from (less :data:`NOT_SIZED`), the model's
     architecture files (``config.json`` of a local ``model.path`` / ``model.architecture``), and
     the code that simulates (rolemrc's version, ``memory_sim.py`` itself, the objective's step:
-    :func:`step_sources`, torch, transformers, peft). ``runtime.device_memory_gb`` is not part of it: the stored peak is compared with it
-    at every start."""
+    :func:`step_sources`, torch, transformers, peft). ``runtime.device_memory_gb`` is not part of
+    it: the stored peak is compared with it at every start."""
     parts: dict[str, Any] = {}
     for group in SIZED_GROUPS:
         node = OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=False)

@@ -41,6 +41,17 @@ def test_the_run_summary_counts_steps_in_english(steps: int, words: str) -> None
     assert text.startswith(f"run summary: {words} "), text
 
 
+def test_the_run_summary_names_what_the_objective_validates() -> None:
+    """GRPO validates the reward of greedy replies, not a loss: the summary line says that figure
+    rather than "no validation data"; with neither, it says there was none."""
+    text = summary_text({"steps": 2, "run_dir": "/r", "export": None, "val_loss": None,
+                         "val_metrics": {"val/reward": 0.25, "val/rewards/verifier/mean": 0.25}})
+    assert "val/reward 0.2500, val/rewards/verifier/mean 0.2500" in text and "no validation data" not in text
+    assert "val/loss n/a (no validation data)" in summary_text({"steps": 2, "run_dir": "/r", "export": None})
+    assert "val/loss 1.5000" in summary_text({"steps": 2, "run_dir": "/r", "export": None, "val_loss": 1.5,
+                                              "val_metrics": {"val/reward": 0.25}})
+
+
 def test_a_json_error_is_not_cut_mid_sentence(tmp_path: Path) -> None:
     replies = tmp_path / "replies.jsonl"
     replies.write_text('{"id": "a", "reply": "fine"}\n{"id": "b", "reply": "a\tb"}\n', encoding="utf-8")

@@ -99,5 +99,8 @@ class RunSummary(L.Callback):
             "epochs": round(micro / per_epoch, 3) if per_epoch and not math.isinf(per_epoch) else None,
             "train_loss": self._last("train/loss"),
             "val_loss": self._last("val/loss"),
+            # what the objective validates when it has no val/loss (GRPO: val/reward): val/<name> -> value
+            "val_metrics": {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
+                            if k.startswith("val/") and k != "val/loss" and getattr(v, "numel", lambda: 1)() == 1},
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 and counted else None,
         }

@@ -247,10 +247,16 @@ def summary_text(summary: dict[str, Any]) -> str:
         return "n/a" if value is None else format(value, fmt)
 
     steps = summary.get("steps", 0)
-    val = number("val_loss", ".4f") if summary.get("val_loss") is not None else "n/a (no validation data)"
+    others = summary.get("val_metrics") or {}
+    if summary.get("val_loss") is not None:
+        val = f"val/loss {number('val_loss', '.4f')}"
+    elif others:  # an objective that validates something else (GRPO: the reward of greedy replies)
+        val = ", ".join(f"{k} {v:.4f}" for k, v in list(others.items())[:2])
+    else:
+        val = "val/loss n/a (no validation data)"
     return "\n".join([
         f"run summary: {steps} step{'' if steps == 1 else 's'}, {number('epochs', '.2f')} epochs, "
-        f"train/loss {number('train_loss', '.4f')}, val/loss {val}, {number('tokens_per_s', ',.0f')} tokens/s",
+        f"train/loss {number('train_loss', '.4f')}, {val}, {number('tokens_per_s', ',.0f')} tokens/s",
         f"  run folder: {summary['run_dir']}",
         f"  export: {summary['export'] or 'none (export.enabled=false)'}",
     ])

@@ -192,17 +192,12 @@ class KTOObjectiveConfig(ObjectiveConfig):
     beta: float = 0.1
     desirable_weight: float = 1.0  # TRL's desirable_weight (the paper's lambda_D)
     undesirable_weight: float = 1.0  # TRL's undesirable_weight (the paper's lambda_U)
-    reference: str = "copy"  # copy | adapter | precomputed (apo_zero_unpaired only: kto's KL rows change each batch)
+    reference: str = "copy"  # copy | adapter | precomputed (kto: each example's KL row fixed, as in TRL, is in the table)
 
     def __post_init__(self) -> None:
         from rolemrc.objectives.kto import KTO_LOSS_TYPES
 
         one_of("objective.loss_type", self.loss_type, KTO_LOSS_TYPES)
-        if self.reference == "precomputed" and self.loss_type == "kto":
-            raise ConfigError("objective.reference=precomputed is not available for objective.loss_type=kto: its KL "
-                              "term scores each prompt with another example's completion of the same shuffled "
-                              "micro-batch, a pairing that changes every epoch, so no per-example cache holds it: use "
-                              "copy or adapter (or loss_type=apo_zero_unpaired, which has no KL term)")
         one_of("objective.reference", self.reference, REFERENCE_MODES)
         if not self.beta > 0:
             raise ConfigError(f"objective.beta must be > 0, got {self.beta}")

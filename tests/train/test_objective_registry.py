@@ -212,25 +212,63 @@ def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path, caplog) -> N
         assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
 
 
-@pytest.mark.parametrize("data", ["pairs", "unpaired"])
-def test_kto_apo_zero_unpaired_with_a_precomputed_reference_equals_the_copy(train_cfg, tmp_path: Path, data: str) -> None:
-    """Without the KL term the reference is per example, so a precomputed table is exact: the
-    first steps' losses equal those against a reference copy (pairs split and unpaired examples)."""
+@pytest.mark.parametrize(("loss_type", "data"), [("apo_zero_unpaired", "pairs"), ("apo_zero_unpaired", "unpaired"),
+                                               ("kto", "pairs"), ("kto", "unpaired")])
+def test_kto_with_a_precomputed_reference_equals_the_copy(train_cfg, tmp_path: Path, loss_type: str, data: str) -> None:
+    """The reference is per example (kto: each example's KL row is fixed too), so a precomputed
+    table is exact: the first steps' losses (and kto's kl) equal those against a reference copy
+    (pairs split and unpaired examples, shuffled)."""
     from tests.data.test_unpaired_records import split_sample_pairs
 
     extra = [f"data.unpaired=[{{path: '{split_sample_pairs(tmp_path, keep=50)}'}}]"] if data == "unpaired" else []
     losses = {}
     for mode in ("copy", "precomputed"):
-        run = setup(train_cfg("objective=kto", "objective.loss_type=apo_zero_unpaired", f"objective.reference={mode}",
+        run = setup(train_cfg("objective=kto", f"objective.loss_type={loss_type}", f"objective.reference={mode}",
                               *extra, "trainer.max_steps=2", "export.enabled=false", "data.max_length=160",
-                              "data.max_prompt_length=96", "data.val_fraction=0.1", f"run_dir={tmp_path / mode}"))
+                              "data.max_prompt_length=96", "data.val_fraction=0.1", "data.shuffle=true",
+                              f"run_dir={tmp_path / mode}"))
         fit(run)
-        losses[mode] = series(run.cfg.run_dir, "train/loss") + series(run.cfg.run_dir, "val/loss")
+        losses[mode] = [*series(run.cfg.run_dir, "train/loss"), *series(run.cfg.run_dir, "val/loss"),
+                        *series(run.cfg.run_dir, "train/kl"), *series(run.cfg.run_dir, "val/kl")]
         if mode == "precomputed":
             assert run.module.reference.models() == [] and set(run.module.reference.tables) == {"train", "val"}
             width = run.module.reference.tables["train"].shape[1]
-            assert width == (2 if data == "pairs" else 1)
-    assert len(losses["copy"]) == 3 and losses["precomputed"] == pytest.approx(losses["copy"], rel=1e-5, abs=1e-6)
+            assert width == (2 if data == "pairs" else 1) * (2 if loss_type == "kto" else 1)
+    assert len(losses["copy"]) == 6 and losses["precomputed"] == pytest.approx(losses["copy"], rel=1e-5, abs=1e-6)
+    if loss_type == "kto":
+        assert any(v != 0 for v in losses["copy"][3:])  # the KL term is in play, a comparison that can fail
+
+
+@pytest.mark.parametrize("data", ["pairs", "unpaired"])
+def test_kto_kl_rows_are_fixed_per_example_as_trls(train_cfg, tmp_path: Path, data: str) -> None:
+    """TRL fixes each example's KL completion once (consecutive chunks of the per-device batch
+    size, rotated by one): unshuffled, each of our micro-batches is such a chunk, and the fixed
+    pairing is its own rows rotated (TRL's batch); shuffled, every example keeps that KL row."""
+    from rolemrc.modules.kto import fixed_kl_completions, mismatched
+    from tests.data.test_unpaired_records import split_sample_pairs
+
+    extra = [f"data.unpaired=[{{path: '{split_sample_pairs(tmp_path, keep=23)}'}}]"] if data == "unpaired" else []
+    run = setup(train_cfg("objective=kto", *extra, "data.batch_size=5", "data.shuffle=false", "data.max_length=160",
+                          "data.max_prompt_length=96"))
+    dm = run.datamodule
+    dm.setup("fit")
+    rows, pairs = dm.train_rows, data == "pairs"
+    assert len(rows) % 5  # a last, shorter chunk is rotated within itself, as TRL's last map batch
+    seen: dict[int, list[int]] = {}
+    for batch in dm.train_dataloader():
+        index = batch["index"].tolist()
+        fixed = fixed_kl_completions(rows, index, 5, pairs)
+        rotated = mismatched(batch)
+        for j, completion in enumerate(fixed):
+            assert rotated["labels"][j][rotated["labels"][j] != -100].tolist() == list(completion)
+        seen.update(zip(index, map(list, fixed[: len(index)])))
+    assert len(seen) == len(rows)
+    # shuffled batches: each example's KL completion is the one above, whatever its batch
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    for start in range(0, len(order), 5):
+        index = order[start:start + 5]
+        fixed = fixed_kl_completions(rows, index, 5, pairs)
+        assert [list(c) for c in fixed[: len(index)]] == [seen[i] for i in index]
 
 
 def test_kto_metrics_of_a_step_without_desirable_examples_are_nan() -> None:
@@ -250,7 +288,6 @@ def test_kto_unpaired_val_needs_unpaired_train_sources(train_cfg, tmp_path: Path
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    (["objective.reference=precomputed"], "objective.reference=precomputed is not available for objective.loss_type=kto"),
     (["data.packing=true"], "objective=kto needs unpacked examples"),
     (["objective.desirable_weight=0"], "objective.desirable_weight must be > 0, got 0"),
     (["data.batch_size=1"], "objective=kto needs data.batch_size >= 2, got 1"),
@@ -282,6 +319,11 @@ def test_kto_is_simulated_as_itself() -> None:
                         checkpointing=False)
     assert unpaired.after_backward["Sharded Param"] == kto.after_backward["Sharded Param"]
     assert dpo.peak_bytes < kto.peak_bytes and unpaired.peak_bytes < kto.peak_bytes
+    # a precomputed reference (both layouts, with the KL rows' columns): no reference copy held
+    for extra in ([], ["data.unpaired=[{path: /nowhere/u.jsonl}]"]):
+        pre = simulate(compose_train([*base, "objective=kto", "objective.reference=precomputed", *extra]),
+                       checkpointing=False)
+        assert 2 * pre.after_backward["Sharded Param"] == kto.after_backward["Sharded Param"]
 
 
 def _kl_on_rank(rank: int, port: int, out: str) -> None:

@@ -8,14 +8,21 @@ Two batch layouts (:class:`rolemrc.data.datamodule.ChatDataModule`, data kind ``
 * pairs split (``data.unpaired`` empty): ``B`` pairs are ``2B`` examples, the chosen rows
   (desirable) then the rejected rows (undesirable), the step's totals ``step_pairs``.
 
-The KL estimate (``loss_type=kto``) comes from the micro-batch's rows re-paired as TRL re-pairs a
-batch: example ``j`` gets its own prompt with example ``j - 1``'s completion (example 0 the last
-one's), scored by the policy and the reference without gradient, the estimate averaged over ranks
-before its clamp as TRL gathers it (``data.batch_size=1`` is refused: a lone example would be
-paired with its own completion). TRL fixes that pairing once, over consecutive examples of its
-(then unshuffled) dataset; here it is the shuffled micro-batch's own, the same set of completions
-as the batch's rewards use, which is what TRL's comment asks of it. The reference is DPO's
-(``objective.reference``: copy | adapter). The loss is the mean over the step's examples; logged
+The KL estimate (``loss_type=kto``) comes from mismatched rows, fixed per dataset example as
+TRL 1.16's KTOTrainer fixes them once when it prepares its dataset (:func:`fixed_kl_completions`):
+the stage's examples in dataset order are cut into chunks of ``data.batch_size`` (TRL's
+``per_device_train_batch_size``, for its eval set too) and example ``i`` gets its own prompt with
+example ``i - 1``'s completion of its chunk (the chunk's first example its last one's). With the
+pairs split, a chunk of ``data.batch_size`` pairs gives its chosen examples, then its rejected ones
+(the rows of its unshuffled micro-batch). Unshuffled on one device, each micro-batch is a chunk and
+its KL rows are its own rows rotated by one (:func:`mismatched`), TRL's batch exactly; shuffled
+(TRL refuses shuffling with KL) or strided over ranks, each example keeps its KL row but a
+micro-batch's KL completions are no longer its own set. The rows are scored by the policy and the
+reference without gradient, the estimate averaged over ranks before its clamp as TRL gathers it
+(``data.batch_size=1`` is refused: a lone example would be paired with its own completion).
+Being fixed, the KL rows' reference log-probs fit a precomputed table (``objective.reference=
+precomputed``: one more column per row, :meth:`KTOModule.table_logps`). The reference is DPO's
+(``objective.reference``: copy | adapter | precomputed). The loss is the mean over the step's examples; logged
 under TRL's names: ``kl``, ``rewards/chosen``/``rejected`` (``beta`` x the log ratio, means over
 the step's desirable / undesirable examples; NaN for a step without any, where TRL logs nothing),
 ``rewards/margins`` (their difference), ``logps/chosen``/``rejected`` (summed log-probs).
@@ -38,15 +45,64 @@ log = logging.getLogger(__name__)
 
 
 def mismatched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch's rows re-paired for the KL estimate: row ``j`` is row ``j``'s prompt followed by
-    row ``j - 1``'s completion (row 0: the last row's), right-padded, the completion labelled."""
+    """The batch's rows re-paired within the batch: row ``j`` is row ``j``'s prompt followed by row
+    ``j - 1``'s completion (row 0: the last row's). This is the fixed pairing
+    (:func:`fixed_kl_completions`) of an unshuffled micro-batch; used for a batch whose stage rows
+    are not at hand (one built outside the trainer, the memory simulation's)."""
+    response = batch["labels"] != IGNORE_INDEX
+    completions = [batch["input_ids"][r][response[r]] for r in range(batch["input_ids"].shape[0])]
+    return _kl_rows(batch, [completions[j - 1] for j in range(len(completions))])
+
+
+def kl_partner(i: int, n: int, chunk: int) -> int:
+    """TRL's fixed KL pairing: the dataset's ``n`` examples cut into consecutive chunks of
+    ``chunk``, example ``i`` takes the completion of example ``i - 1`` of its chunk (the chunk's
+    first example: its last one's)."""
+    start = i - i % chunk
+    return i - 1 if i > start else min(start + chunk, n) - 1
+
+
+def _pair_side(v: int, n_pairs: int, chunk: int) -> tuple[int, str]:
+    """Pairs split: virtual example ``v`` -> (pair, side). Each chunk of ``chunk`` pairs is its
+    chosen examples then its rejected ones (the rows of its unshuffled micro-batch)."""
+    start = (v // (2 * chunk)) * chunk  # the chunk's first pair
+    m = min(chunk, n_pairs - start)
+    k = v - 2 * start
+    return (start + k, "chosen_ids") if k < m else (start + k - m, "rejected_ids")
+
+
+def _pair_position(pair: int, side: int, n_pairs: int, chunk: int) -> int:
+    """Pairs split: the virtual example of ``pair``'s chosen (``side`` 0) or rejected (1) row."""
+    start = pair - pair % chunk
+    return 2 * start + side * min(chunk, n_pairs - start) + pair - start
+
+
+def fixed_kl_completions(rows: Any, index: list[int], chunk: int, pairs: bool) -> list[list[int]]:
+    """The KL completion of each row of a batch (its ``index``; pairs split: the chosen rows then
+    the rejected rows), fixed per dataset example as TRL fixes it (:func:`kl_partner` over the
+    stage's examples in dataset order; pairs split: pair ``p`` gives examples chosen then rejected
+    per chunk of ``chunk`` pairs, the ``2 * chunk`` rows of one unshuffled micro-batch)."""
+    n = len(rows)
+    if not pairs:
+        return [rows[kl_partner(i, n, chunk)]["completion_ids"] for i in index]
+    out = []
+    for side in (0, 1):
+        for p in index:
+            v = kl_partner(_pair_position(p, side, n, chunk), 2 * n, 2 * chunk)
+            q, key = _pair_side(v, n, chunk)
+            out.append(rows[q][key])
+    return out
+
+
+def _kl_rows(batch: dict[str, torch.Tensor], completions: list[Any]) -> dict[str, torch.Tensor]:
+    """Row ``j``: the batch's row ``j``'s prompt followed by ``completions[j]``, right-padded, the
+    completion labelled."""
     ids, labels = batch["input_ids"], batch["labels"]
     mask = batch.get("attention_mask")
     attended = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     response = labels != IGNORE_INDEX
-    prompts = [ids[r][attended[r] & ~response[r]] for r in range(ids.shape[0])]
-    completions = [ids[r][response[r]] for r in range(ids.shape[0])]
-    rows = [(prompts[j], completions[j - 1]) for j in range(ids.shape[0])]
+    rows = [(ids[r][attended[r] & ~response[r]], torch.as_tensor(completions[r], dtype=ids.dtype, device=ids.device))
+            for r in range(ids.shape[0])]
     width = max(len(p) + len(c) for p, c in rows)
     out_ids = ids.new_zeros((len(rows), width))
     out_labels = ids.new_full((len(rows), width), IGNORE_INDEX)
@@ -117,29 +173,70 @@ class KTOModule(DPOModule):
     def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
         """The KL rows are built from the collated batch on the host, where its values are (the
         memory simulation hands its batch through this hook too, before its tensors become fake)."""
-        if self.objective.loss_type == "kto" and "kl_input_ids" not in batch:
-            batch = {**batch, **{f"kl_{k}": v for k, v in mismatched(batch).items() if k != "index"}}
-        return batch
+        trainer = self._trainer
+        return self._with_kl(batch, "train" if trainer is None or trainer.training else "val")
+
+    def _with_kl(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
+        """``batch`` with its KL rows (``kl_input_ids`` ...), for ``loss_type=kto``."""
+        if self.objective.loss_type != "kto" or "kl_input_ids" in batch:
+            return batch
+        return {**batch, **{f"kl_{k}": v for k, v in self._kl_batch(batch, stage).items() if k != "index"}}
+
+    def _kl_batch(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
+        """The KL rows: each example's fixed partner (:func:`fixed_kl_completions`, over the stage's
+        rows, chunks of ``data.batch_size``); without the stage's rows at hand (no trainer or
+        datamodule), the batch's own rotation (:func:`mismatched`)."""
+        dm = getattr(self._trainer, "datamodule", None)
+        rows = None if dm is None else (dm.train_rows if stage == "train" else dm.val_rows)
+        if rows is None or not len(rows):
+            return mismatched(batch)
+        completions = fixed_kl_completions(rows, batch["index"].tolist(), dm.cfg.batch_size, "label" not in batch)
+        return _kl_rows(batch, completions)
 
     # the step's passes without gradient: the memory simulation runs each as a module call
     no_grad_passes = ("reference_logps", "kl_logps")
+
+    @property
+    def reference_table_tag(self) -> str:
+        """What a precomputed table's columns depend on besides the rows: the KL pairing's chunk."""
+        if self.objective.loss_type != "kto":
+            return ""
+        dm = getattr(self._trainer, "datamodule", None)
+        return f"-kl{dm.cfg.batch_size}" if dm is not None else "-kl"
+
+    def table_logps(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        """A precomputed reference's columns of a batch: the rows' summed log-probs, then (``kto``)
+        their KL rows' (each example's fixed partner, so one table serves every shuffled epoch)."""
+        logps = self.pair_logps(self.model, batch).logps
+        if self.objective.loss_type != "kto":
+            return logps
+        kl = {k: v.to(logps.device) for k, v in self._kl_batch(batch, stage).items()}
+        return torch.cat([logps, self.pair_logps(self.model, kl).logps])
 
     def kl_logps(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's and the reference's summed log-probs ``[N]`` of the batch's KL rows (no gradient)."""
         kl_batch = {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "attention_mask")}
         kl_batch["index"] = batch["index"]
         with torch.no_grad():
-            return self.pair_logps(self.model, kl_batch).logps, self.reference.logps(self, kl_batch, stage)
+            if self.mode == "precomputed":  # the table's KL columns, after the rows'
+                n = batch["input_ids"].shape[0]
+                # (the memory simulation's stand-in holds no table: a lookup, no forward)
+                ref = (self.reference.logps(self, batch, stage)[n:] if hasattr(self.reference, "tables")
+                       else torch.zeros(n, dtype=torch.float32, device=batch["input_ids"].device))
+            else:
+                ref = self.reference.logps(self, kl_batch, stage)
+            return self.pair_logps(self.model, kl_batch).logps, ref
 
     def _terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
         """Per-example terms of one micro-batch (all ``[N]``)."""
         o = self.objective
         desirable, _, _, _ = layout(batch)
         policy, _ = self.pair_logps(self.model, batch)
-        ref = self.reference_logps(batch, stage)
+        # [:N]: a precomputed table's lookup also holds the KL rows' columns, after the rows'
+        # (:meth:`table_logps`); the memory simulation's stand-in, two per index
+        ref = self.reference_logps(batch, stage)[: policy.shape[0]]
         if o.loss_type == "kto":
-            if "kl_input_ids" not in batch:  # a batch that did not come through the trainer's hook
-                batch = self.on_before_batch_transfer(batch, 0)
+            batch = self._with_kl(batch, stage)  # a batch that did not come through the trainer's hook
             kl = kto_kl(*self.kl_logps(batch, stage), rank_mean=_rank_mean)
         else:  # apo_zero_unpaired: no KL term (TRL logs 0)
             kl = policy.new_zeros(())

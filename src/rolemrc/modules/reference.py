@@ -5,7 +5,8 @@ one small interface (:class:`Reference`).
 - ``adapter``: the policy's own base weights with the LoRA adapter switched off, in eval mode like
   the copy (no dropout), the policy's mode restored after;
 - ``precomputed``: one pass over the pairs before training, kept as one table per stage (``[N, 2]``:
-  chosen, rejected summed log-probs), row ``i`` of the table for row ``i`` of the stage (the
+  chosen, rejected summed log-probs; KTO: ``[N, 1]`` per unpaired example, each column followed by
+  its KL row's column with ``loss_type=kto``), row ``i`` of the table for row ``i`` of the stage (the
   data store's stable row index, the batches' ``index``). No reference weights are held during training.
 
 Precomputed tables always come from the *initial* weights: computed at fit start (under the
@@ -183,7 +184,8 @@ class PrecomputedReference(Reference):
                 self._ensure(module, stage, rows)
 
     def _ensure(self, module: DPOModule, stage: str, rows: Sequence[dict]) -> None:
-        fp = rows_fingerprint(rows)
+        # the module's tag: what its columns depend on besides the rows (KTO: the KL pairing)
+        fp = rows_fingerprint(rows) + getattr(module, "reference_table_tag", "")
         have = self.tables.get(stage)
         if have is not None and self.rows.get(stage, fp) == fp and have.shape[0] == len(rows):
             self.rows[stage] = fp  # restored with the checkpoint (single/DDP restore before fit start)
@@ -200,7 +202,7 @@ class PrecomputedReference(Reference):
                     log.info("reference log-probs (%s) from checkpoint %s", stage, trainer.ckpt_path)
                     return
                 self.tables.pop(stage, None)
-        path = self.cache_path(rows)
+        path = self.cache_path(fp)
         table = _broadcast(trainer, load_file(path)["logps"] if trainer.is_global_zero and path.exists() else None)
         if table is not None and table.shape[0] == len(rows):
             log.info("reference log-probs (%s) from cache %s", stage, path)
@@ -219,8 +221,9 @@ class PrecomputedReference(Reference):
             atomic_save(path, lambda tmp: save_file({"logps": table}, tmp))
             log.info("reference log-probs (%s, %d pairs) written to %s", stage, len(rows), path)
 
-    def cache_path(self, rows: Sequence[dict]) -> Path:
-        return Path(self.cache_dir) / f"ref_logps-{self.key}-{rows_fingerprint(rows)}.safetensors"
+    def cache_path(self, rows_fp: str) -> Path:
+        """The cache file of a table: the initial weights and settings, the rows (and module tag)."""
+        return Path(self.cache_dir) / f"ref_logps-{self.key}-{rows_fp}.safetensors"
 
     def _checkpoint_tables(self, path: Any) -> dict[str, Any] | None:
         """The reference entries of the checkpoint being resumed, read without its weights by
@@ -246,7 +249,8 @@ def reference_key(model: nn.Module, settings: str) -> str:
 @torch.no_grad()
 def compute_table(module: DPOModule, rows: Sequence[dict], stage: str, batch_size: int) -> torch.Tensor:
     """``[len(rows), 2]`` summed log-probs (chosen, rejected) of the policy as it is now (``[len(rows),
-    1]`` where a batch has one row per index, e.g. KTO's unpaired examples), in eval mode under the
+    1]`` where a batch has one row per index, e.g. KTO's unpaired examples; a module's
+    ``table_logps(batch, stage)`` adds columns, e.g. KTO's KL rows), in eval mode under the
     trainer's precision context; each rank computes a strided share (collective)."""
     trainer = module.trainer
     world, rank = trainer.world_size, trainer.global_rank
@@ -254,10 +258,12 @@ def compute_table(module: DPOModule, rows: Sequence[dict], stage: str, batch_siz
     loader = DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=trainer.datamodule.collator())
     index, values = [], []
     show = trainer.is_global_zero and trainer.progress_bar_callback is not None
+    # a module's own columns (KTO: its rows', then their KL rows'), else its rows'
+    columns = getattr(module, "table_logps", None)
     with eval_mode(module.model), trainer.precision_plugin.forward_context():  # as training computes
         for batch in tqdm(loader, desc=f"reference log-probs ({stage})", unit="batch", disable=not show):
             batch = {k: v.to(module.device) for k, v in batch.items()}
-            sums = module.pair_logps(module.model, batch).logps
+            sums = columns(batch, stage) if columns else module.pair_logps(module.model, batch).logps
             b = batch["index"].shape[0]
             index.append(batch["index"])
             values.append(sums.reshape(-1, b).T)  # [b, rows per index]: pairs' chosen, rejected columns

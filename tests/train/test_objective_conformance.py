@@ -369,6 +369,33 @@ def test_kto_equals_trls_kto_first_step(request, data: str, ours_args, trl_args)
         assert theirs["kl"] > 0  # the perturbed policy: the KL term is live, a test that can fail
 
 
+def test_kto_fixed_kl_pairing_is_trls(kto_unpaired) -> None:
+    """Each example's KL completion (:func:`fixed_kl_completions`) is the one TRL's KTOTrainer
+    attaches to it when it prepares its dataset, on TRL's own tokenized rows (11 examples in
+    chunks of 4: a last, shorter chunk)."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    from rolemrc.modules.kto import fixed_kl_completions
+
+    parts, _ = kto_unpaired
+    records = [{"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}" + " ok" * (i % 3),
+                "label": i % 3 != 0} for i in range(11)]
+    config = KTOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl_kl"), report_to=[], use_cpu=True,
+                       per_device_train_batch_size=4, max_length=None, save_strategy="no")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = KTOTrainer(model=copy.deepcopy(parts.module.model), ref_model=copy.deepcopy(parts.module.model),
+                             args=config, train_dataset=Dataset.from_list(records),
+                             processing_class=parts.chat.tokenizer)
+    rows = trainer.train_dataset.to_list()
+    assert len(rows) == 11 and len({tuple(r["completion_ids"]) for r in rows}) == 11  # a pairing that can fail
+    ours = fixed_kl_completions(rows, list(range(11)), 4, pairs=False)
+    assert ours == [r["KL_completion_ids"] for r in rows]
+    # shuffled batches look the same rows' partners up
+    assert fixed_kl_completions(rows, [7, 2, 10], 4, pairs=False) == [rows[i]["KL_completion_ids"] for i in (7, 2, 10)]
+
+
 @pytest.mark.parametrize("data", ["pairs", "unpaired"])
 def test_kto_kl_pairs_each_prompt_with_anothers_completion(request, data: str) -> None:
     """The re-paired rows are TRL's: row j = prompt j + completion j-1, as TRL's collator pads them."""

@@ -157,3 +157,25 @@ def test_epoch_batches_under_a_limit_are_lightnings() -> None:
             if isinstance(limit, float) and int(n * limit) == 0:
                 continue  # Lightning refuses it
             assert epoch_batches_under_limit(n, limit) == _parse_num_batches(RunningStage.TRAINING, n, limit), (n, limit)
+
+
+@pytest.mark.parametrize("skip", [0, 2, 3])
+def test_step_ahead_hands_the_steps_micro_batches_to_its_first(skip: int) -> None:
+    """With ``step_ahead`` (GRPO's rollouts of a whole step) the first micro-batch read of each step
+    (after a restart: the first read) carries this rank's micro-batches of the step from it on;
+    the others, and every key without the option, are as before."""
+    weights = torch.ones(20, 1)
+    plain = list(step_sampler(20, 1, 0, 3, 2, weights))
+    s = step_sampler(20, 1, 0, 3, 2, weights)
+    s.step_ahead, s.skip_batches_fn = True, (lambda: skip)
+    ahead = list(s)
+    assert [[k[:3] for k in b] for b in ahead] == plain[skip:]
+    for k, b in enumerate(ahead, start=skip):
+        first = k == skip or k % 2 == 0
+        assert all(len(key) == 3 for key in b[1:]) and (len(b[0]) == 4) == first, k
+        if first:
+            end = (k // 2 + 1) * 2
+            assert b[0][3] == tuple(tuple(i for i, _, _ in p) for p in plain[k:end])
+    items = StepItems(list("abcdefghijklmnopqrstuvwxyz"))
+    item, _, _, step = items[ahead[0][0]]
+    assert step == [[items.items[i] for i in part] for part in ahead[0][0][3]] and item == step[0][0]

@@ -106,6 +106,58 @@ def test_step_loss_is_grpo_loss_of_the_rollouts(train_cfg, monkeypatch, extra: l
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
+def fixed_generate(self: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
+    """Completions that depend only on the prompt and the copy's place in its group (not on the
+    batch they are generated in), of different lengths: some stop early, some are truncated."""
+    rows, previous, copy = [], None, 0
+    for ids, mask in zip(prompt_ids, prompt_mask):
+        prompt = ids[mask.bool()]
+        key = int((prompt * torch.arange(1, len(prompt) + 1)).sum()) % 100_003
+        copy = copy + 1 if key == previous else 0
+        previous = key
+        gen = torch.Generator().manual_seed(key * 10 + copy)
+        row = torch.randint(10, self.chat.tokenizer.vocab_size, (self.objective.max_completion_length,), generator=gen)
+        stop = (key + 3 * copy) % 9
+        if stop < len(row):
+            row[stop] = self.stop_ids[0]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("loss", [["objective.loss_type=dapo"], ["objective.loss_type=grpo"],
+                                  ["objective.loss_type=dr_grpo", "objective.scale_rewards=none"]])
+def test_same_update_however_the_step_is_cut(train_cfg, tmp_path: Path, monkeypatch, loss: list[str]) -> None:
+    """4 prompts a step as (4 x 1), (2 x 2), (1 x 4) micro-batch x accumulation, with rollouts that
+    depend on the prompt only: the step's rollouts, its completion-token total (dapo) and so the
+    loss and the update are the same. Adam's eps=1 makes its update ~ lr x gradient (its first
+    step is otherwise ~ lr x sign, blind to how the loss is normalised)."""
+    from rolemrc.modules.grpo import GRPOModule
+
+    monkeypatch.setattr(GRPOModule, "generate", fixed_generate)
+    results = {}
+    for b, a in [(4, 1), (2, 2), (1, 4)]:
+        cfg = train_cfg(*GRPO, *loss, f"data.batch_size={b}", f"trainer.accumulate_grad_batches={a}",
+                        "trainer.max_steps=2", "optim.eps=1.0", "optim.lr=1.0", "trainer.gradient_clip_val=null")
+        cfg.run_dir = str(tmp_path / f"{b}x{a}")
+        out = run(cfg)
+        run_dir = Path(out["run_dir"])
+        state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        results[(b, a)] = (state, series(run_dir, "train/loss"), series(run_dir, "train/completions/mean_length"),
+                           series(run_dir, "train/reward"))
+    state0, loss0, length0, reward0 = results[(4, 1)]
+    start = {k: v.clone() for k, v in setup(train_cfg(*GRPO)).module.state_dict().items()}  # seeded as the runs
+    assert len(loss0) == 2 and any(v != 0 for v in loss0)
+    for key, (state, losses, lengths, rewards) in results.items():
+        assert lengths == length0 and rewards == pytest.approx(reward0, abs=1e-7), key  # the same rollouts
+        assert losses == pytest.approx(loss0, rel=1e-5, abs=1e-8), key
+        for name, w in state.items():
+            moved = (state0[name] - start[name]).norm().item()
+            if moved == 0:
+                continue
+            assert (w - state0[name]).norm().item() <= 1e-3 * moved, f"{key}: {name}"
+    assert sum((state0[k] - start[k]).norm().item() > 0 for k in state0) > 3  # the steps trained
+
+
 def constant_reward(*, prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
     return [0.45] * len(completions)  # float32 sums of 0.45s leave a std of ~3e-8
 

@@ -191,14 +191,20 @@ def row_totals(row: dict[str, Any]) -> tuple[int, ...]:
 class StepCollator:
     """Wraps a collator for batches from :class:`~rolemrc.data.sampler.StepBatchSampler`: adds
     ``step_<name>`` (float64 scalars: the global totals of the batch's optimizer step) and
-    ``step_end`` (whether this micro-batch closes the step)."""
+    ``step_end`` (whether this micro-batch closes the step); with the sampler's ``step_ahead``, the
+    first micro-batch of a step also ``step_batch`` (the collated items of the step's micro-batches
+    on this rank, this one first) and ``step_sizes`` (their micro-batch sizes)."""
 
     def __init__(self, collate: Any, names: tuple[str, ...]) -> None:
         self.collate, self.names = collate, names
 
-    def __call__(self, tagged: list[tuple[Any, tuple[float, ...], bool]]) -> dict[str, torch.Tensor]:
-        batch = self.collate([item for item, _, _ in tagged])
-        _, totals, last = tagged[0]
+    def __call__(self, tagged: list[tuple]) -> dict[str, Any]:
+        batch = self.collate([t[0] for t in tagged])
+        totals, last = tagged[0][1], tagged[0][2]
+        if len(tagged[0]) > 3:
+            ahead = tagged[0][3]
+            batch["step_batch"] = self.collate([item for b in ahead for item in b])
+            batch["step_sizes"] = [len(b) for b in ahead]
         for name, value in zip(self.names, totals):
             batch[f"step_{name}"] = torch.tensor(value, dtype=torch.float64)
         batch["step_end"] = torch.tensor(bool(last))

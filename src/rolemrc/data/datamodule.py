@@ -385,7 +385,8 @@ class ChatDataModule(L.LightningDataModule):
             accumulate = self.trainer.accumulate_grad_batches
             limit = epoch_batches_under_limit(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
         weights = self._item_weights("train", items)
-        self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit)
+        self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit,
+                                         step_ahead=self.kind == "prompts")  # GRPO rolls out a step at once
         self.place.attach(self._batches, self._layout(), self.trainer)
         return ResumableLoader(
             StepItems(items),

@@ -65,11 +65,16 @@ class StepBatchSampler(Sampler[list]):
     divided by the step's token count) without any communication or look-ahead: every rank
     derives every other rank's order from the seed. Yields lists of ``(item index, totals)``
     for :class:`StepItems`; ``epoch_batches`` caps the epoch (``limit_train_batches``).
+
+    ``step_ahead`` (online RL, whose rollouts are generated once per optimizer step): the first
+    micro-batch this rank reads of each step also carries the indices of the step's micro-batches on
+    this rank from it on (a fourth element of its first key: a tuple of index tuples).
     """
 
     def __init__(self, sampler: ResumableSampler, batch_size: int, accumulate: int, weights: torch.Tensor,
-                 epoch_batches: int | None = None) -> None:
+                 epoch_batches: int | None = None, step_ahead: bool = False) -> None:
         self.sampler, self.batch_size, self.accumulate = sampler, batch_size, max(1, accumulate)
+        self.step_ahead = step_ahead
         self.weights = weights.to(torch.float64)  # [n_items, K]; float64: exact integer sums
         full = -(-len(sampler) // batch_size)
         self.epoch_batches = full if epoch_batches is None else max(0, min(full, epoch_batches))
@@ -98,14 +103,19 @@ class StepBatchSampler(Sampler[list]):
         for k in range(skip, len(batches)):
             step = k // self.accumulate
             last = k == len(batches) - 1 or (k + 1) % self.accumulate == 0
-            yield [(i, totals[step], last) for i in batches[k]]
+            keys: list[tuple] = [(i, totals[step], last) for i in batches[k]]
+            if self.step_ahead and (k == skip or k % self.accumulate == 0):
+                ahead = tuple(tuple(b) for b in batches[k:(step + 1) * self.accumulate])
+                keys[0] = (*keys[0], ahead)
+            yield keys
 
     def __len__(self) -> int:
         return self.epoch_batches
 
 
 class StepItems(torch.utils.data.Dataset):
-    """The loader's dataset under :class:`StepBatchSampler`: ``items[i]`` with its step's tag."""
+    """The loader's dataset under :class:`StepBatchSampler`: ``items[i]`` with its step's tag (and,
+    with ``step_ahead``, the items of the step's micro-batches: a list of lists)."""
 
     def __init__(self, items: list) -> None:
         self.items = items
@@ -113,8 +123,10 @@ class StepItems(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, key: tuple[int, tuple[float, ...], bool]) -> tuple:
-        i, totals, last = key
+    def __getitem__(self, key: tuple) -> tuple:
+        i, totals, last = key[:3]
+        if len(key) > 3:
+            return self.items[i], totals, last, [[self.items[j] for j in b] for b in key[3]]
         return self.items[i], totals, last
 
 

@@ -122,7 +122,9 @@ class GRPOModule(PolicyModule):
         self._rewards = rewards
         self._own_rewards = rewards is None
         self.sampling_rng = SamplingRNG()
-        self._step_stats: list[dict[str, Any]] = []
+        self._step_stats: list[dict[str, Any]] = []  # the step's rollout statistics (one per step and rank)
+        self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
+        self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
         self._val_names: list[str] = []
 
     # ---- parts ------------------------------------------------------------------------------
@@ -310,7 +312,8 @@ class GRPOModule(PolicyModule):
 
     # ---- the step ---------------------------------------------------------------------------
     def _num_tokens(self, mask: torch.Tensor) -> torch.Tensor:
-        """dapo's normaliser: this micro-batch's completion tokens summed over ranks, x the accumulation."""
+        """dapo's normaliser for a micro-batch handed in with its rollouts (the memory simulation,
+        tests): its completion tokens summed over ranks, x the accumulation."""
         total = mask.sum().double()
         trainer = self._trainer
         if trainer is None:
@@ -319,28 +322,69 @@ class GRPOModule(PolicyModule):
             total = trainer.strategy.reduce(total, reduce_op="sum")
         return total * trainer.accumulate_grad_batches
 
+    def _step_rollouts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """The rollouts of the whole optimizer step on this rank, one dict per micro-batch: the
+        step's prompts (``step_batch``, the first micro-batch of a step carries them; a batch
+        without them is its own step) sampled and scored at once, their completion tokens summed
+        over ranks (``step_completion_tokens``: dapo's normaliser)."""
+        step = batch.get("step_batch")
+        sizes = list(batch.get("step_sizes") or [])
+        if step is None:
+            step = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "index", "prompts", "columns")}
+            sizes = [int(batch["index"].shape[0])]
+        rolled = self.rollout(dict(step))
+        total = (rolled["labels"] != IGNORE_INDEX).sum().double()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        g, parts, start = self.objective.num_generations, [], 0
+        for size in sizes:
+            rows = slice(start * g, (start + size) * g)
+            attention = rolled["attention_mask"][rows]
+            left = int(attention.any(dim=0).int().argmax())  # left padding no row of this part needs
+            part = {k: rolled[k][rows, left:] for k in ("input_ids", "attention_mask", "labels", "position_ids")}
+            part.update(advantages=rolled["advantages"][rows], index=step["index"][start:start + size],
+                        step_completion_tokens=total)
+            parts.append(part)
+            start += size
+        parts[0]["rollout_stats"] = rolled["rollout_stats"]  # the step's: logged once
+        return parts
+
+    def _take_rollouts(self, batch: dict[str, Any]) -> None:
+        """Lay this micro-batch's share of the step's rollouts into ``batch`` (in place, so callbacks
+        count the sequences trained), generating the step's at its first micro-batch."""
+        if "step_batch" in batch or not self._rollout_buffer:
+            self._rollout_buffer = self._step_rollouts(batch)
+        part = self._rollout_buffer.pop(0)
+        if not torch.equal(part["index"].cpu(), batch["index"].cpu()):
+            raise RuntimeError(f"GRPO: the micro-batch's prompts {batch['index'].tolist()} are not the ones rolled "
+                               f"out for it ({part['index'].tolist()}): the step's prompts came out of order")
+        batch.update({k: v for k, v in part.items() if k != "index"})
+
     def step_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This micro-batch's share of the step's GRPO loss (rolls out first unless ``batch``
-        already holds ``advantages``: the memory simulation and tests hand rollouts in)."""
+        """This micro-batch's share of the step's GRPO loss (takes its rollouts first unless
+        ``batch`` already holds ``advantages``: the memory simulation and tests hand rollouts in)."""
         o = self.objective
-        if "advantages" not in batch:
-            self.rollout(batch)
+        rolled_here = "advantages" not in batch
+        if rolled_here:
+            self._take_rollouts(batch)
         logps, mask = self.token_logps(self.model, batch)
         ref = self.reference_token_logps(batch) if self.reference is not None else None
         n = batch["input_ids"].shape[0]
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
+        num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
         out = grpo_loss(logps, batch["advantages"], mask, ref_per_token_logps=ref, beta=o.beta,
                         epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
                         max_completion_length=o.max_completion_length, delta=o.delta,
-                        num_sequences=step_sequences, num_tokens=self._num_tokens(mask))
+                        num_sequences=step_sequences, num_tokens=num_tokens)
         loss = out.loss
         if o.loss_type == "bnpo" and self._trainer is not None:  # the local token mean, divided as TRL's trainer
             loss = loss / (self.trainer.accumulate_grad_batches * self.trainer.world_size)
         stats = batch.get("rollout_stats")
         if stats is not None:
-            stats["tokens"] = float(mask.sum())
-            stats["loss_metrics"] = {k: float(v) for k, v in out.metrics.items()}
             self._step_stats.append(stats)
+        if rolled_here or stats is not None:
+            self._loss_stats.append({"tokens": float(mask.sum()),
+                                     "metrics": {k: float(v) for k, v in out.metrics.items()}})
         return loss, {}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -352,12 +396,14 @@ class GRPOModule(PolicyModule):
     def _log_rollouts(self) -> None:
         """TRL's rollout metrics over the step's completions (every micro-batch, every rank)."""
         stats, self._step_stats = self._step_stats, []
+        losses, self._loss_stats = self._loss_stats, []
         if self.trainer.world_size > 1:
             import torch.distributed as dist
 
             gathered: list[Any] = [None] * self.trainer.world_size
-            dist.all_gather_object(gathered, [{k: v for k, v in s.items() if k != "texts"} for s in stats])
-            stats = [s for part in gathered for s in part]
+            dist.all_gather_object(gathered, ([{k: v for k, v in s.items() if k != "texts"} for s in stats], losses))
+            stats = [s for part, _ in gathered for s in part]
+            losses = [s for _, part in gathered for s in part]
         if not stats:
             return
         names = stats[0]["names"]
@@ -378,9 +424,9 @@ class GRPOModule(PolicyModule):
             values = [s["extra"][key] for s in stats if not math.isnan(s["extra"][key])]
             summed = key.endswith("/missing")
             metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")
-        tokens = [s["tokens"] for s in stats]
-        for key in stats[0]["loss_metrics"]:
-            values = [s["loss_metrics"][key] for s in stats]
+        tokens = [s["tokens"] for s in losses]
+        for key in losses[0]["metrics"] if losses else ():
+            values = [s["metrics"][key] for s in losses]
             if key.endswith("_min"):
                 metrics[key] = min(values)
             elif key.endswith("_max"):

@@ -1,10 +1,13 @@
 """GRPO: online RL on prompts (``objective=grpo``, data kind ``prompts``), as TRL 1.16's
 GRPOTrainer computes it with ``num_iterations=1``.
 
-Per micro-batch of ``B`` prompts (:meth:`GRPOModule.step_loss`, the one function training and
-the memory simulation run):
+Per optimizer step (:meth:`GRPOModule.step_loss`, the one function training and the memory
+simulation run):
 
-1. **rollout** (:meth:`GRPOModule.rollout`): each prompt repeated ``num_generations`` (``G``)
+1. **rollout**, once per step at its first micro-batch (:meth:`GRPOModule._step_rollouts`; the
+   step sampler's ``step_ahead`` hands that micro-batch the ``B x accumulate_grad_batches`` prompts
+   of the step's micro-batches on this rank, as TRL generates its generation batch of
+   ``steps_per_generation`` micro-batches): each prompt repeated ``num_generations`` (``G``)
    times, completions sampled with transformers ``generate`` from the policy's current weights
    (eval mode, no gradient, KV cache; ``temperature`` / ``top_p`` / ``top_k``; stops at eos or the
    chat's end-of-turn token, at most ``max_completion_length`` tokens), from a sampling RNG of its
@@ -12,20 +15,20 @@ the memory simulation run):
    resumed run samples what the uninterrupted one samples). Completions are decoded without
    special tokens and scored by the :class:`~rolemrc.rewards.RewardSet` built once from
    ``objective.rewards`` (judge caches under ``<run_dir>/judge_cache``); the rewards become
-   group-normalised advantages (:func:`~rolemrc.objectives.grpo.group_advantages`);
-2. **loss**: per-token log-probs of the completion tokens under the policy (with gradient) and,
-   when ``beta > 0``, under the reference (DPO's ``copy`` or ``adapter``, no gradient), at the
-   logits divided by ``temperature`` as TRL scores them, into
-   :func:`~rolemrc.objectives.grpo.grpo_loss` with the step's global normalisers: ``grpo`` and
-   ``dr_grpo`` divide by the step's completions (``step_prompts x G``, over every micro-batch and
-   rank: exact); ``dapo`` by the step's completion tokens: the micro-batch's tokens summed over
-   ranks, times ``accumulate_grad_batches`` (exact when a step is one micro-batch per rank; with
-   accumulation each micro-batch's tokens stand for the others', where TRL divides by the whole
-   generation batch's); ``bnpo`` the micro-batch's own token mean (TRL's definition).
+   group-normalised advantages (:func:`~rolemrc.objectives.grpo.group_advantages`). The step's
+   rollouts are buffered, one part per micro-batch;
+2. **loss**, per micro-batch from the buffer: per-token log-probs of the completion tokens under
+   the policy (with gradient) and, when ``beta > 0``, under the reference (DPO's ``copy`` or
+   ``adapter``, no gradient), at the logits divided by ``temperature`` as TRL scores them, into
+   :func:`~rolemrc.objectives.grpo.grpo_loss` with the step's global normalisers (exact however
+   the step is cut into micro-batches and ranks): ``grpo`` and ``dr_grpo`` divide by the step's
+   completions (``step_prompts x G``), ``dapo`` by the step's completion tokens (summed over the
+   step's micro-batches at the rollout, then over ranks: TRL's ``num_items_in_batch``); ``bnpo``
+   the micro-batch's own token mean (TRL's definition).
 
 Old log-probs are never needed (``num_iterations > 1`` is refused by the schema), so the ratio is 1
 and the gradient the plain policy gradient, as TRL's. ``scale_rewards=batch`` takes the std over
-the micro-batch on its rank (TRL: over the generation batch on every rank).
+the step's completions on its rank (TRL: over the generation batch on every rank).
 
 Logged per optimizer step under TRL's names (``train/`` prefixed): ``reward``, ``reward_std``,
 ``rewards/<name>/mean|std``, ``frac_reward_zero_std``, ``completions/mean_length|min_length|

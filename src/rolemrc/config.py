@@ -241,7 +241,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: epsilon (DAPO's clip-higher: e.g. 0.28)
     delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)
-    num_iterations: int = 1  # TRL's mu; only 1 so far (each rollout batch is used once)
+    num_iterations: int = 1  # TRL's mu: each step's rollouts train this many optimizer steps (old log-probs)
     scale_rewards: str = "group"  # group | batch | none
     num_generations: int = 8  # completions per prompt (G)
     temperature: float = 1.0
@@ -273,9 +273,9 @@ class GRPOObjectiveConfig(ObjectiveConfig):
             raise ConfigError(f"objective.epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.delta is not None and not self.delta > 0:
             raise ConfigError(f"objective.delta must be > 0 (TRL recommends > 1 + epsilon), got {self.delta}")
-        if self.num_iterations != 1:
-            raise ConfigError(f"objective.num_iterations={self.num_iterations} is not available yet (reusing a "
-                              "rollout batch with old log-probs): use objective.num_iterations=1")
+        if self.num_iterations < 1:
+            raise ConfigError(f"objective.num_iterations must be >= 1 (optimizer steps per rollout batch), "
+                              f"got {self.num_iterations}")
         if self.num_generations < 2:
             raise ConfigError(f"objective.num_generations must be >= 2 (a group needs two completions to compare), "
                               f"got {self.num_generations}")

@@ -172,10 +172,27 @@ def test_step_ahead_hands_the_steps_micro_batches_to_its_first(skip: int) -> Non
     assert [[k[:3] for k in b] for b in ahead] == plain[skip:]
     for k, b in enumerate(ahead, start=skip):
         first = k == skip or k % 2 == 0
-        assert all(len(key) == 3 for key in b[1:]) and (len(b[0]) == 4) == first, k
+        assert all(len(key) == 3 for key in b[1:]) and (len(b[0]) == 5) == first, k
         if first:
             end = (k // 2 + 1) * 2
             assert b[0][3] == tuple(tuple(i for i, _, _ in p) for p in plain[k:end])
     items = StepItems(list("abcdefghijklmnopqrstuvwxyz"))
-    item, _, _, step = items[ahead[0][0]]
+    item, _, _, step, use = items[ahead[0][0]]
+    assert use == 0
     assert step == [[items.items[i] for i in part] for part in ahead[0][0][3]] and item == step[0][0]
+
+
+def test_repeat_reads_each_whole_step_again_and_drops_a_short_last_step() -> None:
+    """GRPO's num_iterations: 20 items in micro-batches of 3 (7, the last short) and steps of 2:
+    3 whole steps (the 7th micro-batch dropped, as TRL drops a short generation batch), each read
+    twice in a row with the same totals; step_ahead tags which use a step is; resume mid-epoch."""
+    weights = torch.arange(20, dtype=torch.float64).unsqueeze(1)
+    plain = list(step_sampler(20, 1, 0, 3, 2, weights))
+    s = StepBatchSampler(ResumableSampler(20, True, 1), 3, 2, weights, step_ahead=True, repeat=2)
+    got = list(s)
+    assert len(got) == 12 and s.steps_per_epoch() == 6
+    expected = [plain[k] for step in range(3) for _ in range(2) for k in (2 * step, 2 * step + 1)]
+    assert [[k[:3] for k in b] for b in got] == expected
+    assert [b[0][4] for b in got[::2]] == [0, 1, 0, 1, 0, 1]
+    s.skip_batches_fn = lambda: 6  # restarted before the second use of step 2
+    assert list(s) == got[6:]

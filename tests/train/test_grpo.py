@@ -182,7 +182,7 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
 
     for overrides, message in ((["objective=grpo"], "data.prompts, which data=sample leaves empty"),
                                ([*GRPO, "data.packing=true"], "set data.packing=false"),
-                               ([*GRPO, "objective.num_iterations=2"], "objective.num_iterations=2 is not available"),
+                               ([*GRPO, "objective.num_iterations=0"], "objective.num_iterations must be >= 1"),
                                ([*GRPO, "objective.rollout=vllm"], "objective.rollout=vllm is not available yet"),
                                ([*GRPO, "objective.num_generations=1"], "objective.num_generations must be >= 2"),
                                ([*GRPO, "objective.loss_type=cispo"], "objective.loss_type must be one of"),
@@ -267,3 +267,43 @@ def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_
     without, with_ref = (float(check(compose_train([*GRPO, *big, f"objective.beta={b}"])).split()[0].lstrip("~"))
                          for b in (0.0, 0.1))
     assert with_ref > without
+
+
+def test_num_iterations_reuses_each_steps_rollouts_and_resumes_mid_reuse(tmp_path: Path, monkeypatch) -> None:
+    """num_iterations=2: rollouts sampled at steps 1 and 3 only, trained again at steps 2 and 4
+    with the old log-probs of their first use (ratio != 1 once the policy moved: clipped tokens);
+    a crash after step 3 resumes on the kept rollouts and gives the uninterrupted run."""
+    from rolemrc.modules.grpo import GRPOModule
+    from tests.conftest import FAST, compose_train
+
+    calls: list[int] = []
+    real = GRPOModule.generate
+
+    def counted(self: Any, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(self.trainer.global_step)
+        return real(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOModule, "generate", counted)
+    common = [*FAST, *GRPO, "objective.num_iterations=2", "trainer.max_steps=4", "runtime.checkpoint_every_n_steps=1",
+              "optim.lr=3e-2", "objective.epsilon=0.05", "trainer.accumulate_grad_batches=2", "data.batch_size=1"]
+    reference = Path(run(compose_train(common, run_dir=tmp_path / "reference"))["run_dir"])
+    assert calls == [0, 2]  # one generation per two optimizer steps
+    rows = [r for r in metric_rows(reference) if "train/loss" in r]
+    assert len(rows) == 4
+    rewards = [r["train/reward"] for r in rows]  # a reuse step shows its rollouts' (Lightning keeps the last value)
+    assert rewards[0] == rewards[1] and rewards[2] == rewards[3] and rewards[0] != rewards[2]
+    assert all(r["train/clip_ratio/region_mean"] == 0 for r in rows[::2])  # first use: ratio 1
+    assert any(r["train/clip_ratio/region_mean"] > 0 for r in rows[1::2])  # reuse after an update: clipped
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="crash at step 3"):
+        run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
+                           "+callbacks.crash.step=3"], run_dir=crashed))
+    saved = torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3 and saved["grpo_rollouts"]["uses"] == 1
+    calls.clear()
+    run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
+    assert calls == []  # step 4 trains on the kept rollouts
+    for key in ("train/loss", "train/clip_ratio/region_mean", "train/clip_ratio/low_mean", "train/reward"):
+        want, got = series(reference, key), series(crashed, key)
+        assert got == pytest.approx(want, abs=1e-6, nan_ok=True), key

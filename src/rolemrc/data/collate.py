@@ -193,7 +193,8 @@ class StepCollator:
     ``step_<name>`` (float64 scalars: the global totals of the batch's optimizer step) and
     ``step_end`` (whether this micro-batch closes the step); with the sampler's ``step_ahead``, the
     first micro-batch of a step also ``step_batch`` (the collated items of the step's micro-batches
-    on this rank, this one first) and ``step_sizes`` (their micro-batch sizes)."""
+    on this rank, this one first), ``step_sizes`` (their micro-batch sizes) and ``step_use`` (which
+    use of these prompts the step is: 0, or up to ``num_iterations - 1``)."""
 
     def __init__(self, collate: Any, names: tuple[str, ...]) -> None:
         self.collate, self.names = collate, names
@@ -205,6 +206,7 @@ class StepCollator:
             ahead = tagged[0][3]
             batch["step_batch"] = self.collate([item for b in ahead for item in b])
             batch["step_sizes"] = [len(b) for b in ahead]
+            batch["step_use"] = int(tagged[0][4])  # 0: the step's prompts are new; > 0: their reuse
         for name, value in zip(self.names, totals):
             batch[f"step_{name}"] = torch.tensor(value, dtype=torch.float64)
         batch["step_end"] = torch.tensor(bool(last))

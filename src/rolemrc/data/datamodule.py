@@ -27,7 +27,7 @@ from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, Pro
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
-                                  epoch_batches_under_limit)
+                                  epoch_batches_under_limit, repeated_batches)
 from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
 from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
@@ -235,8 +235,9 @@ class ChatDataModule(L.LightningDataModule):
     """
 
     def __init__(self, cfg: DataConfig | Any, kind: str, chat: ChatFormat, seed: int = 42, report_dir: str | None = None,
-                 share_prompt: bool = False) -> None:
+                 share_prompt: bool = False, step_repeat: int = 1) -> None:
         super().__init__()
+        self.step_repeat = step_repeat  # each step's micro-batches read this many times (GRPO's num_iterations)
         if kind not in ("sft", "pairs", "unpaired", "prompts"):
             raise ValueError(f"kind must be 'sft', 'pairs', 'unpaired' or 'prompts', got {kind!r}")
         self.cfg: DataConfig = as_schema(cfg, DataConfig, name="inline")
@@ -383,10 +384,12 @@ class ChatDataModule(L.LightningDataModule):
         if self.trainer is not None:
             self._sampler.set_epoch(self.trainer.current_epoch)
             accumulate = self.trainer.accumulate_grad_batches
-            limit = epoch_batches_under_limit(-(-len(self._sampler) // self.cfg.batch_size), self.trainer.limit_train_batches)
+            full = repeated_batches(len(self._sampler), self.cfg.batch_size, accumulate, self.step_repeat)
+            limit = epoch_batches_under_limit(full, self.trainer.limit_train_batches)
         weights = self._item_weights("train", items)
         self._batches = StepBatchSampler(self._sampler, self.cfg.batch_size, accumulate, weights, limit,
-                                         step_ahead=self.kind == "prompts")  # GRPO rolls out a step at once
+                                         step_ahead=self.kind == "prompts",  # GRPO rolls out a step at once
+                                         repeat=self.step_repeat)
         self.place.attach(self._batches, self._layout(), self.trainer)
         return ResumableLoader(
             StepItems(items),
@@ -414,9 +417,12 @@ class ChatDataModule(L.LightningDataModule):
         accumulation, ranks, and the rows themselves (the store's fingerprint; None in memory)."""
         b = self._batches
         assert b is not None and self._sampler is not None
-        return {"items": self._sampler.n, "batch_size": b.batch_size, "accumulate": b.accumulate,
-                "world_size": self._sampler.world_size, "shuffle": self._sampler.shuffle, "seed": self._sampler.seed,
-                "rows": getattr(self.train_rows, "fingerprint", None)}
+        layout = {"items": self._sampler.n, "batch_size": b.batch_size, "accumulate": b.accumulate,
+                  "world_size": self._sampler.world_size, "shuffle": self._sampler.shuffle, "seed": self._sampler.seed,
+                  "rows": getattr(self.train_rows, "fingerprint", None)}
+        if b.repeat > 1:  # only then: the layouts of runs without reuse stay as they were saved
+            layout["repeat"] = b.repeat
+        return layout
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts the training micro-batches as the fit loop takes them (not as the loader

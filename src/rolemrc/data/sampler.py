@@ -68,15 +68,20 @@ class StepBatchSampler(Sampler[list]):
 
     ``step_ahead`` (online RL, whose rollouts are generated once per optimizer step): the first
     micro-batch this rank reads of each step also carries the indices of the step's micro-batches on
-    this rank from it on (a fourth element of its first key: a tuple of index tuples).
+    this rank from it on (a fourth element of its first key: a tuple of index tuples; the fifth:
+    which use of the step's prompts this is, see ``repeat``).
+
+    ``repeat`` (GRPO's ``num_iterations``, TRL's RepeatSampler): each step's micro-batches are read
+    ``repeat`` times in a row, one optimizer step each; the epoch then holds whole steps only (a
+    short last step is dropped, as TRL drops a short generation batch).
     """
 
     def __init__(self, sampler: ResumableSampler, batch_size: int, accumulate: int, weights: torch.Tensor,
-                 epoch_batches: int | None = None, step_ahead: bool = False) -> None:
+                 epoch_batches: int | None = None, step_ahead: bool = False, repeat: int = 1) -> None:
         self.sampler, self.batch_size, self.accumulate = sampler, batch_size, max(1, accumulate)
-        self.step_ahead = step_ahead
+        self.step_ahead, self.repeat = step_ahead, max(1, repeat)
         self.weights = weights.to(torch.float64)  # [n_items, K]; float64: exact integer sums
-        full = -(-len(sampler) // batch_size)
+        full = repeated_batches(len(sampler), batch_size, self.accumulate, self.repeat)
         self.epoch_batches = full if epoch_batches is None else max(0, min(full, epoch_batches))
         self.skip_batches_fn: Callable[[], int] | None = None  # micro-batches already trained this epoch
 
@@ -85,7 +90,11 @@ class StepBatchSampler(Sampler[list]):
 
     def _batches(self, rank: int) -> list[list[int]]:
         order = self.sampler.order_for(rank)
-        return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)][: self.epoch_batches]
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.repeat > 1:
+            a = self.accumulate
+            batches = [b for s in range(len(batches) // a) for _ in range(self.repeat) for b in batches[s * a:(s + 1) * a]]
+        return batches[: self.epoch_batches]
 
     def step_totals(self) -> list[tuple[float, ...]]:
         """Per optimizer step of the epoch: the weight totals over all ranks' micro-batches."""
@@ -106,7 +115,7 @@ class StepBatchSampler(Sampler[list]):
             keys: list[tuple] = [(i, totals[step], last) for i in batches[k]]
             if self.step_ahead and (k == skip or k % self.accumulate == 0):
                 ahead = tuple(tuple(b) for b in batches[k:(step + 1) * self.accumulate])
-                keys[0] = (*keys[0], ahead)
+                keys[0] = (*keys[0], ahead, step % self.repeat)
             yield keys
 
     def __len__(self) -> int:
@@ -126,7 +135,7 @@ class StepItems(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple) -> tuple:
         i, totals, last = key[:3]
         if len(key) > 3:
-            return self.items[i], totals, last, [[self.items[j] for j in b] for b in key[3]]
+            return self.items[i], totals, last, [[self.items[j] for j in b] for b in key[3]], key[4]
         return self.items[i], totals, last
 
 
@@ -193,6 +202,12 @@ class SamplerPlace:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._state_loaded = True
         self._restored = state.get("sampler_place")
+
+
+def repeated_batches(n: int, batch_size: int, accumulate: int, repeat: int) -> int:
+    """Micro-batches a :class:`StepBatchSampler` of ``n`` indices yields per epoch (before a limit)."""
+    full = -(-n // batch_size)
+    return full if repeat <= 1 else full // accumulate * accumulate * repeat
 
 
 def place_from_step_count(global_step: int, current_epoch: int, steps_per_epoch: int, epoch_batches: int,

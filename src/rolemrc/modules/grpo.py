@@ -1,5 +1,5 @@
 """GRPO: online RL on prompts (``objective=grpo``, data kind ``prompts``), as TRL 1.16's
-GRPOTrainer computes it with ``num_iterations=1``.
+GRPOTrainer computes it.
 
 Per optimizer step (:meth:`GRPOModule.step_loss`, the one function training and the memory
 simulation run):
@@ -26,8 +26,11 @@ simulation run):
    step's micro-batches at the rollout, then over ranks: TRL's ``num_items_in_batch``); ``bnpo``
    the micro-batch's own token mean (TRL's definition).
 
-Old log-probs are never needed (``num_iterations > 1`` is refused by the schema), so the ratio is 1
-and the gradient the plain policy gradient, as TRL's. ``scale_rewards=batch`` takes the std over
+With ``num_iterations=1`` old log-probs are not needed: the ratio is 1 and the gradient the plain
+policy gradient, as TRL's. With ``num_iterations > 1`` the step sampler reads each step's
+micro-batches that many times in a row (``step_use``); the rollouts are kept
+(:class:`RolloutReuse`, in the run state), the first use records its per-token log-probs and the
+later uses train on the same rollouts with those as old log-probs (clipped ratio). ``scale_rewards=batch`` takes the std over
 the step's completions on its rank (TRL: over the generation batch on every rank).
 
 Logged per optimizer step under TRL's names (``train/`` prefixed): ``reward``, ``reward_std``,
@@ -105,6 +108,34 @@ class SamplingRNG:
             self.cpu, self.cuda = state["cpu"], state.get("cuda")
 
 
+REUSE_KEY = "grpo_rollouts"  # top-level checkpoint entry: a generation batch still to be reused
+
+
+class RolloutReuse:
+    """``num_iterations > 1``: the step's rollouts (one part per micro-batch, with the old
+    log-probs recorded at their first use) kept for the following ``num_iterations - 1`` steps,
+    and how many uses they had; in every checkpoint taken while uses remain (a
+    :func:`run_state_parts` part), so a run resumed mid-reuse trains on the same rollouts."""
+
+    def __init__(self, num_iterations: int) -> None:
+        self.num_iterations = num_iterations
+        self.parts: list[dict[str, Any]] | None = None
+        self.uses = 0
+        self.metrics: dict[str, float] = {}  # their rollout metrics, logged again at each reuse
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.parts is None or self.uses >= self.num_iterations:
+            return {}
+        parts = [{k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in p.items()
+                  if k != "rollout_stats"} for p in self.parts]
+        return {REUSE_KEY: {"parts": parts, "uses": self.uses, "metrics": dict(self.metrics)}}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(REUSE_KEY)
+        self.parts, self.uses = (state["parts"], int(state["uses"])) if state else (None, 0)
+        self.metrics = dict(state.get("metrics", {})) if state else {}
+
+
 class GRPOModule(PolicyModule):
     """``objective``: the grpo node (:class:`~rolemrc.config.GRPOObjectiveConfig`); ``reference``:
     DPO's copy / adapter (:func:`rolemrc.modules.reference.make_reference`), ``None`` when
@@ -128,6 +159,7 @@ class GRPOModule(PolicyModule):
         self._step_stats: list[dict[str, Any]] = []  # the step's rollout statistics (one per step and rank)
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
+        self.reuse = RolloutReuse(int(objective.num_iterations))
         self._val_names: list[str] = []
 
     # ---- parts ------------------------------------------------------------------------------
@@ -148,8 +180,9 @@ class GRPOModule(PolicyModule):
         super().configure_model()
 
     def run_state_parts(self) -> tuple[Any, ...]:
-        """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts)."""
-        return (self.sampling_rng,)
+        """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts),
+        and so do rollouts still to be reused (``num_iterations > 1``)."""
+        return (self.sampling_rng, self.reuse)
 
     @property
     def chat(self) -> Any:
@@ -352,30 +385,48 @@ class GRPOModule(PolicyModule):
         parts[0]["rollout_stats"] = rolled["rollout_stats"]  # the step's: logged once
         return parts
 
-    def _take_rollouts(self, batch: dict[str, Any]) -> None:
+    def _take_rollouts(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Lay this micro-batch's share of the step's rollouts into ``batch`` (in place, so callbacks
-        count the sequences trained), generating the step's at its first micro-batch."""
+        count the sequences trained), generating the step's at its first micro-batch, or, on a
+        reuse (``step_use > 0``, ``num_iterations > 1``), taking the kept ones with their old
+        log-probs. Returns the part (its first use records its old log-probs there)."""
         if "step_batch" in batch or not self._rollout_buffer:
-            self._rollout_buffer = self._step_rollouts(batch)
+            use, reuse = int(batch.get("step_use", 0)), self.reuse
+            if use > 0 and reuse.parts is not None and reuse.uses == use:
+                device = batch["index"].device
+                self._rollout_buffer = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()
+                                         if k != "rollout_stats"} for p in reuse.parts]  # logged at the first use
+            else:
+                if use > 0:  # not expected: a checkpoint holds the rollouts it is in the middle of reusing
+                    log.warning("GRPO: use %d of a rollout batch that is not kept (%s): sampling a new one",
+                                use, "none kept" if reuse.parts is None else f"{reuse.uses} uses kept")
+                parts = self._step_rollouts(batch)
+                self._rollout_buffer = list(parts)  # popped; the kept list (the same parts) is not
+                reuse.parts, reuse.uses = (parts if reuse.num_iterations > 1 else None), 0
         part = self._rollout_buffer.pop(0)
         if not torch.equal(part["index"].cpu(), batch["index"].cpu()):
             raise RuntimeError(f"GRPO: the micro-batch's prompts {batch['index'].tolist()} are not the ones rolled "
                                f"out for it ({part['index'].tolist()}): the step's prompts came out of order")
         batch.update({k: v for k, v in part.items() if k != "index"})
+        if not self._rollout_buffer and self.reuse.parts is not None:
+            self.reuse.uses += 1  # the step's last micro-batch: one more use of its rollouts
+        return part
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step's GRPO loss (takes its rollouts first unless
         ``batch`` already holds ``advantages``: the memory simulation and tests hand rollouts in)."""
         o = self.objective
         rolled_here = "advantages" not in batch
-        if rolled_here:
-            self._take_rollouts(batch)
+        part = self._take_rollouts(batch) if rolled_here else None
         logps, mask = self.token_logps(self.model, batch)
+        if part is not None and self.reuse.num_iterations > 1 and "old_logps" not in part:
+            part["old_logps"] = logps.detach()  # the first use's: the policy that sampled them (TRL records these)
         ref = self.reference_token_logps(batch) if self.reference is not None else None
         n = batch["input_ids"].shape[0]
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
         num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
-        out = grpo_loss(logps, batch["advantages"], mask, ref_per_token_logps=ref, beta=o.beta,
+        out = grpo_loss(logps, batch["advantages"], mask, old_per_token_logps=batch.get("old_logps"),
+                        ref_per_token_logps=ref, beta=o.beta,
                         epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
                         max_completion_length=o.max_completion_length, delta=o.delta,
                         num_sequences=step_sequences, num_tokens=num_tokens)
@@ -407,8 +458,26 @@ class GRPOModule(PolicyModule):
             dist.all_gather_object(gathered, ([{k: v for k, v in s.items() if k != "texts"} for s in stats], losses))
             stats = [s for part, _ in gathered for s in part]
             losses = [s for _, part in gathered for s in part]
-        if not stats:
-            return
+        if stats:
+            metrics = self._rollout_metrics(stats)
+            self.reuse.metrics = dict(metrics)
+        else:  # a reuse step: its rollouts' metrics again (a resumed run has them from the checkpoint)
+            metrics = dict(self.reuse.metrics) if self.reuse.parts is not None else {}
+        tokens = [s["tokens"] for s in losses]
+        for key in losses[0]["metrics"] if losses else ():
+            values = [s["metrics"][key] for s in losses]
+            if key.endswith("_min"):
+                metrics[key] = min(values)
+            elif key.endswith("_max"):
+                metrics[key] = max(values)
+            else:  # token means: weighted by each micro-batch's tokens
+                metrics[key] = sum(v * w for v, w in zip(values, tokens)) / max(sum(tokens), 1.0)
+        for key, value in metrics.items():  # already over every rank: no sync
+            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+
+    @staticmethod
+    def _rollout_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+        """TRL's reward and completion metrics over the step's rollouts (every rank's)."""
         names = stats[0]["names"]
         rewards = torch.cat([s["rewards"] for s in stats]).double()
         per = torch.cat([s["per_reward"] for s in stats]).double()
@@ -427,19 +496,9 @@ class GRPOModule(PolicyModule):
             values = [s["extra"][key] for s in stats if not math.isnan(s["extra"][key])]
             summed = key.endswith("/missing")
             metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")
-        tokens = [s["tokens"] for s in losses]
-        for key in losses[0]["metrics"] if losses else ():
-            values = [s["metrics"][key] for s in losses]
-            if key.endswith("_min"):
-                metrics[key] = min(values)
-            elif key.endswith("_max"):
-                metrics[key] = max(values)
-            else:  # token means: weighted by each micro-batch's tokens
-                metrics[key] = sum(v * w for v, w in zip(values, tokens)) / max(sum(tokens), 1.0)
         seconds = sum(s["seconds"] for s in stats)
         metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
-        for key, value in metrics.items():  # already over every rank: no sync
-            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+        return metrics
 
     # ---- validation: one greedy completion per prompt -----------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -52,7 +52,9 @@ def build_datamodule(cfg: Any, chat: ChatFormat) -> ChatDataModule:
     kind = objective_entry(cfg).data
     share_prompt = kind == "pairs" and bool(cfg.objective.get("share_prompt", False))
     data = typed(cfg.data)  # DataConfig
-    return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt)
+    repeat = int(cfg.objective.get("num_iterations", 1)) if kind == "prompts" else 1  # GRPO's rollout reuse
+    return ChatDataModule(data, kind, chat, seed=cfg.seed, report_dir=str(cfg.run_dir), share_prompt=share_prompt,
+                          step_repeat=repeat)
 
 
 def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None = None) -> L.LightningModule:

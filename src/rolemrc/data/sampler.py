@@ -93,7 +93,8 @@ class StepBatchSampler(Sampler[list]):
         batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.repeat > 1:
             a = self.accumulate
-            batches = [b for s in range(len(batches) // a) for _ in range(self.repeat) for b in batches[s * a:(s + 1) * a]]
+            batches = [b for s in range(len(batches) // a) for _ in range(self.repeat)
+                       for b in batches[s * a:(s + 1) * a]]
         return batches[: self.epoch_batches]
 
     def step_totals(self) -> list[tuple[float, ...]]:

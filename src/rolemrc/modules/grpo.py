@@ -30,8 +30,9 @@ With ``num_iterations=1`` old log-probs are not needed: the ratio is 1 and the g
 policy gradient, as TRL's. With ``num_iterations > 1`` the step sampler reads each step's
 micro-batches that many times in a row (``step_use``); the rollouts are kept
 (:class:`RolloutReuse`, in the run state), the first use records its per-token log-probs and the
-later uses train on the same rollouts with those as old log-probs (clipped ratio). ``scale_rewards=batch`` takes the std over
-the step's completions on its rank (TRL: over the generation batch on every rank).
+later uses train on the same rollouts with those as old log-probs (clipped ratio).
+``scale_rewards=batch`` takes the std over the step's completions on its rank (TRL: over the
+generation batch on every rank).
 
 Logged per optimizer step under TRL's names (``train/`` prefixed): ``reward``, ``reward_std``,
 ``rewards/<name>/mean|std``, ``frac_reward_zero_std``, ``completions/mean_length|min_length|

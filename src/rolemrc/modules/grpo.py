@@ -294,7 +294,8 @@ class GRPOModule(PolicyModule):
     # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------
     memory_note = ("objective=grpo: simulated is the loss step on data.batch_size x num_generations rollouts of "
                    "max_prompt_length + max_completion_length tokens (policy and, beta > 0, reference passes); "
-                   "the rollout itself (generate and its KV cache) is not simulated")
+                   "the rollout itself (generate and its KV cache, on the step's data.batch_size x "
+                   "accumulate_grad_batches x num_generations completions at once) is not simulated")
 
     @staticmethod
     def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:

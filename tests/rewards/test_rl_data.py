@@ -60,11 +60,13 @@ def test_sample_rl_config_reads_the_file():
 
 
 def test_rolemrc_rl_uses_the_rolemrc_files():
-    """The hub id and file names conf/data/rolemrc.yaml reads: test items and the SFT mix as prompts."""
+    """The hub id and file names conf/data/rolemrc.yaml reads: the SFT mix as prompts, the test items
+    as the test set only (a GRPO run's test scores are on items it never sampled for)."""
     rl = OmegaConf.to_container(compose_train(["data=rolemrc_rl"]).data, resolve=True)
     base = OmegaConf.to_container(compose_train(["data=rolemrc"]).data, resolve=True)
     assert [(s["path"], s["data_files"]) for s in rl["prompts"]] == [
-        (base["test"][0]["path"], base["test"][0]["data_files"]), (base["sft"][0]["path"], base["sft"][0]["data_files"])]
+        (base["sft"][0]["path"], base["sft"][0]["data_files"])]
+    assert rl["test"] == base["test"]
     assert [(s["path"], s["data_files"]) for s in rl["prompts_val"]] == [
         (base["pairs_val"][0]["path"], base["pairs_val"][0]["data_files"])]
     assert rl["max_prompt_length"] == base["max_prompt_length"]

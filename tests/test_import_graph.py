@@ -305,7 +305,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parts", ["rolemrc.run", "rolemrc.parts"]),  # rolemrc.run less its recipe modules (train, sizing)
     ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
-                         "rolemrc.synth", "rolemrc.rewards"]),
+                         "rolemrc.synth", "rolemrc.rewards", "rolemrc.rollout"]),
     ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
                                        "rolemrc.config", "rolemrc.config_suites", "rolemrc.tasks", "rolemrc.rng",
                                        "rolemrc.errors", "rolemrc.loggers", "rolemrc.entry", "rolemrc.sweep",

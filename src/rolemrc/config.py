@@ -224,6 +224,54 @@ def _default_rewards() -> dict[str, Any]:
 
 
 GRPO_ROLLOUTS = ("hf", "vllm")
+VLLM_MODES = ("server", "colocate")
+
+
+@dataclass
+class GRPOVLLMConfig:
+    """``objective.vllm``: where ``objective.rollout=vllm`` samples (docs/rl.md, ``rolemrc.rollout``).
+    ``server``: any vLLM OpenAI-compatible endpoint, token ids in and out through ``/v1/completions``,
+    the LoRA adapter synced each step through ``/v1/load_lora_adapter``; ``colocate``: an in-process
+    ``vllm.LLM`` on the trainer's GPU, the policy's full (LoRA-merged) weights loaded each step."""
+
+    mode: str = "server"  # server | colocate
+    # server: the endpoint (http://host:8000/v1); every request names the adapter synced for its step
+    base_url: Optional[str] = None
+    api_key_env: Optional[str] = None  # variable holding the key (never the key); None: no key (vllm serve without --api-key)
+    sync_dir: Optional[str] = None  # server: where adapters are written, a path the server reads too; None: <run_dir>/vllm_adapters
+    concurrency: int = 8  # server: requests in flight (one per prompt, n = num_generations)
+    timeout_s: float = 600.0
+    max_attempts: int = 5  # per request: 429/5xx/timeouts/connection errors/malformed answers are retried
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    # colocate: vllm.LLM(...) on the trainer's GPU, sharing its memory
+    gpu_memory_utilization: float = 0.3  # the share of the GPU vLLM takes (weights + KV cache)
+    max_model_len: Optional[int] = None  # None: data.max_prompt_length + objective.max_completion_length
+    dtype: str = "auto"  # vllm.LLM's dtype
+    enable_sleep_mode: bool = False  # free vLLM's KV cache and weights between rollouts (sleep level 2)
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM(...) arguments
+
+    def __post_init__(self) -> None:
+        one_of("objective.vllm.mode", self.mode, VLLM_MODES)
+        if self.concurrency < 1 or self.max_attempts < 1:
+            raise ConfigError("objective.vllm.concurrency and objective.vllm.max_attempts must be >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ConfigError(f"objective.vllm.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+
+    def check_run(self, cfg: Any) -> None:
+        """Weight sync that cannot work for this run is refused here, never rolled out from stale weights."""
+        peft = bool(cfg.model.peft.enabled)
+        if self.mode == "server":
+            if not self.base_url:
+                raise ConfigError("objective.rollout=vllm with objective.vllm.mode=server needs objective.vllm.base_url "
+                                  "(the vLLM server's OpenAI-compatible URL, e.g. http://host:8000/v1)")
+            if not peft:
+                raise ConfigError("objective.vllm.mode=server syncs the policy as a LoRA adapter each step "
+                                  "(POST /v1/load_lora_adapter): a full fine-tune cannot be synced to a plain endpoint. "
+                                  "Set model.peft.enabled=true, or objective.vllm.mode=colocate (vLLM on the trainer's GPU)")
+        elif not cfg.model.get("path"):
+            raise ConfigError("objective.vllm.mode=colocate builds vllm.LLM from model.path (the policy's weights are "
+                              "loaded into it before every rollout): model.path is not set")
 
 
 @dataclass
@@ -253,7 +301,8 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     # name -> reward spec as rolemrc.rewards.build_rewards takes it: {type: verifier|judge, weight, ...}
     # or {_target_: dotted.path, weight, **kwargs}
     rewards: dict[str, Any] = field(default_factory=_default_rewards)
-    rollout: str = "hf"  # hf (transformers generate); vllm: not available yet
+    rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
+    vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
 
     def __post_init__(self) -> None:
         from rolemrc.objectives.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
@@ -262,9 +311,6 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("objective.reference", self.reference, ("copy", "adapter"))
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
-        if self.rollout == "vllm":
-            raise ConfigError("objective.rollout=vllm is not available yet: use objective.rollout=hf "
-                              "(transformers generate)")
         if self.beta < 0:
             raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
         if self.epsilon < 0:
@@ -310,6 +356,8 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if cfg.data.packing:
             raise ConfigError("objective=grpo samples its completions: data.packing=true does not apply, "
                               "set data.packing=false")
+        if self.rollout == "vllm":
+            as_schema(self.vllm, GRPOVLLMConfig).check_run(cfg)
         if not cfg.data.get("prompts"):
             raise ConfigError(f"objective=grpo samples completions for data.prompts, which data={cfg.data.get('name')} "
                               "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "

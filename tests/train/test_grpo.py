@@ -183,7 +183,7 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
     for overrides, message in ((["objective=grpo"], "data.prompts, which data=sample leaves empty"),
                                ([*GRPO, "data.packing=true"], "set data.packing=false"),
                                ([*GRPO, "objective.num_iterations=0"], "objective.num_iterations must be >= 1"),
-                               ([*GRPO, "objective.rollout=vllm"], "objective.rollout=vllm is not available yet"),
+                               ([*GRPO, "objective.rollout=vllm"], "needs objective.vllm.base_url"),
                                ([*GRPO, "objective.num_generations=1"], "objective.num_generations must be >= 2"),
                                ([*GRPO, "objective.loss_type=cispo"], "objective.loss_type must be one of"),
                                ([*GRPO, "objective.scale_rewards=rank"], "objective.scale_rewards must be one of"),

@@ -273,6 +273,38 @@ class ApiClient:
             setattr(out, k, v)
         return out
 
+    async def completions(self, body: dict[str, Any], *, tag: str,
+                          check: Callable[[list[Any]], Any] | None = None) -> Outcome:
+        """``POST /completions`` with ``body`` (``extra_body`` for a server's own fields, e.g. vLLM's
+        ``return_token_ids``); ``value`` is ``check(choices)`` (the choices sorted by index, each as a
+        dict with the server's extra fields), ok only when ``check`` accepts them."""
+
+        def extract(resp: Any) -> list[dict[str, Any]]:
+            choices = getattr(resp, "choices", None)
+            if not choices:
+                raise Fault("empty_choices", "the answer has no choices")
+            return sorted((c.model_dump() for c in choices), key=lambda c: c.get("index") or 0)
+
+        def checked(choices: list[dict[str, Any]]) -> Any:
+            try:
+                return check(choices) if check is not None else choices
+            except ValueError as e:
+                reason = e.reason if isinstance(e, Rejected) else type(e).__name__
+                raise Fault("rejected", f"{reason}: {e}") from e
+
+        return await self._request(lambda: self.client.completions.create(**body), lambda r: checked(extract(r)),
+                                   None, tag, 0)
+
+    async def post(self, path: str, body: dict[str, Any], *, tag: str) -> Outcome:
+        """``POST <base_url><path>`` with a JSON ``body`` (a server's own routes, e.g. vLLM's
+        ``/load_lora_adapter``), with the same retries, budget and counts; ``text`` is the answer's body."""
+        import httpx
+
+        async def send() -> Any:
+            return await self.client.post(path, cast_to=httpx.Response, body=body)
+
+        return await self._request(send, lambda r: r.text, None, tag, 0)
+
     # ---------------------------------------------------------------- the retry loop
     def _wait(self, state: RetryCallState) -> float:
         delay = self._jitter(state)

@@ -162,6 +162,7 @@ class GRPOModule(PolicyModule):
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
         self.reuse = RolloutReuse(int(objective.num_iterations))
         self._val_names: list[str] = []
+        self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use
 
     # ---- parts ------------------------------------------------------------------------------
     @property
@@ -200,6 +201,9 @@ class GRPOModule(PolicyModule):
         return self._rewards
 
     def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         if self._rewards is not None and self._own_rewards:  # built here: closed, and built again if used again
             self._rewards.close()
             self._rewards = None
@@ -251,11 +255,51 @@ class GRPOModule(PolicyModule):
         g = o.num_generations
         prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
+        if o.rollout == "vllm":  # objective.vllm: a server or colocated engine (rolemrc.rollout)
+            new_ids, seconds = self._engine_rollout(batch)
+            return self.score(batch, new_ids, seconds)
         start = time.perf_counter()
         with self.sampling_rng.fork(prompt_ids.device, self._sampling_seed()):
             new_ids = self.generate(prompt_ids, prompt_mask)
         seconds = time.perf_counter() - start
         return self.score(batch, new_ids, seconds)
+
+    def _engine_rollout(self, batch: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """``objective.rollout=vllm``: the policy's weights synced into the engine, then ``num_generations``
+        completions per prompt, one seed per prompt drawn from the sampling RNG (so a resumed run asks for
+        what the uninterrupted one asks for). Returns the ``[B x G, C]`` new ids and the seconds sampling took."""
+        from rolemrc.rollout import padded
+
+        engine, device = self.rollout_engine, batch["prompt_ids"].device
+        engine.sync(self.model, int(self.global_step) if self._trainer is not None else 0)
+        with self.sampling_rng.fork(device, self._sampling_seed()):
+            seeds = torch.randint(0, 2**31 - 1, (batch["prompt_ids"].shape[0],)).tolist()
+        prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        start = time.perf_counter()
+        rows = engine.generate(prompts, self.objective.num_generations, seeds)
+        seconds = time.perf_counter() - start
+        tok = self.chat.tokenizer
+        return padded(rows, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, device), seconds
+
+    @property
+    def rollout_engine(self) -> Any:
+        """The vLLM engine of ``objective.vllm`` (built at first use; ``rolemrc.rollout.make_engine``)."""
+        if self._engine is None:
+            from rolemrc.rollout import make_engine
+
+            trainer = self._trainer
+            multi = trainer is not None and trainer.world_size > 1
+            data = getattr(getattr(trainer, "datamodule", None), "cfg", None) if trainer is not None else None
+            prompt_len = int(getattr(data, "max_prompt_length", 0) or 0)
+            base = getattr(self.model, "get_base_model", lambda: self.model)()
+            self._engine = make_engine(
+                self.objective, stop_ids=self.stop_ids, vocab=int(base.config.vocab_size), rank=self.global_rank,
+                broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0)) if multi else (lambda obj: obj),
+                run_dir=getattr(trainer, "default_root_dir", None) if trainer is not None else None,
+                model_path=str(base.config._name_or_path), tokenizer_path=self.chat.tokenizer.name_or_path,
+                max_model_len=prompt_len + int(self.objective.max_completion_length), seed=torch.initial_seed(),
+                world_size=trainer.world_size if trainer is not None else 1)
+        return self._engine
 
     def score(self, batch: dict[str, Any], new_ids: torch.Tensor, seconds: float = float("nan")) -> dict[str, Any]:
         """The rest of :meth:`rollout` from the sampled ``new_ids`` ``[B x G, C]``: rewards, advantages, layout."""

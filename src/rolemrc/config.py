@@ -237,19 +237,18 @@ class GRPOVLLMConfig:
     mode: str = "server"  # server | colocate
     # server: the endpoint (http://host:8000/v1); every request names the adapter synced for its step
     base_url: Optional[str] = None
-    api_key_env: Optional[str] = None  # variable holding the key (never the key); None: no key (vllm serve without --api-key)
-    sync_dir: Optional[str] = None  # server: where adapters are written, a path the server reads too; None: <run_dir>/vllm_adapters
+    api_key_env: Optional[str] = None  # server: variable holding the key (never the key); None: none sent
+    sync_dir: Optional[str] = None  # server: adapters written here, read by the server; None: <run_dir>/vllm_adapters
     concurrency: int = 8  # server: requests in flight (one per prompt, n = num_generations)
-    timeout_s: float = 600.0
-    max_attempts: int = 5  # per request: 429/5xx/timeouts/connection errors/malformed answers are retried
-    backoff_s: float = 1.0
-    max_backoff_s: float = 60.0
-    # colocate: vllm.LLM(...) on the trainer's GPU, sharing its memory
-    gpu_memory_utilization: float = 0.3  # the share of the GPU vLLM takes (weights + KV cache)
-    max_model_len: Optional[int] = None  # None: data.max_prompt_length + objective.max_completion_length
-    dtype: str = "auto"  # vllm.LLM's dtype
-    enable_sleep_mode: bool = False  # free vLLM's KV cache and weights between rollouts (sleep level 2)
-    llm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM(...) arguments
+    timeout_s: float = 600.0  # server: seconds one request may take
+    max_attempts: int = 5  # server: per request; 429/5xx/timeouts/connection errors/malformed answers are retried
+    backoff_s: float = 1.0  # server: first retry's wait (exponential, full jitter; at least Retry-After)
+    max_backoff_s: float = 60.0  # server: the longest wait between attempts
+    gpu_memory_utilization: float = 0.3  # colocate: vLLM's share of the trainer's GPU (weights + KV cache)
+    max_model_len: Optional[int] = None  # colocate: None = data.max_prompt_length + objective.max_completion_length
+    dtype: str = "auto"  # colocate: vllm.LLM's dtype
+    enable_sleep_mode: bool = False  # colocate: free vLLM's KV cache and weights between rollouts (sleep level 2)
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)  # colocate: more vllm.LLM(...) arguments
 
     def __post_init__(self) -> None:
         one_of("objective.vllm.mode", self.mode, VLLM_MODES)

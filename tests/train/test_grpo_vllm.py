@@ -105,7 +105,8 @@ class VLLMStub:
                     row.append(stops[0])
                 choices.append({"index": j, "text": "", "finish_reason": "stop" if length < limit else "length",
                                 "logprobs": None, "token_ids": row, "prompt_token_ids": body["prompt"]})
-            self.completions.append({"body": body, "adapter": self.loads[-1][0] if self.loads else None, "rows": [c["token_ids"] for c in choices]})
+            self.completions.append({"body": body, "adapter": self.loads[-1][0] if self.loads else None,
+                                     "rows": [c["token_ids"] for c in choices]})
             return 200, {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
                          "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
@@ -294,3 +295,13 @@ def test_colocate_loads_the_policys_merged_weights_before_generating(tmp_path: P
     with torch.no_grad():
         greedy = policy.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)[0, 3:]
     assert rows == [greedy.tolist()] * 2
+
+
+def test_colocate_without_vllm_says_how_to_get_it(monkeypatch) -> None:
+    from rolemrc.config import GRPOObjectiveConfig, GRPOVLLMConfig
+    from rolemrc.rollout import ColocateEngine, RolloutError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    o = GRPOObjectiveConfig(rollout="vllm", vllm=GRPOVLLMConfig(mode="colocate"))
+    with pytest.raises(RolloutError, match=r"no `rolemrc\[vllm\]` extra.*pip install -e \. --no-deps.*mode=server"):
+        ColocateEngine(o, model_path="x", tokenizer_path=None, stop_ids=[0], max_model_len=8, seed=0)

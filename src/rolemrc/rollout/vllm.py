@@ -38,9 +38,12 @@ from rolemrc.rollout.weights import adapter_weights, merged_weights, save_adapte
 log = logging.getLogger(__name__)
 
 VLLM_EXTRA_MISSING = (
-    "objective.rollout=vllm with objective.vllm.mode=colocate needs the `vllm` package in this environment "
-    "(pip install 'rolemrc[vllm]' on a GPU node; vLLM pins its own torch and transformers, so give it an "
-    "environment of its own), or objective.vllm.mode=server with a vLLM server elsewhere, or objective.rollout=hf"
+    "objective.vllm.mode=colocate needs the `vllm` package in the training process, which is not installed "
+    "here. There is no `rolemrc[vllm]` extra: vLLM pins its own torch and transformers (vllm 0.33: torch 2.14, "
+    "transformers<5.21), which conflict with rolemrc's pins. On a GPU node, give it an environment of its own "
+    "and install rolemrc into it without its pins (python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm "
+    "&& .venv-vllm/bin/pip install -e . --no-deps), or use objective.vllm.mode=server (the vLLM server in its own "
+    "environment, this run as it is), or objective.rollout=hf"
 )
 
 

@@ -166,7 +166,10 @@ def test_a_run_trains_on_exactly_the_servers_tokens_and_syncs_each_step(server_r
     assert stub.unloads == [name for name, _ in stub.loads]  # the previous at each sync, the last at the end
     # every completion request named the adapter loaded for its step, with its own seed
     assert len(stub.completions) == 2 * 2 and all(c["body"]["model"] == c["adapter"] for c in stub.completions)
-    assert len({c["body"]["seed"] for c in stub.completions}) == 4
+    # the seeds are the sampling RNG's (seeded from the run's seed and rank, in every checkpoint), step by step
+    rng = torch.Generator().manual_seed((42 + 1_000_003) % 2**63)
+    want = [sorted(torch.randint(0, 2**31 - 1, (2,), generator=rng).tolist()) for _ in range(2)]
+    assert [sorted(c["body"]["seed"] for c in stub.completions[2 * k:2 * k + 2]) for k in range(2)] == want
     assert all(c["body"]["n"] == 3 and c["body"]["return_token_ids"] for c in stub.completions)
     # trained on exactly what the server returned, prompt for prompt
     served = sorted((tuple(c["body"]["prompt"]), tuple(row)) for c in stub.completions for row in c["rows"])

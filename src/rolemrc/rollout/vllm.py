@@ -236,7 +236,11 @@ class ColocateEngine:
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
-        self.llm.apply_model(lambda m: m.load_weights(weights=weights.items()))
+
+        def load(m: nn.Module) -> None:  # runs on the engine's model (vLLM's classes take HF checkpoint names)
+            m.load_weights(weights=weights.items())
+
+        self.llm.apply_model(load)
         self.llm.reset_prefix_cache()  # cached KV of the old weights would leak into the new rollout
         self.syncs += 1
 

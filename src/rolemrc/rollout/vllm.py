@@ -101,13 +101,15 @@ class ServerEngine:
         """The policy's adapter, loaded into the server under a new name (every rank calls this: the
         adapter's shards are gathered on all of them); raises on every rank when rank 0's load failed."""
         weights = adapter_weights(model)
-        err, name = None, f"{self.prefix}-step{step}"
+        err, name, failure = None, f"{self.prefix}-step{step}", None
         if self.rank == 0:
             try:
                 self._load(model, weights, name)
-            except RolloutError as e:
-                err = str(e)
+            except Exception as e:  # told to every rank (they would wait for rank 0 forever), then raised
+                err, failure = f"{e}" if isinstance(e, RolloutError) else f"objective.vllm: {type(e).__name__}: {e}", e
         err, name = self.broadcast((err, name))
+        if failure is not None:
+            raise failure
         if err:
             raise RolloutError(err)
         self.model_name = name

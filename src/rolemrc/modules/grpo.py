@@ -252,12 +252,12 @@ class GRPOModule(PolicyModule):
         ``attention_mask``, ``labels`` (the completion tokens; -100 elsewhere), ``position_ids``,
         ``advantages`` ``[N]`` and the statistics logged at the step's end. Returns ``batch``."""
         o = self.objective
-        g = o.num_generations
-        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
-        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
         if o.rollout == "vllm":  # objective.vllm: a server or colocated engine (rolemrc.rollout)
             new_ids, seconds = self._engine_rollout(batch)
             return self.score(batch, new_ids, seconds)
+        g = o.num_generations
+        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
         start = time.perf_counter()
         with self.sampling_rng.fork(prompt_ids.device, self._sampling_seed()):
             new_ids = self.generate(prompt_ids, prompt_mask)

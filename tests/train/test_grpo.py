@@ -180,7 +180,7 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
     from rolemrc.config import check_train_config
     from rolemrc.errors import ConfigError
 
-    for overrides, message in ((["objective=grpo"], "data.prompts, which data=sample leaves empty"),
+    for overrides, message in ((["objective=grpo", "data.prompts=[]"], "data.prompts, which data=sample leaves empty"),
                                ([*GRPO, "data.packing=true"], "set data.packing=false"),
                                ([*GRPO, "objective.num_iterations=0"], "objective.num_iterations must be >= 1"),
                                ([*GRPO, "objective.rollout=vllm"], "needs objective.vllm.base_url"),
@@ -191,6 +191,20 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
                                 "objective.reference=adapter needs a LoRA model")):
         with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
             check_train_config(train_cfg(*overrides))
+
+
+def test_the_default_data_has_prompts(train_cfg) -> None:
+    """Issue 33's command, ``train.py objective=grpo model.path=<SFT export>``, runs on data=sample:
+    its prompts are the shipped rule-bearing ones (data=sample_rl's), with their rules for the verifier."""
+    from rolemrc.config import check_train_config
+
+    cfg = train_cfg("objective=grpo", "data.batch_size=2", "objective.num_generations=2")
+    check_train_config(cfg)
+    assert [Path(s.path).name for s in cfg.data.prompts] == ["rl.jsonl"]
+    dm = setup(cfg).datamodule
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert len(batch["prompts"]) == 2 and any(r is not None for r in batch["columns"]["rule"])
 
 
 def test_beta_zero_builds_no_reference_beta_positive_builds_one(train_cfg) -> None:

@@ -45,7 +45,7 @@ from common import Spec, add_callback, compose, hf_timer, lightning_timer, set_e
 set_env()
 
 
-def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
+def run_ours(work: Path, spec: Spec, pad_max: bool, extra_callbacks: tuple = ()) -> dict:
     import torch
 
     from rolemrc.data.datamodule import ChatDataModule
@@ -85,7 +85,8 @@ def run_ours(work: Path, spec: Spec, pad_max: bool) -> dict:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(overrides, Path(tmp))
-        add_callback(timer)
+        for callback in (timer, *extra_callbacks):
+            add_callback(callback)
         run(cfg)
     name = "pad_max" if pad_max else "ours"
     return {"contender": name, "batch_size": batch_size, "overrides": overrides, **timer.steps.summary(spec.warmup)}
@@ -122,7 +123,7 @@ TRL_VARIANTS = {  # contender -> SFTConfig overrides on top of TRL's defaults
 }
 
 
-def run_trl(work: Path, spec: Spec, contender: str) -> dict:
+def run_trl(work: Path, spec: Spec, contender: str, extra_callbacks: tuple = ()) -> dict:
     import json
 
     import torch
@@ -146,7 +147,7 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
                          seed=spec.seed, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                          bf16=spec.precision == "bf16")
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
-                             processing_class=tokenizer, callbacks=[timer])
+                             processing_class=tokenizer, callbacks=[timer, *extra_callbacks])
         defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "packing", "padding_free",
                                                   "completion_only_loss", "assistant_only_loss", "loss_type",
                                                   "per_device_train_batch_size", "max_length")}

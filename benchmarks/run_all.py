@@ -307,7 +307,8 @@ def main() -> None:
     peak = matmul_peak_gflops()
     print(f"fp32 matmul peak of this CPU: {peak:.1f} GFLOP/s", flush=True)
     results: dict = {"models": {}, "targets": TARGETS, "smoke": args.smoke, "matmul_peak_gflops": round(peak, 2),
-                     "spec": {"cpus": os.cpu_count(), "load": round(os.getloadavg()[0], 2)}}
+                     "spec": {"cpus": os.cpu_count(), "load": round(os.getloadavg()[0], 2),
+                              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}  # the contenders' torch threads
     for model in models:
         spec = Spec.for_model(model, steps=args.steps, warmup=args.warmup, precision=args.precision)
         if args.smoke:

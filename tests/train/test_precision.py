@@ -64,6 +64,18 @@ def test_recipe_precision_trains_fp32_masters(train_cfg, bf16_start: Path) -> No
     optim = torch.load(ckpt, map_location="cpu", weights_only=True)["optimizer_states"][0]["state"]
     dtypes = {t.dtype for s in optim.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")}
     assert dtypes == {torch.float32}, "AdamW states are fp32"
+    groups = torch.load(ckpt, map_location="cpu", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert not groups[0]["fused"], "bf16-mixed keeps torch's default AdamW (the AMP plugin clips gradients)"
+
+
+def test_fp32_cpu_run_steps_with_fused_adamw(train_cfg) -> None:
+    """Plain CPU parameters outside AMP step with torch's fused AdamW (docs/performance.md: the
+    default single-tensor loop cost up to ~10% of a packed proxy SFT step)."""
+    out = run(train_cfg("trainer.max_steps=2", "data.val_fraction=0", "callbacks=default",
+                        "runtime.checkpoint_every_n_steps=2"))
+    ckpt = Path(out["run_dir"]) / "checkpoints" / "last.ckpt"
+    groups = torch.load(ckpt, map_location="cpu", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert groups[0]["fused"] is True
 
 
 @pytest.mark.multiprocess

@@ -167,29 +167,37 @@ def attend_segments(
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     rows = []
     for row, pieces in enumerate(layout.by_row()):
-        parts = []
-        covered = 0
-        for s, e, c0, c1 in pieces:
+        covered, sizes = 0, []
+        for s, e, _, _ in pieces:
             if s != covered:
                 raise ValueError(f"pieces of row {row} must be contiguous from 0; got one at {s}, expected {covered}")
-            q = query[row : row + 1, :, s:e]
-            if c1 > c0:
-                k = torch.cat([key[row : row + 1, :, c0:c1], key[row : row + 1, :, s:e]], dim=2)
-                v = torch.cat([value[row : row + 1, :, c0:c1], value[row : row + 1, :, s:e]], dim=2)
-                mask = layout.context_mask(c1 - c0, e - s, query.device)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-            else:
-                # No mask + is_causal: the fused (flash) kernel, which also skips the upper triangle.
-                o = F.scaled_dot_product_attention(
-                    q, key[row : row + 1, :, s:e], value[row : row + 1, :, s:e],
-                    dropout_p=dropout, is_causal=True, scale=scaling,
-                )
-            parts.append(o)
+            sizes.append(e - s)
             covered = e
         if covered < t:
+            sizes.append(t - covered)  # the row's padding
+        # One split per tensor, not a slice per piece: a split's backward is one concatenation,
+        # where each slice's would fill a zero tensor of the whole row and add them up (per layer,
+        # for q, k and v: with 2 threads such memory-bound ops cost more than the per-piece
+        # kernels' FLOPs suggest, benchmarks/profile_sft.py). The segments route passes one
+        # flattened row, taken whole.
+        q_row, k_row, v_row = (x if b == 1 else x[row : row + 1] for x in (query, key, value))
+        qs, ks, vs = (x.split(sizes, dim=2) for x in (q_row, k_row, v_row))
+        parts = []
+        for i, (s, e, c0, c1) in enumerate(pieces):
+            if c1 > c0:
+                k = torch.cat([k_row[:, :, c0:c1], ks[i]], dim=2)
+                v = torch.cat([v_row[:, :, c0:c1], vs[i]], dim=2)
+                mask = layout.context_mask(c1 - c0, e - s, query.device)
+                o = F.scaled_dot_product_attention(qs[i], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            else:
+                # No mask + is_causal: the fused (flash) kernel, which also skips the upper triangle.
+                o = F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, is_causal=True, scale=scaling)
+            parts.append(o)
+        if covered < t:
             parts.append(query.new_zeros(1, hq, t - covered, d))
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous()
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous()
 
 
 def _original_attention(module: nn.Module, name: str) -> Callable:

@@ -197,13 +197,26 @@ class PolicyModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                      fused=self.fused_adamw(params) or None)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = int(round(o.warmup_ratio * total))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(o.scheduler, warmup, total, o.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def fused_adamw(self, params: list[torch.nn.Parameter]) -> bool:
+        """torch's fused AdamW for plain CPU parameters: torch's default there is its single-tensor
+        loop, about ten elementwise ops per parameter per step (each a parallel region), which
+        benchmarks/profile_sft.py measured at up to ~10% of a packed proxy SFT step with two
+        threads; the fused kernel is one vectorised pass per parameter (transformers' default
+        ``adamw_torch_fused``). CUDA keeps torch's default, the multi-tensor ``foreach`` kernels
+        that the memory simulation (:mod:`rolemrc.memory_sim`) models; sharded (DTensor)
+        parameters keep it too, and so do ``*-mixed`` precisions (Lightning's AMP plugin refuses
+        gradient clipping with an optimizer that unscales internally, as fused ones do)."""
+        return (self.device_mesh is None and bool(params) and "mixed" not in str(self.trainer.precision)
+                and all(p.device.type == "cpu" and type(p.data) is torch.Tensor for p in params))
 
     # ---- sharding ------------------------------------------------------------------------
     def configure_model(self) -> None:

@@ -213,3 +213,36 @@ def test_invalid_inputs_raise():
         token_logprobs(hidden, weight, labels, 0)
     with pytest.raises(ValueError, match="weight"):
         token_logprobs(hidden, weight[:, :-1], labels)
+
+
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", CHUNKS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_entropy_from_the_same_tiles_equals_trls_on_full_logits(chunk_size, vocab_chunk_size, packed):
+    """``sequence_logprobs_and_entropy``: the log-probs and gradients of :func:`sequence_logprobs`,
+    and per sequence the summed entropy TRL 1.16's ``entropy_from_logits`` gives on the full logits,
+    merged across vocabulary blocks (large logits: the blocks' maxima differ a lot)."""
+    from rolemrc.objectives import sequence_logprobs_and_entropy
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    hidden, weight, bias, labels = make_case(torch.float64, with_bias=True, scale=4.0)
+    ids = None
+    if packed:  # two pieces in row 0, one in each other row, and positions of no sequence
+        ids = torch.tensor([[0] * 6 + [1] * 5, [2] * 9 + [-1] * 2, [3] * 11])
+    kw = dict(bias=bias, vocab_chunk_size=vocab_chunk_size, num_sequences=4 if packed else None)
+    both = sequence_logprobs_and_entropy(hidden, weight, labels, ids, chunk_size, **kw)
+    plain = sequence_logprobs(hidden, weight, labels, ids, chunk_size, **kw)
+    torch.testing.assert_close(both.logps, plain.logps)
+    assert torch.equal(both.num_tokens, plain.num_tokens)
+    up = torch.randn(plain.logps.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for a, b in zip(grads(both.logps, up, [hidden, weight, bias]), grads(plain.logps, up, [hidden, weight, bias])):
+        torch.testing.assert_close(a, b)
+    assert not both.entropy.requires_grad
+
+    per_pos = trl_utils.entropy_from_logits(F.linear(hidden, weight, bias).detach())  # [B, T]
+    mask = labels != -100
+    if ids is None:
+        expected = (per_pos * mask).sum(dim=1)
+    else:
+        expected = torch.stack([(per_pos * (mask & (ids == s))).sum() for s in range(4)])
+    torch.testing.assert_close(both.entropy, expected)
+    assert (both.entropy > 0).all()

@@ -29,6 +29,25 @@ def vowel_reward(*, prompts: list[Any], completions: list[str], **columns: Any) 
     return [sum(ch in "aeiouAEIOU" for ch in c) / max(len(c), 1) for c in completions]
 
 
+def by_hand_entropy(module: Any, batch: dict, new_ids: torch.Tensor) -> float:
+    """TRL 1.16's ``entropy`` of fixed completions: ``entropy_from_logits`` of the model's plain
+    logits / temperature at the completion tokens (up to the stop token), their token mean."""
+    from trl.trainer.utils import entropy_from_logits
+
+    g = module.objective.num_generations
+    prompt_ids = batch["prompt_ids"].repeat_interleave(g, 0)
+    prompt_mask = batch["prompt_mask"].repeat_interleave(g, 0)
+    mask, _, _ = module.completions_from(new_ids)
+    ids = torch.cat([prompt_ids, new_ids], 1)
+    attention = torch.cat([prompt_mask, mask], 1)
+    with torch.no_grad():
+        logits = module.model(input_ids=ids, attention_mask=attention,
+                              position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
+    p = prompt_ids.shape[1]
+    per_token = entropy_from_logits(logits[:, p - 1:-1] / module.objective.temperature)
+    return float((per_token * mask).sum() / mask.sum())
+
+
 def by_hand_loss(module: Any, batch: dict, new_ids: torch.Tensor) -> torch.Tensor:
     """The GRPO loss of fixed completions from the model's plain logits and the pure functions."""
     o = module.objective
@@ -98,6 +117,9 @@ def test_step_loss_is_grpo_loss_of_the_rollouts(train_cfg, monkeypatch, extra: l
     expected_grads = torch.autograd.grad(expected, params, allow_unused=True)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
     assert batch["advantages"].abs().sum() > 0  # the rollouts teach something: the test can fail
+    # TRL's entropy: the token mean over the completion tokens of the entropy at logits / temperature
+    logged = module._loss_stats[-1]["metrics"]["entropy"]
+    assert logged == pytest.approx(by_hand_entropy(module, batch, new_ids), rel=1e-5)
     # At a fresh rollout the ratio is 1, so the loss's value hides the log-probs: the gradient shows them
     assert sum(g.abs().sum() for g in grads if g is not None) > 0
     for g, e in zip(grads, expected_grads):
@@ -215,8 +237,9 @@ def test_beta_zero_builds_no_reference_beta_positive_builds_one(train_cfg) -> No
 
 
 TRL_NAMES = ["reward", "reward_std", "rewards/vowels/mean", "rewards/vowels/std", "rewards/verifier/mean",
-             "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
-             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "frac_reward_zero_std", "num_tokens", "entropy", "completions/mean_length", "completions/min_length",
+             "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+             "completions/min_terminated_length", "completions/max_terminated_length", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
              "clip_ratio/low_min", "clip_ratio/high_max", "kl", "completion_tokens_per_s", "loss"]
 
 

@@ -12,7 +12,12 @@ from torch import nn
 
 from rolemrc.models import family
 from rolemrc.models.kernels import liger_sequence_logprobs
-from rolemrc.objectives.logprobs import SequenceLogProbs, sequence_logprobs
+from rolemrc.objectives.logprobs import (
+    SequenceLogProbs,
+    SequenceLogProbsEntropy,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 
 
 class LogprobHead(nn.Module):
@@ -45,13 +50,24 @@ class LogprobHead(nn.Module):
         return linear
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                sequence_ids: torch.Tensor | None = None,
-                num_sequences: int | None = None) -> torch.Tensor | SequenceLogProbs:
+                sequence_ids: torch.Tensor | None = None, num_sequences: int | None = None,
+                entropy: bool = False) -> torch.Tensor | SequenceLogProbs | SequenceLogProbsEntropy:
         """Logits (no ``labels``), or the summed log-probs and token counts of each sequence
         (``labels`` aligned with ``hidden``; rows are sequences unless ``sequence_ids`` says
-        which sequence each position belongs to)."""
+        which sequence each position belongs to); ``entropy``: also each sequence's summed
+        per-token entropy (no gradient), from the same tiles (GRPO's ``entropy`` metric)."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
+        if entropy and self.kernel == "liger":  # Liger's kernel gives no entropy: a chunked pass without gradient
+            with torch.no_grad():
+                ent = sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
+                                                    bias=self.bias, num_sequences=num_sequences).entropy
+            seq = liger_sequence_logprobs(hidden, self.weight, labels, sequence_ids, bias=self.bias,
+                                          num_sequences=num_sequences)
+            return SequenceLogProbsEntropy(seq.logps, seq.num_tokens, ent)
+        if entropy:
+            return sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
+                                                 bias=self.bias, num_sequences=num_sequences)
         if self.kernel == "liger":
             return liger_sequence_logprobs(hidden, self.weight, labels, sequence_ids, bias=self.bias,
                                            num_sequences=num_sequences)

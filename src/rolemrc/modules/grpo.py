@@ -31,13 +31,16 @@ policy gradient, as TRL's. With ``num_iterations > 1`` the step sampler reads ea
 micro-batches that many times in a row (``step_use``); the rollouts are kept
 (:class:`RolloutReuse`, in the run state), the first use records its per-token log-probs and the
 later uses train on the same rollouts with those as old log-probs (clipped ratio).
-``scale_rewards=batch`` takes the std over the step's completions on its rank (TRL: over the
-generation batch on every rank).
+``scale_rewards=batch`` divides by the std over the step's completions on every rank (TRL's
+generation batch, gathered from every process).
 
-Logged per optimizer step under TRL's names (``train/`` prefixed): ``reward``, ``reward_std``,
-``rewards/<name>/mean|std``, ``frac_reward_zero_std``, ``completions/mean_length|min_length|
-max_length|clipped_ratio``, ``clip_ratio/*``, ``kl`` (``beta > 0``), plus ``completion_tokens_per_s``
-(sampled tokens per second of ``generate``). Validation (``data.prompts_val`` or the held-out
+Logged per optimizer step under TRL's names and with TRL's meanings (``train/`` prefixed), over
+every rank: ``reward``, ``reward_std``, ``rewards/<name>/mean|std``, ``frac_reward_zero_std``,
+``num_tokens`` (prompt + completion tokens of the run's rollouts so far), ``completions/mean_length|
+min_length|max_length|clipped_ratio``, ``completions/mean_terminated_length|min_terminated_length|
+max_terminated_length``, and per micro-batch then averaged over the step's micro-batches (as TRL's log
+does) ``entropy``, ``clip_ratio/*``, ``kl`` (``beta > 0``); plus ``completion_tokens_per_s`` (sampled
+tokens per second of ``generate``). Validation (``data.prompts_val`` or the held-out
 ``val_fraction``): one GREEDY completion per prompt, ``val/reward`` and ``val/rewards/<name>/mean``.
 """
 
@@ -60,7 +63,7 @@ from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.grpo import group_advantages, grpo_loss, nanstd
+from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, grpo_loss, nanstd
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards
 
@@ -137,6 +140,24 @@ class RolloutReuse:
         self.metrics = dict(state.get("metrics", {})) if state else {}
 
 
+TOKENS_KEY = "grpo_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
+
+
+class TokensSeen:
+    """TRL's ``num_tokens`` (its ``state.num_input_tokens_seen``): the prompt and completion tokens of
+    every rollout of the run so far, over every rank; in every checkpoint (a
+    :func:`run_state_parts` part), so a resumed run counts on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {TOKENS_KEY: self.count}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        self.count = int(checkpoint.get(TOKENS_KEY, 0))
+
+
 class GRPOModule(PolicyModule):
     """``objective``: the grpo node (:class:`~rolemrc.config.GRPOObjectiveConfig`); ``reference``:
     DPO's copy / adapter (:func:`rolemrc.modules.reference.make_reference`), ``None`` when
@@ -161,6 +182,7 @@ class GRPOModule(PolicyModule):
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
         self.reuse = RolloutReuse(int(objective.num_iterations))
+        self.tokens_seen = TokensSeen()
         self._val_names: list[str] = []
         self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use
 
@@ -183,8 +205,8 @@ class GRPOModule(PolicyModule):
 
     def run_state_parts(self) -> tuple[Any, ...]:
         """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts),
-        and so do rollouts still to be reused (``num_iterations > 1``)."""
-        return (self.sampling_rng, self.reuse)
+        and so do rollouts still to be reused (``num_iterations > 1``) and the tokens seen (``num_tokens``)."""
+        return (self.sampling_rng, self.reuse, self.tokens_seen)
 
     @property
     def chat(self) -> Any:
@@ -313,7 +335,7 @@ class GRPOModule(PolicyModule):
         scores = self.rewards(prompts, texts, columns)
         # float64: identical rewards give a std of exactly 0 (float32 sums leave ~1e-8, which
         # frac_reward_zero_std would not count as zero); the advantages are cast to float32 after
-        adv = group_advantages(scores.rewards.to(new_ids.device), g, o.scale_rewards)
+        adv = self._advantages(scores.rewards.to(new_ids.device))
         lengths = completion_mask.sum(dim=1)
         loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if o.mask_truncated_completions \
             else completion_mask
@@ -328,12 +350,31 @@ class GRPOModule(PolicyModule):
             "rollout_stats": {
                 "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
                 "is_std_zero": adv.is_std_zero.cpu(), "lengths": lengths.cpu(), "truncated": truncated.cpu(),
+                "prompt_tokens": int(prompt_mask.sum()),
                 "extra": {k: v for k, v in scores.metrics.items()
                           if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))},
                 "seconds": seconds, "texts": texts,
             },
         })
         return batch
+
+    def _advantages(self, rewards: torch.Tensor) -> GroupAdvantages:
+        """:func:`group_advantages` of this rank's rewards ``[N]`` (whole groups). ``scale_rewards=batch``
+        divides by the std over the step's completions on EVERY rank, as TRL, which gathers its
+        generation batch's rewards from all processes, normalises them and keeps its slice (group
+        means and stds need no other rank: a group is never split across ranks here)."""
+        o = self.objective
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1 or str(o.scale_rewards) != "batch":
+            return group_advantages(rewards, o.num_generations, o.scale_rewards)
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, rewards.cpu())
+        start = sum(len(p) for p in parts[:self.trainer.global_rank])
+        adv = group_advantages(torch.cat(parts).to(rewards.device), o.num_generations, o.scale_rewards)
+        mine = slice(start, start + len(rewards))
+        return GroupAdvantages(adv.advantages[mine], adv.std[mine], adv.is_std_zero[mine])
 
     # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------
     memory_note = ("objective=grpo: simulated is the loss step on data.batch_size x num_generations rollouts of "
@@ -364,11 +405,13 @@ class GRPOModule(PolicyModule):
         return {(n * width, 1): int((labels != IGNORE_INDEX).sum()), (n,): n}
 
     # ---- log-probs --------------------------------------------------------------------------
-    def token_logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logps(self, model: nn.Module, batch: dict[str, Any],
+                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per-position log-probs ``[N, T]`` of the next token where it is a trained completion token
-        (0 elsewhere), at the logits divided by ``temperature`` (TRL scores sampled tokens so), and
-        that mask ``[N, T]``. The head is called as a module (FSDP2 gathers it) on one row per
-        position, so its per-row sums are the per-token values."""
+        (0 elsewhere), at the logits divided by ``temperature`` (TRL scores sampled tokens so), that
+        mask ``[N, T]`` and, ``entropy``, the entropy ``[N, T]`` of that next-token distribution (no
+        gradient; TRL's ``entropy``), else ``None``. The head is called as a module (FSDP2 gathers
+        it) on one row per position, so its per-row sums are the per-token values."""
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.objective.logprob_chunk_size
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
@@ -380,8 +423,10 @@ class GRPOModule(PolicyModule):
             hidden = hidden / t
         labels = self.trained_labels(batch)
         n, width = labels.shape
-        rows = head(hidden.reshape(n * width, 1, hidden.shape[-1]), labels=labels.reshape(n * width, 1)).logps
-        return rows.view(n, width), labels != IGNORE_INDEX
+        out = head(hidden.reshape(n * width, 1, hidden.shape[-1]), labels=labels.reshape(n * width, 1),
+                   **({"entropy": True} if entropy else {}))
+        ent = out.entropy.view(n, width) if entropy else None
+        return out.logps.view(n, width), labels != IGNORE_INDEX, ent
 
     def reference_token_logps(self, batch: dict[str, Any], stage: str = "train") -> torch.Tensor:
         """The reference's per-position log-probs ``[N, T]`` (no gradient)."""
@@ -464,7 +509,7 @@ class GRPOModule(PolicyModule):
         o = self.objective
         rolled_here = "advantages" not in batch
         part = self._take_rollouts(batch) if rolled_here else None
-        logps, mask = self.token_logps(self.model, batch)
+        logps, mask, entropy = self.token_logps(self.model, batch, entropy=True)
         if part is not None and self.reuse.num_iterations > 1 and "old_logps" not in part:
             part["old_logps"] = logps.detach()  # the first use's: the policy that sampled them (TRL records these)
         ref = self.reference_token_logps(batch) if self.reference is not None else None
@@ -483,8 +528,10 @@ class GRPOModule(PolicyModule):
         if stats is not None:
             self._step_stats.append(stats)
         if rolled_here or stats is not None:
-            self._loss_stats.append({"tokens": float(mask.sum()),
-                                     "metrics": {k: float(v) for k, v in out.metrics.items()}})
+            tokens = float(mask.sum())
+            metrics = {k: float(v) for k, v in out.metrics.items()}
+            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
+            self._loss_stats.append({"tokens": tokens, "metrics": metrics})
         return loss, {}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -494,32 +541,52 @@ class GRPOModule(PolicyModule):
         return loss
 
     def _log_rollouts(self) -> None:
-        """TRL's rollout metrics over the step's completions (every micro-batch, every rank)."""
+        """TRL's metrics of the step: the rollout ones over the step's completions (every micro-batch,
+        every rank), the loss ones (``entropy``, ``clip_ratio/*``, ``kl``) as TRL logs them: each
+        micro-batch's over every rank (token means; ``_min``/``_max`` over every rank's sequences),
+        then their mean over the step's micro-batches (TRL's log averages what each ``_compute_loss``
+        call appended since the last log)."""
         stats, self._step_stats = self._step_stats, []
         losses, self._loss_stats = self._loss_stats, []
+        per_rank = [losses]
         if self.trainer.world_size > 1:
             import torch.distributed as dist
 
             gathered: list[Any] = [None] * self.trainer.world_size
             dist.all_gather_object(gathered, ([{k: v for k, v in s.items() if k != "texts"} for s in stats], losses))
             stats = [s for part, _ in gathered for s in part]
-            losses = [s for _, part in gathered for s in part]
+            per_rank = [part for _, part in gathered]
         if stats:
             metrics = self._rollout_metrics(stats)
+            self.tokens_seen.count += int(sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in stats))
             self.reuse.metrics = dict(metrics)
         else:  # a reuse step: its rollouts' metrics again (a resumed run has them from the checkpoint)
             metrics = dict(self.reuse.metrics) if self.reuse.parts is not None else {}
-        tokens = [s["tokens"] for s in losses]
-        for key in losses[0]["metrics"] if losses else ():
-            values = [s["metrics"][key] for s in losses]
-            if key.endswith("_min"):
-                metrics[key] = min(values)
-            elif key.endswith("_max"):
-                metrics[key] = max(values)
-            else:  # token means: weighted by each micro-batch's tokens
-                metrics[key] = sum(v * w for v, w in zip(values, tokens)) / max(sum(tokens), 1.0)
+        metrics["num_tokens"] = float(self.tokens_seen.count)
+        metrics.update(self._loss_metrics(per_rank))
         for key, value in metrics.items():  # already over every rank: no sync
             self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+
+    @staticmethod
+    def _loss_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
+        """``per_rank[r][j]``: rank ``r``'s ``j``-th micro-batch of the step (its completion tokens and
+        its local metrics) -> TRL's logged values (see :meth:`_log_rollouts`)."""
+        micro = list(zip(*per_rank))  # [j][r]
+        keys = micro[0][0]["metrics"].keys() if micro and micro[0] else ()
+        out: dict[str, float] = {}
+        for key in keys:
+            values = []
+            for ranks in micro:
+                local = [r["metrics"][key] for r in ranks]
+                if key.endswith(("_min", "_max")):  # TRL's nanmin / nanmax over the gathered sequences
+                    kept = [v for v in local if not math.isnan(v)]
+                    values.append((min(kept) if key.endswith("_min") else max(kept)) if kept else float("nan"))
+                else:  # TRL's global_masked_mean: token-weighted over ranks (0 with no token)
+                    tokens = [r["tokens"] for r in ranks]
+                    values.append(sum(v * w for v, w in zip(local, tokens)) / max(sum(tokens), 1.0))
+            kept = [v for v in values if not math.isnan(v)]  # TRL's log skips NaN entries
+            out[key] = sum(kept) / len(kept) if kept else float("nan")
+        return out
 
     @staticmethod
     def _rollout_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
@@ -528,13 +595,19 @@ class GRPOModule(PolicyModule):
         rewards = torch.cat([s["rewards"] for s in stats]).double()
         per = torch.cat([s["per_reward"] for s in stats]).double()
         lengths = torch.cat([s["lengths"] for s in stats]).double()
+        truncated = torch.cat([s["truncated"] for s in stats]).bool()
         metrics: dict[str, float] = {
             "reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
             "frac_reward_zero_std": torch.cat([s["is_std_zero"] for s in stats]).double().mean().item(),
             "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": torch.cat([s["truncated"] for s in stats]).double().mean().item(),
+            "completions/clipped_ratio": truncated.double().mean().item(),
         }
+        # TRL: the lengths of the completions that ended with a stop token (all 0 when none did)
+        ended = lengths[~truncated] if bool((~truncated).any()) else lengths.new_zeros(1)
+        metrics.update({"completions/mean_terminated_length": ended.mean().item(),
+                        "completions/min_terminated_length": ended.min().item(),
+                        "completions/max_terminated_length": ended.max().item()})
         for k, name in enumerate(names):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
             metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()

@@ -41,7 +41,9 @@ IGNORE_INDEX = -100
 __all__ = [
     "IGNORE_INDEX",
     "SequenceLogProbs",
+    "SequenceLogProbsEntropy",
     "sequence_logprobs",
+    "sequence_logprobs_and_entropy",
     "shift_labels",
     "token_logprobs",
     "token_nll",
@@ -111,11 +113,62 @@ def _tile_logits(h_tile: Tensor, w_blk: Tensor, b_blk: Tensor | None) -> Tensor:
     return torch.addmm(b_blk, h_tile, w_blk.T)
 
 
+def _target_logprob_tiles(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+                          vocab_chunk_size: int, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(log p(target) [N], logsumexp [N], entropy [N])`` of the rows' softmax, tile by tile (the
+    entropy only ``with_entropy``, else an empty tensor). Autocast off (the caller's business)."""
+    # Autocast would run the tile matmuls in bf16 and overflow the fp32 logsumexp bookkeeping.
+    n, v = hidden.shape[0], weight.shape[0]
+    cdt = _compute_dtype(hidden, weight)
+    n_blocks = -(-v // vocab_chunk_size)
+    # One logsumexp per (row, vocab block), merged at the end: N * n_blocks floats, tiny.
+    block_lse = hidden.new_empty((n, n_blocks), dtype=cdt)
+    # Entropy: each block's softmax-weighted mean logit, merged with the blocks' weights at the end
+    # (H = lse - sum_v p_v logit_v); one more tile-sized buffer while a tile is open.
+    block_mean = hidden.new_empty((n, n_blocks), dtype=cdt) if with_entropy else None
+    target_logit = hidden.new_zeros((n,), dtype=cdt)
+    for j, v0 in enumerate(range(0, v, vocab_chunk_size)):
+        v1 = min(v0 + vocab_chunk_size, v)
+        # Upcast one vocabulary block at a time (a no-op view when the weight is fp32).
+        w_blk = weight[v0:v1].to(cdt)
+        b_blk = None if bias is None else bias[v0:v1].to(cdt)
+        for r0 in range(0, n, chunk_size):
+            r1 = min(r0 + chunk_size, n)
+            tile = _tile_logits(hidden[r0:r1], w_blk, b_blk)
+            # Target logit read from the same tile as the logsumexp, so logp <= 0 exactly as
+            # log_softmax would give; rows whose target is in another block add 0.
+            local = targets[r0:r1] - v0
+            in_blk = (local >= 0) & (local < v1 - v0)
+            picked = tile.gather(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+            target_logit[r0:r1] += torch.where(in_blk, picked, 0.0)
+            # In-place logsumexp: no second tile-sized buffer.
+            row_max = tile.amax(dim=1).clamp_min(torch.finfo(cdt).min)
+            tile.sub_(row_max.unsqueeze(1))
+            if block_mean is not None:
+                e = tile.exp()
+                sum_exp = e.sum(dim=1)
+                block_mean[r0:r1, j] = e.mul_(tile).sum(dim=1) / sum_exp + row_max
+                del e
+            else:
+                sum_exp = tile.exp_().sum(dim=1)
+            block_lse[r0:r1, j] = sum_exp.log_() + row_max
+            del tile
+        # Free this block's upcast copy before the next one is made, not after (2x peak).
+        del w_blk, b_blk
+    lse = torch.logsumexp(block_lse, dim=1)
+    if block_mean is None:
+        entropy = hidden.new_empty((0,), dtype=cdt)
+    else:
+        entropy = lse - (torch.exp(block_lse - lse.unsqueeze(1)) * block_mean).sum(dim=1)
+    return target_logit - lse, lse, entropy
+
+
 class _LinearTargetLogProb(torch.autograd.Function):
     """``logp[n] = log_softmax(hidden[n] @ weight.T + bias)[targets[n]]`` without ``[N, V]`` logits.
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` in ``[0, V)``.
-    Returns ``[N]`` fp32 (fp64 if an input is fp64).
+    Returns ``[N]`` fp32 (fp64 if an input is fp64), and, ``with_entropy``, the entropy ``[N]`` of
+    each row's softmax (no gradient; else an empty tensor).
     """
 
     @staticmethod
@@ -127,52 +180,22 @@ class _LinearTargetLogProb(torch.autograd.Function):
         targets: Tensor,
         chunk_size: int,
         vocab_chunk_size: int,
-    ) -> Tensor:
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor]:
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            return _LinearTargetLogProb._forward(ctx, hidden, weight, bias, targets, chunk_size, vocab_chunk_size)
-
-    @staticmethod
-    def _forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
-                 vocab_chunk_size: int) -> Tensor:
-        # Autocast would run the tile matmuls in bf16 and overflow the fp32 logsumexp bookkeeping.
-        n, v = hidden.shape[0], weight.shape[0]
-        cdt = _compute_dtype(hidden, weight)
-        n_blocks = -(-v // vocab_chunk_size)
-        # One logsumexp per (row, vocab block), merged at the end: N * n_blocks floats, tiny.
-        block_lse = hidden.new_empty((n, n_blocks), dtype=cdt)
-        target_logit = hidden.new_zeros((n,), dtype=cdt)
-        for j, v0 in enumerate(range(0, v, vocab_chunk_size)):
-            v1 = min(v0 + vocab_chunk_size, v)
-            # Upcast one vocabulary block at a time (a no-op view when the weight is fp32).
-            w_blk = weight[v0:v1].to(cdt)
-            b_blk = None if bias is None else bias[v0:v1].to(cdt)
-            for r0 in range(0, n, chunk_size):
-                r1 = min(r0 + chunk_size, n)
-                tile = _tile_logits(hidden[r0:r1], w_blk, b_blk)
-                # Target logit read from the same tile as the logsumexp, so logp <= 0 exactly as
-                # log_softmax would give; rows whose target is in another block add 0.
-                local = targets[r0:r1] - v0
-                in_blk = (local >= 0) & (local < v1 - v0)
-                picked = tile.gather(1, local.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
-                target_logit[r0:r1] += torch.where(in_blk, picked, 0.0)
-                # In-place logsumexp: no second tile-sized buffer.
-                row_max = tile.amax(dim=1).clamp_min(torch.finfo(cdt).min)
-                sum_exp = tile.sub_(row_max.unsqueeze(1)).exp_().sum(dim=1)
-                block_lse[r0:r1, j] = sum_exp.log_() + row_max
-                del tile
-            # Free this block's upcast copy before the next one is made, not after (2x peak).
-            del w_blk, b_blk
-        lse = torch.logsumexp(block_lse, dim=1)
+            logp, lse, entropy = _target_logprob_tiles(hidden, weight, bias, targets, chunk_size, vocab_chunk_size,
+                                                       with_entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_size = chunk_size
         ctx.vocab_chunk_size = vocab_chunk_size
-        return target_logit - lse
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor, grad_entropy: Tensor | None = None):  # type: ignore[override]
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            return _LinearTargetLogProb._backward(ctx, grad_out)
+            return (*_LinearTargetLogProb._backward(ctx, grad_out), None)
 
     @staticmethod
     def _backward(ctx, grad_out: Tensor):
@@ -232,7 +255,8 @@ def _flat_logprobs(
     targets: Tensor,
     chunk_size: int,
     vocab_chunk_size: int,
-) -> Tensor:
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor]:
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_size=} {vocab_chunk_size=}")
     vocab = weight.shape[0]
@@ -241,7 +265,7 @@ def _flat_logprobs(
         bad = targets[(targets < 0) | (targets >= vocab)][:5].tolist()
         raise ValueError(f"labels must be in [0, {vocab}) or the ignore index; found {bad}")
     return _LinearTargetLogProb.apply(
-        hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size
+        hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size, with_entropy
     )
 
 
@@ -268,7 +292,7 @@ def token_logprobs(
     _check_inputs(hidden, weight, labels, bias)
     mask = labels != ignore_index
     return (
-        _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size),
+        _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size)[0],
         mask,
     )
 
@@ -302,34 +326,68 @@ def sequence_logprobs(
     Returns ``SequenceLogProbs(logps [S] fp32, num_tokens [S] long)``; divide the two for the
     length-normalised log-probs IPO uses.
     """
-    logps, mask = token_logprobs(
-        hidden,
-        weight,
-        labels,
-        chunk_size,
-        bias=bias,
-        vocab_chunk_size=vocab_chunk_size,
-        ignore_index=ignore_index,
-    )
+    sums, counts, _ = _sequence_sums(hidden, weight, labels, sequence_ids, chunk_size, bias, vocab_chunk_size,
+                                     num_sequences, ignore_index, with_entropy=False)
+    return SequenceLogProbs(sums, counts)
+
+
+class SequenceLogProbsEntropy(NamedTuple):
+    """:class:`SequenceLogProbs` and each sequence's summed per-token entropy ``[S]`` fp32 (no gradient)."""
+
+    logps: Tensor
+    num_tokens: Tensor
+    entropy: Tensor
+
+
+def sequence_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    sequence_ids: Tensor | None = None,
+    chunk_size: int = 1024,
+    *,
+    bias: Tensor | None = None,
+    vocab_chunk_size: int = 8192,
+    num_sequences: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> SequenceLogProbsEntropy:
+    """:func:`sequence_logprobs` and, from the same tiles, the sum over each sequence's supervised
+    positions of the entropy of the next-token distribution (``-sum_v p_v log p_v``; what TRL's
+    GRPO logs as ``entropy``, as a token mean). The entropy costs one more tile-sized buffer while
+    a tile is open and carries no gradient."""
+    sums, counts, entropy = _sequence_sums(hidden, weight, labels, sequence_ids, chunk_size, bias, vocab_chunk_size,
+                                           num_sequences, ignore_index, with_entropy=True)
+    assert entropy is not None
+    return SequenceLogProbsEntropy(sums, counts, entropy)
+
+
+def _sequence_sums(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids: Tensor | None, chunk_size: int,
+                   bias: Tensor | None, vocab_chunk_size: int, num_sequences: int | None, ignore_index: int,
+                   with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    _check_inputs(hidden, weight, labels, bias)
+    mask = labels != ignore_index
+    logps, entropy = _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size,
+                                    with_entropy)
+    values = torch.stack([logps, entropy.to(logps.dtype)], dim=1) if with_entropy else logps.unsqueeze(1)
     if sequence_ids is None:
         if labels.dim() != 2:
             raise ValueError(f"row mode expects labels [B, T], got {tuple(labels.shape)}")
-        per_pos = logps.new_zeros(labels.shape).masked_scatter(mask, logps)
-        return SequenceLogProbs(per_pos.sum(dim=1), mask.sum(dim=1))
-
-    _check_same_shape(sequence_ids, labels)
-    seg = sequence_ids[mask].long()
-    if num_sequences is None:
-        num_sequences = int(sequence_ids.max().item()) + 1 if sequence_ids.numel() else 0
-        num_sequences = max(num_sequences, 0)
-    keep = seg >= 0
-    # -1 positions are routed to a scratch slot S and dropped, which avoids a data-dependent
-    # boolean index (and its device sync) on the log-probs.
-    index = torch.where(keep, seg, num_sequences)
-    sums = logps.new_zeros(num_sequences + 1).index_add(0, index, logps)[:num_sequences]
-    counts = torch.zeros(num_sequences + 1, dtype=torch.long, device=labels.device)
-    counts = counts.index_add(0, index, torch.ones_like(index))[:num_sequences]
-    return SequenceLogProbs(sums, counts)
+        per_pos = values.new_zeros((*labels.shape, values.shape[1])).masked_scatter(mask.unsqueeze(-1), values)
+        sums, counts = per_pos.sum(dim=1), mask.sum(dim=1)
+    else:
+        _check_same_shape(sequence_ids, labels)
+        seg = sequence_ids[mask].long()
+        if num_sequences is None:
+            num_sequences = int(sequence_ids.max().item()) + 1 if sequence_ids.numel() else 0
+            num_sequences = max(num_sequences, 0)
+        keep = seg >= 0
+        # -1 positions are routed to a scratch slot S and dropped, which avoids a data-dependent
+        # boolean index (and its device sync) on the log-probs.
+        index = torch.where(keep, seg, num_sequences)
+        sums = values.new_zeros((num_sequences + 1, values.shape[1])).index_add(0, index, values)[:num_sequences]
+        counts = torch.zeros(num_sequences + 1, dtype=torch.long, device=labels.device)
+        counts = counts.index_add(0, index, torch.ones_like(index))[:num_sequences]
+    return sums[:, 0], counts, (sums[:, 1].detach() if with_entropy else None)
 
 
 def token_nll(logps: Tensor, num_tokens: Tensor | int) -> Tensor:

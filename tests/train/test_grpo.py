@@ -152,17 +152,28 @@ def test_same_update_however_the_step_is_cut(train_cfg, tmp_path: Path, monkeypa
     """4 prompts a step as (4 x 1), (2 x 2), (1 x 4) micro-batch x accumulation, with rollouts that
     depend on the prompt only: the step's rollouts, its completion-token total (dapo) and so the
     loss and the update are the same. Adam's eps=1 makes its update ~ lr x gradient (its first
-    step is otherwise ~ lr x sign, blind to how the loss is normalised)."""
+    step is otherwise ~ lr x sign, blind to how the loss is normalised). The completion metrics and
+    num_tokens are TRL's values of the (known) completions, some stopped and some cut."""
     from rolemrc.modules.grpo import GRPOModule
 
-    monkeypatch.setattr(GRPOModule, "generate", fixed_generate)
+    sampled: list[tuple[int, torch.Tensor, list[int]]] = []
+
+    def recorded(self: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
+        new_ids = fixed_generate(self, prompt_ids, prompt_mask, sample)
+        sampled.append((int(prompt_mask.sum()), new_ids, self.stop_ids))
+        return new_ids
+
+    monkeypatch.setattr(GRPOModule, "generate", recorded)
     results = {}
     for b, a in [(4, 1), (2, 2), (1, 4)]:
         cfg = train_cfg(*GRPO, *loss, f"data.batch_size={b}", f"trainer.accumulate_grad_batches={a}",
                         "trainer.max_steps=2", "optim.eps=1.0", "optim.lr=1.0", "trainer.gradient_clip_val=null")
         cfg.run_dir = str(tmp_path / f"{b}x{a}")
+        sampled.clear()
         out = run(cfg)
         run_dir = Path(out["run_dir"])
+        assert len(sampled) == 2  # one generation per step, all of its prompts at once
+        check_completion_metrics(run_dir, sampled)
         state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
         results[(b, a)] = (state, series(run_dir, "train/loss"), series(run_dir, "train/completions/mean_length"),
                            series(run_dir, "train/reward"))
@@ -178,6 +189,32 @@ def test_same_update_however_the_step_is_cut(train_cfg, tmp_path: Path, monkeypa
                 continue
             assert (w - state0[name]).norm().item() <= 1e-3 * moved, f"{key}: {name}"
     assert sum((state0[k] - start[k]).norm().item() > 0 for k in state0) > 3  # the steps trained
+
+
+def check_completion_metrics(run_dir: Path, sampled: list[tuple[int, torch.Tensor, list[int]]]) -> None:
+    """TRL 1.16's completion metrics and num_tokens of each step's completions, by hand: a
+    completion's length counts up to and including its first stop token (else all its tokens: cut),
+    the terminated lengths are those of the stopped ones (0 when none), num_tokens adds every
+    completion's prompt and completion tokens up over the run."""
+    rows = [r for r in metric_rows(run_dir) if "train/loss" in r]
+    assert len(rows) == len(sampled)
+    tokens, mixed = 0, False
+    for row, (prompt_tokens, new_ids, stops) in zip(rows, sampled):
+        lengths, ended = [], []
+        for ids in new_ids.tolist():
+            at = next((i for i, t in enumerate(ids) if t in stops), None)
+            lengths.append(len(ids) if at is None else at + 1)
+            ended += [] if at is None else [at + 1]
+        tokens += prompt_tokens + sum(lengths)
+        mixed |= 0 < len(ended) < len(lengths)
+        expected = {"mean_length": sum(lengths) / len(lengths), "min_length": min(lengths),
+                    "max_length": max(lengths), "clipped_ratio": 1 - len(ended) / len(lengths),
+                    "mean_terminated_length": sum(ended or [0]) / max(len(ended), 1),
+                    "min_terminated_length": min(ended or [0]), "max_terminated_length": max(ended or [0])}
+        for name, value in expected.items():
+            assert row[f"train/completions/{name}"] == pytest.approx(value), name
+        assert row["train/num_tokens"] == tokens
+    assert mixed  # stopped and cut completions in one step: the terminated lengths are not the lengths
 
 
 def constant_reward(*, prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:

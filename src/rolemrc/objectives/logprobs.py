@@ -368,12 +368,14 @@ def _sequence_sums(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids:
     mask = labels != ignore_index
     logps, entropy = _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size,
                                     with_entropy)
-    values = torch.stack([logps, entropy.to(logps.dtype)], dim=1) if with_entropy else logps.unsqueeze(1)
     if sequence_ids is None:
         if labels.dim() != 2:
             raise ValueError(f"row mode expects labels [B, T], got {tuple(labels.shape)}")
-        per_pos = values.new_zeros((*labels.shape, values.shape[1])).masked_scatter(mask.unsqueeze(-1), values)
-        sums, counts = per_pos.sum(dim=1), mask.sum(dim=1)
+
+        def add_up(values: Tensor) -> Tensor:
+            return values.new_zeros(labels.shape).masked_scatter(mask, values).sum(dim=1)
+
+        counts = mask.sum(dim=1)
     else:
         _check_same_shape(sequence_ids, labels)
         seg = sequence_ids[mask].long()
@@ -384,10 +386,15 @@ def _sequence_sums(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids:
         # -1 positions are routed to a scratch slot S and dropped, which avoids a data-dependent
         # boolean index (and its device sync) on the log-probs.
         index = torch.where(keep, seg, num_sequences)
-        sums = values.new_zeros((num_sequences + 1, values.shape[1])).index_add(0, index, values)[:num_sequences]
+        n = num_sequences
+
+        def add_up(values: Tensor) -> Tensor:
+            return values.new_zeros(n + 1).index_add(0, index, values)[:n]
+
         counts = torch.zeros(num_sequences + 1, dtype=torch.long, device=labels.device)
         counts = counts.index_add(0, index, torch.ones_like(index))[:num_sequences]
-    return sums[:, 0], counts, (sums[:, 1].detach() if with_entropy else None)
+    # (no view of a shared buffer is returned: FSDP2 hooks the head's outputs)
+    return add_up(logps), counts, (add_up(entropy) if with_entropy else None)
 
 
 def token_nll(logps: Tensor, num_tokens: Tensor | int) -> Tensor:

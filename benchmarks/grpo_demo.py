@@ -278,6 +278,7 @@ def main() -> int:
         if args.only not in ("both", name):
             continue
         print(f"== {name}", flush=True)
+        load_start = os.getloadavg()  # the machine's 1/5/15-min load: throughput is only comparable in one run
         try:
             r = fn(args, sft, work)
         except Exception as err:  # recorded and reported; the exit status says so
@@ -285,6 +286,8 @@ def main() -> int:
             failed.append(name)
             print(f"{name} failed: {err}", file=sys.stderr)
             continue
+        r["load_average"] = {"start": [round(x, 2) for x in load_start],
+                             "end": [round(x, 2) for x in os.getloadavg()]}
         curve = r["reward_per_step"]
         r[f"first_{args.window}_mean"] = _mean(curve, args.window, last=False)
         r[f"last_{args.window}_mean"] = _mean(curve, args.window, last=True)

@@ -381,3 +381,38 @@ def test_num_iterations_reuses_each_steps_rollouts_and_resumes_mid_reuse(tmp_pat
     for key in ("train/loss", "train/clip_ratio/region_mean", "train/clip_ratio/low_mean", "train/reward"):
         want, got = series(reference, key), series(crashed, key)
         assert got == pytest.approx(want, abs=1e-6, nan_ok=True), key
+
+
+def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
+    """Two ranks' rollout statistics: the disagreement rate is the share over every completion both
+    rewards scored (1 of 4 here), not the mean of the ranks' shares (1/2); the loss metrics are each
+    micro-batch's token-weighted value over the ranks, then their mean over the micro-batches."""
+    from rolemrc.modules.grpo import GRPOModule
+
+    nan = float("nan")
+
+    def rank(judge: list[float], rules: list[float], lengths: list[int], truncated: list[bool]) -> dict[str, Any]:
+        per = torch.tensor([judge, rules], dtype=torch.float64).T
+        rate = sum((j >= 0.5) != (r >= 1) for j, r in zip(judge, rules) if j == j and r == r)
+        both = sum(j == j and r == r for j, r in zip(judge, rules))
+        return {"names": ["judge", "rules"], "per_reward": per, "rewards": per.nansum(1),
+                "is_std_zero": torch.zeros(len(judge), dtype=torch.bool), "lengths": torch.tensor(lengths),
+                "truncated": torch.tensor(truncated), "seconds": 1.0, "prompt_tokens": 10,
+                "extra": {"rewards/disagreement/judge_vs_rules": rate / both, "rewards/judge/missing": 1.0}}
+
+    stats = [rank([1.0, 0.0], [0.0, nan], [3, 6], [False, True]),  # 1 scored by both: disagree
+             rank([1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [6, 6, 6], [True, True, True])]  # 3: agree
+    m = GRPOModule._rollout_metrics(stats)
+    assert m["rewards/disagreement/judge_vs_rules"] == pytest.approx(1 / 4)
+    assert m["rewards/judge/missing"] == 2.0
+    assert m["completions/clipped_ratio"] == pytest.approx(4 / 5)
+    assert (m["completions/mean_terminated_length"], m["completions/max_terminated_length"]) == (3.0, 3.0)
+    assert m["completions/mean_length"] == pytest.approx(27 / 5)
+
+    def micro(tokens: float, mean: float, low_min: float) -> dict[str, Any]:
+        return {"tokens": tokens, "metrics": {"entropy": mean, "clip_ratio/low_min": low_min}}
+
+    out = GRPOModule._loss_metrics([[micro(1, 1.0, 0.5), micro(3, 2.0, nan)],
+                                    [micro(3, 3.0, 0.25), micro(1, 6.0, nan)]])
+    assert out["entropy"] == pytest.approx(((1 + 9) / 4 + (6 + 6) / 4) / 2)
+    assert out["clip_ratio/low_min"] == 0.25  # NaN micro-batches are skipped, as TRL's log skips them

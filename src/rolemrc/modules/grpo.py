@@ -65,7 +65,7 @@ from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
 from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, grpo_loss, nanstd
 from rolemrc.objectives.logprobs import IGNORE_INDEX
-from rolemrc.rewards import RewardSet, build_rewards
+from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
 
 log = logging.getLogger(__name__)
 
@@ -565,7 +565,9 @@ class GRPOModule(PolicyModule):
         metrics["num_tokens"] = float(self.tokens_seen.count)
         metrics.update(self._loss_metrics(per_rank))
         for key, value in metrics.items():  # already over every rank: no sync
-            self.log(f"train/{key}", float(value), batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+            # num_tokens in float64: Lightning stores a plain number in float32, exact only up to 2**24
+            logged = torch.tensor(float(value), dtype=torch.float64) if key == "num_tokens" else float(value)
+            self.log(f"train/{key}", logged, batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
 
     @staticmethod
     def _loss_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -611,7 +613,13 @@ class GRPOModule(PolicyModule):
         for k, name in enumerate(names):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
             metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+        pairs = {f"rewards/disagreement/{j}_vs_{v}": (a, b) for a, j in enumerate(names) for b, v in enumerate(names)}
         for key in stats[0]["extra"]:
+            if key in pairs:  # the share over every rank's completions both scored, not a mean of shares
+                a, b = pairs[key]
+                rate, _ = disagreement_rate(*([None if math.isnan(x) else x for x in per[:, c].tolist()] for c in (a, b)))
+                metrics[key] = float("nan") if rate is None else rate
+                continue
             values = [s["extra"][key] for s in stats if not math.isnan(s["extra"][key])]
             summed = key.endswith("/missing")
             metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")

@@ -22,7 +22,8 @@ side by side on the same model, prompts, reward and settings.
   ``completions_per_s``: TRL over its timed steps (sampling, rewards, backward, optimizer), ours
   over the whole ``train.py`` process (start, model load, export included: a lower bound).
 - Output: ``<json>`` (default ``benchmarks/results/grpo_demo.json``: settings, per-step verifier
-  reward and mean completion length of each, first/last-10-step means, completions/s) and a PNG
+  reward and mean completion length of each, first/last-10-step means, completions/s, the
+  machine's load average at the start and end of each part) and a PNG
   of the curves next to it.
   Exit 1 when a part that was asked for did not produce its figures (the JSON says why).
 

@@ -19,6 +19,10 @@ from rolemrc.run.train import run
 from tests.conftest import ROOT
 from tests.train.helpers import series
 
+# The one-process (12 x 1) epoch is the reference of the SFT cuts and of both 2-rank runs: made
+# once (module fixture), on one xdist worker.
+pytestmark = pytest.mark.xdist_group("loss_normalisation")
+
 # 122 sample conversations, no validation: steps of 12 leave a short last step of 2.
 COMMON = ["data.max_length=96", "data.val_fraction=0", "trainer.max_epochs=1", "optim.lr=1e-3",
           "optim.warmup_ratio=0", "trainer.log_every_n_steps=1"]
@@ -55,14 +59,25 @@ def start(tmp_path_factory) -> dict[str, torch.Tensor]:
     return weights(Path(out["run_dir"]))
 
 
-def test_sft_same_update_however_the_global_batch_is_cut(train_cfg, tmp_path: Path, start) -> None:
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The run folder of the whole epoch in steps of (12 x 1) on one process."""
+    from tests.conftest import FAST, compose_train
+
+    out = run(compose_train([*FAST, *COMMON, *cut(*SFT_CUTS[0])], run_dir=tmp_path_factory.mktemp("12x1") / "run"))
+    return Path(out["run_dir"])
+
+
+def test_sft_same_update_however_the_global_batch_is_cut(train_cfg, tmp_path: Path, start, one_process) -> None:
     results = {}
     for b, a in SFT_CUTS:
-        cfg = train_cfg(*COMMON, *cut(b, a))
-        cfg.run_dir = str(tmp_path / f"{b}x{a}")
-        out = run(cfg)
-        results[(b, a)] = (weights(Path(out["run_dir"])), series(Path(out["run_dir"]), "train/loss"),
-                           series(Path(out["run_dir"]), "train/tokens"))
+        if (b, a) == SFT_CUTS[0]:
+            run_dir = one_process
+        else:
+            cfg = train_cfg(*COMMON, *cut(b, a))
+            cfg.run_dir = str(tmp_path / f"{b}x{a}")
+            run_dir = Path(run(cfg)["run_dir"])
+        results[(b, a)] = (weights(run_dir), series(run_dir, "train/loss"), series(run_dir, "train/tokens"))
     (w0, loss0, tokens0) = results[SFT_CUTS[0]]
     assert len(loss0) == 11 and tokens0[-1] < tokens0[0]  # the short last step is there
     for key, (w, loss, tokens) in results.items():
@@ -84,13 +99,11 @@ def train_2proc(run_dir: Path, *overrides: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_make_the_same_update_as_one(train_cfg, tmp_path: Path, start, strategy: str) -> None:
-    single = run(train_cfg(*COMMON, *cut(12, 1)))
+def test_two_ranks_make_the_same_update_as_one(tmp_path: Path, start, one_process: Path, strategy: str) -> None:
     extra = [f"strategy={strategy}"] + (["strategy.param_dtype=null"] if strategy == "fsdp" else [])
     train_2proc(tmp_path / strategy, *extra, *cut(2, 3))  # 2 ranks x 2 x 3 = 12 a step
-    assert series(tmp_path / strategy, "train/loss") == pytest.approx(series(Path(single["run_dir"]), "train/loss"),
-                                                                       rel=1e-5)
-    assert_same_weights(weights(tmp_path / strategy), weights(Path(single["run_dir"])), start, strategy)
+    assert series(tmp_path / strategy, "train/loss") == pytest.approx(series(one_process, "train/loss"), rel=1e-5)
+    assert_same_weights(weights(tmp_path / strategy), weights(one_process), start, strategy)
 
 
 DPO_ARGS = ["objective=dpo", "data.max_prompt_length=64", "objective.sft_weight=0.5", "trainer.max_steps=3"]

@@ -1,5 +1,6 @@
 """Two processes on CPU (gloo): FSDP2 and DDP runs of the tiny model train, checkpoint,
-resume and export; under FSDP the parameters are really sharded; each console line prints once. (DPO with a sharded reference
+resume and export; under FSDP the parameters are really sharded; each console line prints once; under DDP the
+two ranks share one build of the data store (one rank encodes, the other maps it). (DPO with a sharded reference
 copy under FSDP2: tests/train/test_precision.py; with a precomputed one: test_tied.py; LoRA under
 FSDP2, exported merged: tests/callbacks/test_callbacks_fsdp.py.)"""
 
@@ -55,7 +56,15 @@ def assert_console_once(proc: subprocess.CompletedProcess, run_dir: Path) -> Non
 def test_train_checkpoint_resume_export(tmp_path: Path, strategy: str) -> None:
     run_dir = tmp_path / strategy
     extra = [f"strategy={strategy}"] + (["strategy.param_dtype=null"] if strategy == "fsdp" else [])
-    assert_console_once(train(run_dir, *extra, "trainer.max_steps=4"), run_dir)
+    store = tmp_path / "store"  # a store of this run's own, built here (not one an earlier test left)
+    first = train(run_dir, *extra, "trainer.max_steps=4", f"data.cache_dir={store}")
+    assert_console_once(first, run_dir)
+    if strategy == "ddp":  # the two ranks share one build (was tests/data/test_store.py's own 2-rank run)
+        (rank1_log,) = run_dir.glob("*_process_1.log")  # rank 1 prints only errors on the console
+        printed = first.stdout + first.stderr + rank1_log.read_text()
+        assert printed.count("data store: encoded") == 1, printed[-4000:]  # one build ...
+        assert printed.count("data store: reusing") >= 1, printed[-4000:]  # ... that the other rank maps
+        assert len(list(store.glob("sft-*/meta.json"))) == 1
 
     starts = [next(r for r in recorder.read(run_dir / "record", rank) if r["event"] == "start") for rank in (0, 1)]
     assert all(s["world_size"] == 2 for s in starts)
@@ -82,7 +91,7 @@ def test_train_checkpoint_resume_export(tmp_path: Path, strategy: str) -> None:
     # from a single-file one: tests/train/test_checkpoint_as_model.py, test_adapter_export.py.)
 
     # Resume: continues from step 4 on both ranks.
-    train(run_dir, *extra, "trainer.max_steps=6", "ckpt_path=last")
+    train(run_dir, *extra, "trainer.max_steps=6", "ckpt_path=last", f"data.cache_dir={store}")
     for rank in (0, 1):
         records = recorder.read(run_dir / "record", rank)
         restart = [r for r in records if r["event"] == "start"][-1]

@@ -105,3 +105,64 @@ def test_single_device_simulation_with_frozen_parameters(extra: list[str]) -> No
     if "objective.reference=copy" in extra:
         alone = simulate(compose_train([*base, "objective=simpo"]), checkpointing=False)
         assert sim.after_backward["Parameter"] > alone.after_backward["Parameter"]
+
+
+# objective=grpo on one device: 2 prompts x 2 micro-batches x 3 generations = 12 completions of 16
+# tokens after 48-token prompts, sampled at once at the step's start.
+GRPO = ["objective=grpo", "strategy=single", "data.prompts=[{path: ${asset:sample/test.jsonl}}]",
+        "data.max_prompt_length=48", "data.batch_size=2", "trainer.accumulate_grad_batches=2",
+        "objective.num_generations=3", "objective.max_completion_length=16", "data.val_fraction=0"]
+
+
+def test_grpo_rollout_is_simulated_against_the_real_generate_and_its_cache() -> None:
+    """The simulated rollout phase (generate's prefill and last decoding step under fake tensors)
+    against the training's own ``GRPOModule.generate`` really run on this CPU, every completion to
+    max_completion_length, under the same tracker after the same warm step: peaks within 5%; the
+    report's KV cache bytes equal the summed bytes of generate's real DynamicCache."""
+    import torch
+
+    from rolemrc import memory_sim as ms
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.parts import build_chat
+
+    cfg = compose_train(GRPO)
+    sim = simulate(cfg, checkpointing=False)
+    n, prompt, completion = 2 * 2 * 3, 48, 16
+    assert sim.rollout["sequences"] == n and set(sim.phases) == {"rollout", "step"}
+    assert sim.peak_bytes == max(p["peak_bytes"] for p in sim.phases.values())
+    assert sim.phase in sim.phases and sim.peak_bytes == sim.phases[sim.phase]["peak_bytes"]
+
+    module, vocab = ms._build(cfg, False, "cpu")
+    module._chat = build_chat(cfg.model)
+    module.__dict__["stop_ids"] = []  # (the property, shadowed) no stop token: every completion runs to the end
+    GRPOModule.stop_ids  # noqa: B018 (the property the instance shadows exists)
+    ms._configure(module, None)
+    optimizer = ms._optimizer(module)
+    ms._one_step(module, optimizer, module.on_before_batch_transfer(ms._batch(cfg, 1, vocab, 16), 0),
+                 cfg.trainer.precision)
+    ids = torch.full((n, prompt), 5, dtype=torch.long)
+    tracker = ms._tracker(module, optimizer, False)
+    with tracker:
+        new = ms._Call(lambda: module.generate(ids, torch.ones_like(ids)))()
+    assert new.shape == (n, completion)
+    _, real, real_by = ms._peak(tracker)
+    simulated = sim.phases["rollout"]
+    ratio = simulated["peak_bytes"] / real
+    print(f"GRPO rollout, simulated / real peak: {ratio:.4f} ({simulated['peak_bytes']} / {real} bytes)")
+    assert abs(ratio - 1) <= 0.05
+    # generate's own share (the peak less the weights and AdamW's states it finds): within 5% too
+    held = ("Parameter", "Buffer", "Optstate")
+    own, real_own = (total - sum(by[k] for k in held) for total, by in ((simulated["peak_bytes"], simulated["by_category"]),
+                                                                         (real, real_by)))
+    assert simulated["by_category"]["Gradient"] == real_by["Gradient"] == 0  # zero_grad freed them
+    assert own > 0 and abs(own / real_own - 1) <= 0.05, (own, real_own)
+
+    with torch.no_grad():
+        out = module.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=completion,
+                                    min_new_tokens=completion, do_sample=True, use_cache=True,
+                                    return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    real_cache = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cache.get_seq_length() == prompt + completion - 1
+    assert sim.rollout["kv_cache_bytes"] == real_cache == ms.kv_cache_bytes(module.model.config, n,
+                                                                            prompt + completion - 1, torch.float32)

@@ -113,8 +113,32 @@ def estimate_gb(arch: Arch, *, gpus: int, fsdp: bool, tokens_per_device: int, ch
     return (weights + states + transient + reference + acts + lm_head_chunk) / GB
 
 
-def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, int]:
-    """(GB per device, devices, tokens per micro-batch) of the configured run."""
+def rollout_gb(arch: Arch, *, gpus: int, fsdp: bool, sequences: int, prompt: int, completion: int,
+               cpu_offload: bool = False, dpo_copy: bool = False, lora: bool = False) -> float:
+    """Estimated peak GB per device of an online objective's rollout (GRPO's ``generate`` of
+    ``sequences`` completions at once, no gradient): the weights and AdamW states it finds (no
+    gradients: freed at the previous step's end), the bf16 units gathered for a forward, the bf16
+    KV cache of ``prompt + completion`` positions (per layer a key and a value of ``kv_heads x
+    head_dim``), the prefill's one-layer activations over the prompts, and fp32 next-token logits."""
+    p = arch.params
+    shard = gpus if fsdp else 1
+    if lora:
+        resident = p * 2 + 0.01 * p * 12  # frozen bf16 base; adapters' fp32 masters + Adam
+        transient = 0
+    else:
+        resident = 0 if cpu_offload else 12 * p / shard  # fp32 masters + Adam m and v
+        transient = 2 * (2 * arch.layer_params + arch.vocab * arch.h) if fsdp else 2 * p
+    reference = (2 * p / shard) if dpo_copy else 0
+    head_dim = arch.h // arch.heads
+    kv_cache = arch.layers * 2 * arch.kv_heads * head_dim * 2 * sequences * (prompt + completion)
+    prefill = sequences * prompt * 2 * (8 * arch.h + 3 * arch.inter)  # one layer's bf16 activations
+    logits = 3 * 4 * sequences * arch.vocab  # the last position's fp32 logits, their copy and the probabilities
+    return (resident + transient + reference + kv_cache + prefill + logits) / GB
+
+
+def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -> tuple[float, int, int, str]:
+    """(GB per device, devices, tokens per micro-batch, the phase that sets it: step or rollout) of
+    the configured run; ``rollout=False``: of its training step alone."""
     entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
     rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
     objective = typed(cfg.objective)
@@ -129,7 +153,16 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool) -> tuple[float, int, in
         lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
         qlora=cfg.model.quantization.load_in_4bit,
     )
-    return gb, gpus, tokens
+    shape = getattr(objective, "rollout_shape", None)  # an online objective's rollout: the larger of the two
+    phase = "step"
+    if shape is not None and rollout:
+        sequences, prompt, completion = shape(cfg.data, cfg.trainer)
+        rollout = rollout_gb(arch, gpus=gpus, fsdp=fsdp, sequences=sequences, prompt=prompt, completion=completion,
+                             cpu_offload=fsdp and cfg.strategy.cpu_offload,
+                             dpo_copy=cfg.objective.reference == "copy" and objective.needs_reference,
+                             lora=cfg.model.peft.enabled)
+        gb, phase = (rollout, "rollout") if rollout > gb else (gb, phase)
+    return gb, gpus, tokens, phase
 
 
 def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool, str]:
@@ -146,10 +179,15 @@ def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool
     arch = arch_of(cfg.model)
     if arch is None:
         return True, "auto: on (model dimensions not available offline, so memory cannot be estimated)"
-    gb, _, _ = _estimate(cfg, arch, checkpointing=False)
+    gb, _, _, _ = _estimate(cfg, arch, checkpointing=False, rollout=False)
+    # an online objective's rollout (generate, no gradient) keeps no activations: checkpointing does
+    # not change it, so the step alone decides, and a rollout too large is said
+    peak, _, _, phase = _estimate(cfg, arch, checkpointing=False)
+    rollout = (f"; the rollout (~{peak:.1f} GB) exceeds it either way: activation checkpointing does not lower it"
+               if phase == "rollout" and peak > 0.9 * device_gb else "")
     if gb <= 0.9 * device_gb:
-        return False, f"auto: off (~{gb:.1f} GB per device without it fits {device_gb:.0f} GB devices)"
-    return True, f"auto: on (~{gb:.1f} GB per device without it exceeds 90% of {device_gb:.0f} GB devices)"
+        return False, f"auto: off (~{gb:.1f} GB per device without it fits {device_gb:.0f} GB devices{rollout})"
+    return True, f"auto: on (~{gb:.1f} GB per device without it exceeds 90% of {device_gb:.0f} GB devices{rollout})"
 
 
 def check(cfg: Any, device_gb: float | None = None) -> str:
@@ -160,10 +198,11 @@ def check(cfg: Any, device_gb: float | None = None) -> str:
     if arch is None:
         return "unknown (model dimensions not available offline)"
     checkpointing, _ = choose_checkpointing(cfg, device_gb)
-    gb, gpus, tokens = _estimate(cfg, arch, checkpointing)
+    gb, gpus, tokens, phase = _estimate(cfg, arch, checkpointing)
     size = f"{arch.params / 1e9:.2f}B" if arch.params >= 1e9 else f"{arch.params / 1e6:.2f}M"
     line = (f"~{gb:.1f} GB per device ({size} params, {gpus} device(s), {tokens} tokens/micro-batch, "
-            f"activation checkpointing {'on' if checkpointing else 'off'})")
+            f"activation checkpointing {'on' if checkpointing else 'off'}"
+            f"{', set by the rollout (generate)' if phase == 'rollout' else ''})")
     if gb > 0.9 * device_gb:
         line = f"WARNING: {line} exceeds {device_gb:.0f} GB devices"
         log.warning("memory estimate: %s", line)
@@ -231,6 +270,12 @@ def compose_train_config(overrides: list[str]) -> Any:
         return compose("train", overrides=overrides)
 
 
+def step_peak(sim: Any) -> int:
+    """The simulated training step's peak bytes (forward, backward, AdamW), less an objective's
+    rollout phase: what activation checkpointing changes."""
+    return int(sim.phases["step"]["peak_bytes"]) if "step" in sim.phases else int(sim.peak_bytes)
+
+
 def simulated_report(cfg: Any) -> dict[str, Any]:
     """The simulated per-rank peak of the run ``cfg`` (:func:`rolemrc.memory_sim.simulate`) at its
     configured activation checkpointing; for ``auto`` both with and without it, the choice being
@@ -245,8 +290,8 @@ def simulated_report(cfg: Any) -> dict[str, Any]:
     sims = {}
     for on in ((False, True) if setting == "auto" else (bool(setting),)):
         sims[on] = simulate(cfg, checkpointing=on)
-    if setting == "auto":
-        chosen = False if sims[False].peak_bytes <= limit else True
+    if setting == "auto":  # the step decides: a rollout (generate) keeps no activations to checkpoint
+        chosen = False if step_peak(sims[False]) <= limit else True
     else:
         chosen = bool(setting)
     sim = sims[chosen]
@@ -265,6 +310,13 @@ def simulated_report(cfg: Any) -> dict[str, Any]:
         "note": sim.note,
         "micro_batch": {"rows": sim.rows, "tokens": sim.tokens},
         "tracker": sim.tracker,
+        # an objective with a rollout (GRPO): each phase's peak, and which sets the run's
+        "phase": sim.phase,
+        "phases": {name: {"peak_gib": round(p["peak_bytes"] / GB, 3),
+                          "by_category": {k: round(v / GB, 3) for k, v in p["by_category"].items()}}
+                   for name, p in sim.phases.items()},
+        "rollout": {**sim.rollout, **({"kv_cache_gib": round(sim.rollout["kv_cache_bytes"] / GB, 3)}
+                                      if "kv_cache_bytes" in sim.rollout else {})},
     }
 
 
@@ -275,6 +327,12 @@ def _print_report(r: dict[str, Any]) -> None:
           f"micro-batch {mb['rows']} rows / {mb['tokens']} tokens, activation checkpointing {r['checkpointing']}); "
           f"{verdict} {r['device_memory_gb']:g} GB devices ({r['headroom']:.0%} usable: "
           f"{r['headroom'] * r['device_memory_gb']:.1f} GiB)")
+    if r.get("phases"):
+        ro = r["rollout"]
+        print(f"  set by the {r['phase']} phase; phases: " + ", ".join(
+            f"{name} {p['peak_gib']:.2f} GiB" for name, p in r["phases"].items())
+              + f" (rollout: {ro['sequences']} sequences of {ro['prompt_tokens']} + {ro['completion_tokens']} tokens "
+              f"at once, KV cache {ro['kv_cache_gib']:.2f} GiB {ro['kv_dtype'].removeprefix('torch.')})")
     for name, gib in sorted(r["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:16s} {gib:9.3f} GiB")
     if r.get("note"):
@@ -283,6 +341,10 @@ def _print_report(r: dict[str, Any]) -> None:
     if r["setting"] == "auto":
         print(f"model.gradient_checkpointing=auto: on {gc['on']:.2f} GiB, off {gc['off']:.2f} GiB -> "
               f"{r['checkpointing']}")
+    if r.get("phase") == "rollout" and not r["fits"]:
+        print("the rollout sets the peak: activation checkpointing does not lower it (generate keeps no "
+              "activations); fewer sequences at once (data.batch_size, trainer.accumulate_grad_batches, "
+              "objective.num_generations) or shorter ones do")
 
 
 def _usage() -> str:

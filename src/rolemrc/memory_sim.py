@@ -76,6 +76,9 @@ class Simulation:
     after_backward: dict[str, int] = field(default_factory=dict)  # bytes by category once backward is done
     kind: str = "fake"  # fake: FakeTensorMode on a fake process group; else the real backend (gloo)
     note: str = ""  # what of the step is not simulated (the module's memory_note), printed with the report
+    phase: str = "step"  # the phase whose peak is peak_bytes: step (forward, backward, AdamW) or rollout
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # {phase: {peak_bytes, by_category}}
+    rollout: dict[str, Any] = field(default_factory=dict)  # an objective's rollout: sequences, tokens, KV cache bytes
 
     @property
     def peak_gib(self) -> float:
@@ -215,6 +218,7 @@ class _KnownMasks(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, counts: dict[tuple[int, ...], int]) -> None:
         super().__init__()
         self.counts = counts
+        self.stop = False  # the answer to a boolean read: True once generate's decoding budget is spent (_Budget)
 
     def _positions(self, mask: torch.Tensor) -> list[torch.Tensor]:
         shape = tuple(mask.shape)
@@ -229,9 +233,10 @@ class _KnownMasks(torch.utils._python_dispatch.TorchDispatchMode):
         if func is torch.ops.aten.nonzero.default:
             return torch.stack(self._positions(args[0]), dim=1)
         if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
-            # A boolean read back is an input check (``bool((labels >= vocab).any())``); the
-            # micro-batch built here passes every one of them.
-            return False
+            # A boolean read back is an input check (``bool((labels >= vocab).any())``), which the
+            # micro-batch built here passes, or generate's "every sequence finished?", which only
+            # its token budget ends (:class:`_Budget`): no sequence stops early.
+            return self.stop
         if func is torch.ops.aten.index.Tensor:
             src, indices = args
             if any(i is not None and i.dtype == torch.bool for i in indices):
@@ -382,6 +387,95 @@ def _optimizer(module: Any) -> torch.optim.Optimizer:
                              foreach=True)
 
 
+class _Call(torch.nn.Module):
+    """A function (``generate``) as a module call: the trackers take a second forward of the same
+    top-level unit as the next iteration unless it runs inside another module's forward."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.__dict__["fn"] = fn  # not a submodule
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.fn(**kwargs)
+
+
+def _budget(length: int, known: _KnownMasks | None) -> Any:
+    """A stopping criterion of ``generate`` that ends it at ``length`` tokens under fake tensors:
+    the loop's "every sequence finished?" reads a value fake tensors have not, so ``known`` answers
+    it, True once the sequences reach ``length``. It stops nothing itself (real tensors: generate's
+    own max-length check ends the loop at the same length)."""
+    from transformers.generation.stopping_criteria import StoppingCriteria
+
+    class Budget(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if known is not None:
+                known.stop = input_ids.shape[1] >= length
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Budget()
+
+
+def kv_cache_bytes(model_config: Any, sequences: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a ``DynamicCache`` holding ``tokens`` positions of ``sequences`` rows: per layer a
+    key and a value tensor ``[sequences, kv_heads, tokens, head_dim]`` of ``dtype``."""
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * sequences * kv * tokens * head_dim * torch.finfo(dtype).bits // 8
+
+
+def _rollout_phase(module: Any, spec: dict[str, Any], precision: str, known: _KnownMasks | None) -> dict[str, Any]:
+    """An objective's rollout (its ``memory_rollout`` spec: ``sequences`` rows of ``prompt`` tokens,
+    ``completion`` new tokens, ``generate`` keyword arguments), as transformers ``generate`` runs it
+    (eval mode, no gradient, the run's autocast, KV cache), at the two steps where its memory
+    peaks: the prefill (the prompts' forward and their cache) and the last decoding step (the cache
+    of ``prompt + completion - 2`` positions grown by one, the step's logits and sampling); the
+    steps between hold less (a shorter cache, the same one-token transients). Every sequence runs
+    to ``completion`` tokens (none stops early). Returns the cache's layout."""
+    from transformers import DynamicCache
+
+    from rolemrc.models.loading import eval_mode
+
+    model, n, prompt, completion = module.model, spec["sequences"], spec["prompt"], spec["completion"]
+    config = model.config
+    eos = config.eos_token_id if config.eos_token_id is not None else 0
+    pad = eos[0] if isinstance(eos, list) else eos
+    tok = min(5, config.get_text_config().vocab_size - 1)
+
+    def run(length: int, cache: Any = None) -> Any:
+        ids = torch.full((n, length), tok, dtype=torch.long)
+        from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+        try:
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                            max_new_tokens=1, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+                            return_dict_in_generate=True,
+                            stopping_criteria=StoppingCriteriaList([_budget(length + 1, known)]), **spec["sampling"])
+        finally:
+            if known is not None:
+                known.stop = False
+
+    def both() -> list[tuple[tuple[int, ...], torch.dtype]]:
+        out = run(prompt)  # the prefill
+        layers = [(tuple(layer.keys.shape), layer.keys.dtype) for layer in out.past_key_values.layers]
+        del out
+        if completion > 1:  # the last decoding step, on the cache the earlier ones left
+            cache = DynamicCache()
+            for i, (shape, dtype) in enumerate(layers):
+                full = (*shape[:2], prompt + completion - 2, *shape[3:])
+                cache.update(torch.zeros(full, dtype=dtype), torch.zeros(full, dtype=dtype), i)
+            out = run(prompt + completion - 1, cache)
+            del out, cache
+        return layers
+
+    with torch.no_grad(), eval_mode(model), _autocast(precision):
+        layers = _Call(both)()  # one module call around both: the trackers' single iteration
+    dtype = layers[0][1]
+    return {"sequences": n, "prompt_tokens": prompt, "completion_tokens": completion,
+            "kv_cache_bytes": kv_cache_bytes(config, n, prompt + completion - 1, dtype), "kv_dtype": str(dtype)}
+
+
 class _NoHook:
     """A stand-in hook handle (nothing to remove)."""
 
@@ -467,32 +561,58 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
             _materialise(module)
             warm = {k: mode.from_tensor(v) for k, v in warm.items()}
             batch = {k: mode.from_tensor(v) for k, v in batch.items()}
-            with _KnownMasks(counts):
-                return _track(cfg, module, warm, batch, fsdp, world, checkpointing, "fake")
-    return _track(cfg, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "")
+            with _KnownMasks(counts) as known:
+                return _track(cfg, module, warm, batch, fsdp, world, checkpointing, "fake", batch_size, known)
+    return _track(cfg, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "",
+                  batch_size)
+
+
+def _peak(tracker: Any) -> tuple[Any, int, dict[str, int]]:
+    """(the tracked device, its peak bytes, the peak's bytes by category)."""
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(d for d in peak if peak[d].get("Total", 0) > 0), next(iter(peak)))
+    snap = {getattr(k, "value", k): int(v) for k, v in peak[device].items()}
+    return device, snap.pop("Total"), snap
 
 
 def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: int, checkpointing: bool,
-           kind: str) -> Simulation:
+           kind: str, batch_size: int, known: _KnownMasks | None = None) -> Simulation:
+    """The tracked phases of one optimizer step after a warm-up step (AdamW's states exist, the
+    gradients are freed as the trainer's ``zero_grad`` leaves them): an objective's rollout first
+    (its ``memory_rollout``: GRPO's ``generate``), then the step itself (forward, backward, AdamW),
+    with the tensors the objective keeps through the step (its ``memory_resident``) allocated
+    first. The peak is the larger phase's."""
     optimizer = _optimizer(module)
     _one_step(module, optimizer, warm, cfg.trainer.precision)
+    phases: dict[str, dict[str, Any]] = {}
+    rollout: dict[str, Any] = {}
+    spec = getattr(module, "memory_rollout", None)
+    if spec is not None:
+        tracker = _tracker(module, optimizer, fsdp)
+        with tracker:
+            rollout = _rollout_phase(module, spec(cfg, batch_size), cfg.trainer.precision, known)
+        _, total, snap = _peak(tracker)
+        phases["rollout"] = {"peak_bytes": total, "by_category": snap}
     tracker = _tracker(module, optimizer, fsdp)
     if fsdp:
         tracker.track_inputs((batch,))
     seen: dict[str, Any] = {}
+    resident = getattr(module, "memory_resident", None)
     with tracker:
+        kept = resident(cfg, batch) if resident is not None else {}  # noqa: F841 (held through the step)
         _one_step(module, optimizer, batch, cfg.trainer.precision,
                   after_backward=lambda: seen.update(tracker.get_tracker_snapshot("current")))
-    peak = tracker.get_tracker_snapshot("peak")
-    device = next(iter(d for d in peak if peak[d].get("Total", 0) > 0), next(iter(peak)))
-    snap = {getattr(k, "value", k): int(v) for k, v in peak[device].items()}
-    total = snap.pop("Total")
+        del kept
+    device, total, snap = _peak(tracker)
+    phases["step"] = {"peak_bytes": total, "by_category": snap}
+    phase = max(phases, key=lambda name: phases[name]["peak_bytes"])
     after = {getattr(k, "value", k): int(v) for k, v in seen.get(device, {}).items()}
     rows = batch["input_ids"].shape[0]
-    return Simulation(ranks=world, peak_bytes=total, by_category={k: int(v) for k, v in snap.items()},
+    return Simulation(ranks=world, peak_bytes=phases[phase]["peak_bytes"], by_category=phases[phase]["by_category"],
                       checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
                       strategy=cfg.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
-                      after_backward=after, kind=kind, note=str(getattr(module, "memory_note", "")))
+                      after_backward=after, kind=kind, note=str(getattr(module, "memory_note", "")),
+                      phase=phase, phases=phases if spec is not None else {}, rollout=rollout)
 
 
 @contextlib.contextmanager

@@ -323,13 +323,25 @@ def test_crash_and_resume_gives_the_uninterrupted_rollouts(tmp_path: Path) -> No
     assert len(set(series(crashed, "train/reward"))) > 1  # rollouts differ from step to step
 
 
-def test_memory_simulation_runs_the_loss_step_on_rollout_shapes() -> None:
+def test_memory_simulation_runs_the_rollout_and_the_loss_step() -> None:
+    """Both phases of a step (the rollout's generate, then the loss step on rollout shapes) under
+    the tracker; the report's peak is the larger, named. The loss step holds the step's other
+    rollouts, and with num_iterations > 1 their old log-probs: more than one micro-batch alone."""
     from rolemrc.memory_sim import simulate
     from tests.conftest import compose_train
 
     sim = simulate(compose_train(GRPO), checkpointing=False)
     assert sim.rows == 2 * 3 and sim.tokens == 2 * 3 * (48 + 6)  # prompts x generations, prompt + completion
-    assert sim.peak_bytes > 0 and "not simulated" in sim.note
+    assert sim.rollout["sequences"] == 2 * 3 and sim.rollout["completion_tokens"] == 6  # accumulate 1
+    assert sim.peak_bytes == max(p["peak_bytes"] for p in sim.phases.values()) > 0
+    assert "rollout" in sim.note and "not simulated" in sim.note
+    # the step's prompts are sampled at once: 4 micro-batches' worth of sequences in one generate
+    more = simulate(compose_train([*GRPO, "trainer.accumulate_grad_batches=4", "objective.num_iterations=2"]),
+                    checkpointing=False)
+    assert more.rollout["sequences"] == 4 * 2 * 3
+    assert more.rollout["kv_cache_bytes"] == 4 * sim.rollout["kv_cache_bytes"]
+    assert more.phases["rollout"]["peak_bytes"] > sim.phases["rollout"]["peak_bytes"]
+    assert more.phases["step"]["peak_bytes"] > sim.phases["step"]["peak_bytes"]  # the rollouts and old log-probs kept
 
 
 def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_positive() -> None:
@@ -341,6 +353,27 @@ def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_
     without, with_ref = (float(check(compose_train([*GRPO, *big, f"objective.beta={b}"])).split()[0].lstrip("~"))
                          for b in (0.0, 0.1))
     assert with_ref > without
+
+
+def test_memory_formula_counts_the_rollout_and_auto_decides_from_the_step() -> None:
+    """The formula's GRPO estimate is the larger of the loss step and the rollout (generate of the
+    step's completions at once: KV cache, prefill); a rollout too large for the device is said, but
+    does not turn activation checkpointing on (it keeps no activations)."""
+    from rolemrc.memory import arch_of, check, choose_checkpointing, rollout_gb
+    from tests.conftest import compose_train
+
+    cfg = compose_train([*GRPO, "trainer.accumulate_grad_batches=64", "objective.max_completion_length=4096",
+                         "model.gradient_checkpointing=auto", "runtime.device_memory_gb=0.5"])
+    arch = arch_of(cfg.model)
+    gb = rollout_gb(arch, gpus=1, fsdp=False, sequences=2 * 64 * 3, prompt=48, completion=4096)
+    line = check(cfg)
+    assert "set by the rollout" in line and line.startswith(f"WARNING: ~{gb:.1f} GB")
+    on, why = choose_checkpointing(cfg)
+    assert on is False and "the rollout" in why and "does not lower it" in why
+    # the KV cache term: per layer a bf16 key and value of kv_heads x head_dim per position
+    kv = arch.layers * 2 * arch.kv_heads * (arch.h // arch.heads) * 2
+    assert rollout_gb(arch, gpus=1, fsdp=False, sequences=10, prompt=48, completion=101) - \
+        rollout_gb(arch, gpus=1, fsdp=False, sequences=10, prompt=48, completion=100) == pytest.approx(10 * kv / 1024**3)
 
 
 def test_num_iterations_reuses_each_steps_rollouts_and_resumes_mid_reuse(tmp_path: Path, monkeypatch) -> None:

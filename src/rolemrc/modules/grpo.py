@@ -377,10 +377,40 @@ class GRPOModule(PolicyModule):
         return GroupAdvantages(adv.advantages[mine], adv.std[mine], adv.is_std_zero[mine])
 
     # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------
-    memory_note = ("objective=grpo: simulated is the loss step on data.batch_size x num_generations rollouts of "
-                   "max_prompt_length + max_completion_length tokens (policy and, beta > 0, reference passes); "
-                   "the rollout itself (generate and its KV cache, on the step's data.batch_size x "
-                   "accumulate_grad_batches x num_generations completions at once) is not simulated")
+    memory_note = ("objective=grpo: simulated are the rollout (transformers generate of the step's data.batch_size x "
+                   "accumulate_grad_batches x num_generations completions at once, every one max_completion_length "
+                   "tokens after a max_prompt_length prompt: its prefill and its last decoding step, KV cache "
+                   "included) and the loss step on data.batch_size x num_generations of them (policy and, "
+                   "beta > 0, reference passes; the step's other rollouts, and with num_iterations > 1 their old "
+                   "log-probs, held); not simulated: generate under FSDP2 with synced_gpus (the same memory, "
+                   "plus one flag per step), the reward models and judges (not on the device), "
+                   "objective.rollout engines other than hf")
+
+    @staticmethod
+    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any]:
+        """The step's rollout for the memory simulation (:func:`rolemrc.memory_sim._rollout_phase`):
+        the prompts of every micro-batch of the step at once (``_step_rollouts``), each
+        ``num_generations`` times, as :meth:`generate` samples them."""
+        o = cfg.objective
+        n = batch_size * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
+        return {"sequences": n, "prompt": int(cfg.data.max_prompt_length), "completion": int(o.max_completion_length),
+                "sampling": dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                                 repetition_penalty=1.0)}
+
+    @staticmethod
+    def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the step keeps on the device beside the micro-batch it trains: the rollouts of its
+        other micro-batches (views of the step's rolled tensors keep all of them: ``input_ids``,
+        ``attention_mask``, ``labels``, ``position_ids``, ``advantages``) and, with
+        ``num_iterations > 1``, the old log-probs of every micro-batch (``[rows, T]`` float32)."""
+        n, width = batch["input_ids"].shape
+        others = n * (int(cfg.trainer.accumulate_grad_batches) - 1)
+        kept = {k: torch.empty((others, width), dtype=torch.long)
+                for k in ("input_ids", "attention_mask", "labels", "position_ids")}
+        kept["advantages"] = torch.empty(others)
+        if int(cfg.objective.num_iterations) > 1:
+            kept["old_logps"] = torch.empty((n * int(cfg.trainer.accumulate_grad_batches), width))
+        return kept
 
     @staticmethod
     def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf, open_dict
 from rolemrc import __version__
 from rolemrc.config import checkpointing_setting
 from rolemrc.fileio import atomic_write_json
-from rolemrc.memory import GB, choose_checkpointing
+from rolemrc.memory import GB, choose_checkpointing, step_peak
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/rolemrc
@@ -147,7 +147,7 @@ def simulated_peak(cfg: Any) -> tuple[dict[str, Any] | None, str]:
     except (SimulationUnavailable, OSError, subprocess.TimeoutExpired) as err:
         return None, str(err)
     stored = {"peak_bytes": sim.peak_bytes, "ranks": sim.ranks, "headroom": HEADROOM,
-              "by_category": sim.by_category, "key": parts}
+              "by_category": sim.by_category, "phase": sim.phase, "step_peak_bytes": step_peak(sim), "key": parts}
     try:
         atomic_write_json(path, stored)
     except OSError as err:  # a read-only cache: the decision stands, the next start simulates again
@@ -167,11 +167,19 @@ def decide_by_simulation(cfg: Any, formula: tuple[bool, str]) -> tuple[bool, str
         log.warning("memory simulation unavailable (%s): the formula decides activation checkpointing", where)
         return formula
     headroom = float(sim["headroom"])
-    fits = sim["peak_bytes"] <= headroom * device_gb * GB
+    limit = headroom * device_gb * GB
+    # the training step decides: an objective's rollout (GRPO's generate) keeps no activations to checkpoint
+    step = sim.get("step_peak_bytes", sim["peak_bytes"])
+    fits = step <= limit
     choice = not fits
-    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak without it {sim['peak_bytes'] / GB:.1f} GiB "
+    rollout = (f"; its rollout peaks at {sim['peak_bytes'] / GB:.1f} GiB, over {headroom:.0%} of the device either "
+               "way: activation checkpointing does not lower it"
+               if sim.get("phase") == "rollout" and sim["peak_bytes"] > limit else "")
+    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak of the step without it {step / GB:.1f} GiB "
            f"on {sim['ranks']} rank(s) {'fits' if fits else 'exceeds'} {headroom:.0%} of {device_gb:g} GB devices; "
-           f"{where})")
+           f"{where}{rollout})")
+    if rollout:
+        log.warning("memory: %s", why)
     if choice != formula[0]:
         log.warning("memory: the simulation and the formula disagree on activation checkpointing; simulation: %s; "
                     "formula: %s. Following the simulation.", why, formula[1])

@@ -18,6 +18,16 @@ and the two ranks' sum of its proportional share (PSS) against one rank's RSS.
     make bench-data                                     # 12k and 48k records, all contenders, + DDP
     .venv/bin/python benchmarks/data_scale.py --sizes 2000 --skip trl   # a quick look
 
+``--in-memory`` times instead what every rank pays at every start for the rows the encoded-row
+store does not hold: GRPO's prompt rows (data kind ``prompts``: the same records as SFT
+conversations cut before their last assistant turn, as ``data=rolemrc_rl`` reads the RoleMRC SFT
+mix), encoded in memory (``data.cache=false``) and with their token ids from the prompt store
+(first start: built; second: read back), and KTO's unpaired examples (``data.unpaired``: each
+record's last exchange as ``{prompt, completion, label}``, encoded in memory): the datamodule's
+``setup`` (read, render, tokenise) in this process, best of ``--repeats``:
+
+    .venv/bin/python benchmarks/data_scale.py --in-memory --sizes 24000   # the RoleMRC mix's size
+
 The machine is shared: the wall times move with the load (the load average is printed).
 """
 
@@ -212,6 +222,78 @@ def run_trl(data: Path, work: Path, tag: str, hf_cache: Path, num_proc: int) -> 
     return result
 
 
+def make_unpaired(sft: Path, path: Path) -> None:
+    """KTO's unpaired examples from SFT records: the conversation up to its last user turn as the
+    prompt, the last assistant turn as the completion, desirable and undesirable in turn."""
+    with sft.open() as src, path.open("w") as fh:
+        for i, line in enumerate(src):
+            conv = json.loads(line)["conversations"]
+            last = max(k for k, m in enumerate(conv) if m["role"].lower() == "assistant")
+            prompt = [{"role": m["role"].lower(), "content": m["content"]} for m in conv[:last]]
+            fh.write(json.dumps({"prompt": prompt, "completion": conv[last]["content"], "label": i % 2 == 0}) + "\n")
+
+
+def in_memory_setup(kind: str, data: Path, repeats: int, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Seconds of one rank's ``ChatDataModule.setup`` of ``kind`` rows (best of ``repeats``; the tiny
+    model's tokenizer, ``data=rolemrc_rl``'s lengths), and the rows kept. ``cache_dir``: with the
+    data store there (``data.cache=true``: prompt rows' token ids from the prompt store), else
+    ``data.cache=false``."""
+    from rolemrc.data.datamodule import ChatDataModule
+    from rolemrc.memory import compose_train_config
+    from rolemrc.parts import build_chat
+
+    key = "prompts" if kind == "prompts" else "unpaired"
+    objective = "grpo" if kind == "prompts" else "kto"
+    cache = [f"data.cache_dir={cache_dir}"] if cache_dir is not None else ["data.cache=false"]
+    cfg = compose_train_config([f"objective={objective}", f"data.{key}=[{{path: {data}}}]", "data.val_fraction=0",
+                                "data.max_length=4200", "data.max_prompt_length=2250", "data.num_proc=1", *cache])
+    chat = build_chat(cfg.model)
+    times = []
+    for _ in range(repeats):
+        dm = ChatDataModule(cfg.data, kind, chat)
+        start = time.perf_counter()
+        dm.setup("fit")
+        times.append(time.perf_counter() - start)
+    return {"seconds": round(min(times), 2), "all_seconds": [round(t, 2) for t in times], "rows": len(dm.train_rows),
+            "load_after": load_average()}
+
+
+STAGES = ("prompts-memory", "prompts-store", "unpaired")
+
+
+def run_in_memory(sizes: list[int], work: Path, repeats: int, out: Path, stages: list[str]) -> None:
+    """``--in-memory``: :func:`in_memory_setup` at each size of prompt rows encoded in memory
+    (``data.cache=false``), of prompt rows with the prompt store (its first start builds it: one
+    setup; the second reads it back: best of ``repeats``), and of unpaired rows (in memory)."""
+    results: dict[str, Any] = {"what": "ChatDataModule.setup, one rank, seconds", "repeats": repeats, "sizes": {}}
+    if out.exists():  # a run of some stages completes the rows of another
+        results["sizes"] = json.loads(out.read_text()).get("sizes", {})
+    for n in sizes:
+        sft = work / f"sft-{n}.jsonl"
+        make_records(n, sft)
+        unpaired = work / f"unpaired-{n}.jsonl"
+        make_unpaired(sft, unpaired)
+        print(f"\n{n} records ({sft.stat().st_size / 1e6:.0f} MB), load average {load_average()}", flush=True)
+        row = results["sizes"].setdefault(str(n), {})
+        runs = []
+        if "prompts-memory" in stages:
+            runs.append(("prompts", "prompts", sft, repeats, None))
+        if "prompts-store" in stages:
+            store = work / f"store-{n}"
+            shutil.rmtree(store, ignore_errors=True)
+            runs += [("prompts_store_first", "prompts", sft, 1, store),
+                     ("prompts_store_second", "prompts", sft, repeats, store)]
+        if "unpaired" in stages:
+            runs.append(("unpaired", "unpaired", unpaired, repeats, None))
+        for name, kind, path, times, store in runs:
+            row[name] = in_memory_setup(kind, path, times, store)
+            print(f"  {name}: {row[name]['seconds']} s for {row[name]['rows']} rows ({row[name]['all_seconds']}; "
+                  f"load average {row[name]['load_after']} after)", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwritten to {out}")
+
+
 def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -231,6 +313,11 @@ def main() -> None:
     p.add_argument("--merge", action="store_true",
                    help="add this run's rows to those already in --out (a subset run completes a table)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "data_scale.json")
+    p.add_argument("--in-memory", action="store_true",
+                   help="time the in-memory setup of prompt (GRPO) and unpaired (KTO) rows instead")
+    p.add_argument("--repeats", type=int, default=2, help="with --in-memory: setups per kind (the best is kept)")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES,
+                   help="with --in-memory: which setups to time (default: all)")
     p.add_argument("--trl-child", nargs=3, metavar=("DATA", "OUT", "NUM_PROC"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
@@ -242,6 +329,14 @@ def main() -> None:
     num_proc = default_num_proc()
     work = args.work or Path(tempfile.mkdtemp(prefix="rolemrc-data-scale-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.in_memory:
+        out = args.out if args.out != p.get_default("out") else ROOT / "benchmarks" / "results" / "in_memory_rows.json"
+        try:
+            run_in_memory(args.sizes, work, args.repeats, out, args.stages)
+        finally:
+            if args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+        return
     results: dict[str, Any] = {"num_proc": num_proc, "cpus": os.cpu_count(), "sizes": {}}
     try:
         for n in args.sizes:

@@ -13,7 +13,10 @@ under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) and runs o
 ``data.batch_size`` rows of ``data.max_length`` tokens (DPO: prompt ``data.max_prompt_length``,
 chosen and rejected responses filling the rest; packing: packs of ``max_length`` tokens).
 ``torch.distributed._tools`` trackers (``FSDPMemTracker`` under FSDP, ``MemTracker`` otherwise)
-record the per-rank peak by category.
+record the per-rank peak by category. An objective that samples its own data (GRPO: its
+``memory_rollout``) has a second phase, tracked first: its rollout, transformers ``generate`` run
+under the same fake tensors and tracker (:func:`_rollout_phase`: the prefill and the last
+decoding step, where its memory peaks); the peak is the larger phase's (``Simulation.phase``).
 
 What it counts and what it does not:
 

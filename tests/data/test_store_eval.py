@@ -121,6 +121,7 @@ def test_the_batch_encoders_give_the_one_by_one_ids(tmp_path: Path, template: st
     encode_pair per record, cut at the lengths, with a record the template refuses given as its
     error in place."""
     from rolemrc.data.schemas import PARSERS
+    from rolemrc.data.schemas import DataError
     from rolemrc.data.templates import TemplateRenderError
 
     tok = AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3"))
@@ -181,3 +182,56 @@ def test_the_judge_callback_reads_its_prompts_from_the_store(chat, tmp_path: Pat
     forbid_encoding(monkeypatch)
     JudgeScores(n_items=6, metrics=[], judge={"backend": "none"}).setup(trainer, None, "fit")
     assert store_mod.BUILDS["count"] == builds + 1
+
+
+def test_grpo_prompt_rows_come_from_their_store(chat, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt rows (data kind prompts, objective=grpo) with data.cache: built once into a store of
+    their own (ids, messages and reward columns; keyed by the sources' files, as sft and pairs
+    stores are), the same rows as encoded in memory (data.cache=false), and read back at the next
+    start with no reading, rendering or tokenising. A record the template cannot render is named by
+    file and line and stores nothing; with on_error=skip it is dropped and counted, and stored so."""
+    from rolemrc.data import datamodule
+    from rolemrc.data.datamodule import ChatDataModule
+    from rolemrc.data.schemas import DataError
+    from rolemrc.data.templates import TemplateRenderError
+
+    def rows(cache: bool, cache_dir: Path, path: str | None = None, on_error: str = "raise"):
+        cfg = OmegaConf.create({"prompts": [{"path": path or asset("sample/rl.jsonl")}], "prompts_val": [],
+                                "val_fraction": 0.0 if path else 0.2, "max_prompt_length": 64, "cache": cache,
+                                "cache_dir": str(cache_dir), "on_error": on_error})
+        dm = ChatDataModule(cfg, "prompts", chat)
+        dm.prepare_data()
+        dm.setup("fit")
+        return list(dm.train_rows), list(dm.val_rows), dm.report
+
+    memory = rows(False, tmp_path / "none")
+    assert not (tmp_path / "none").exists() and len(memory[0]) > 10 and memory[1]
+    builds = store_mod.BUILDS["count"]
+    first = rows(True, tmp_path / "cache")
+    assert store_mod.BUILDS["count"] == builds + 1 and first == memory
+    assert first[2]["train"]["prompt_truncated"] > 0  # cut to max_prompt_length, as in memory
+    with monkeypatch.context() as m:
+        forbid_encoding(m)
+        m.setattr(datamodule, "read_examples", lambda *a, **k: pytest.fail("read the records on the second start"))
+        second = rows(True, tmp_path / "cache")
+    assert store_mod.BUILDS["count"] == builds + 1 and second == memory
+    assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_dir()] == ["promptrows"]
+
+    records = Path(asset("sample/rl.jsonl")).read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(records[:3]) + "\n")
+    real_render = ChatFormat.render
+    refused = json.loads(records[1])
+
+    def render(self, messages, add_generation_prompt=False):  # the second record's prompt cannot be rendered
+        if messages[-1]["content"] == refused["prompt"][-1]["content"]:
+            raise TemplateRenderError("the template refuses this conversation")
+        return real_render(self, messages, add_generation_prompt)
+
+    monkeypatch.setattr(ChatFormat, "render", render)
+    with pytest.raises(DataError, match=r"bad\.jsonl:2"):
+        rows(True, tmp_path / "bad", str(bad))
+    assert not [p for p in (tmp_path / "bad").iterdir() if p.is_dir()]  # a failed build stores nothing
+    skipped, _, report = rows(True, tmp_path / "bad", str(bad), on_error="skip")
+    assert len(skipped) == 2 and report["train"]["dropped_template_error"] == 1
+    assert rows(True, tmp_path / "bad", str(bad), on_error="skip")[0] == skipped

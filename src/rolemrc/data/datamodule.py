@@ -28,7 +28,8 @@ from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
                                   epoch_batches_under_limit, repeated_batches)
-from rolemrc.data.store import CHUNK, Spec, Store, encode_examples, open_or_build
+from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, open_or_build, open_or_build_prompt_rows,
+                                prompt_rows_key_parts)
 from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -265,6 +266,9 @@ class ChatDataModule(L.LightningDataModule):
         return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length, self.cfg.on_error)
 
     def _open_store(self) -> Store:
+        if self.store is None and self.kind == "prompts":  # rows with their reward columns (encode_prompts')
+            self.store = open_or_build_prompt_rows(prompt_rows_key_parts(self.cfg, self.seed, self.chat),
+                                                   self.cfg.cache_dir, self._read_and_encode)
         if self.store is None:
             self.store = open_or_build(Spec.of(self.cfg, self.kind, self.seed), self.chat, self.cfg.cache_dir,
                                        self.cfg.num_proc)
@@ -295,8 +299,8 @@ class ChatDataModule(L.LightningDataModule):
             self._said_in_memory = True
             log.info("data.cache: unpaired examples are encoded in memory at each start (the store holds sft and "
                      "pairs rows)")
-        # prompt rows (objective=grpo) carry their reward columns: in memory too
-        return bool(self.cfg.cache) and self.kind not in ("unpaired", "prompts")
+        # prompt rows (objective=grpo): a store of their own, with their reward columns
+        return bool(self.cfg.cache) and self.kind != "unpaired"
 
     def _setup_from_store(self) -> None:
         store = self._open_store()
@@ -305,8 +309,7 @@ class ChatDataModule(L.LightningDataModule):
         for line in _report_lines(self.report):
             log.info(line)
         self._log_reports(self.report["train"], self.report["val"])
-        if not self.report["val"] and self.cfg.val_fraction > 0 \
-                and not (self.cfg.sft_val if self.kind == "sft" else self.cfg.pairs_val):
+        if not self.report["val"] and self.cfg.val_fraction > 0 and not getattr(self.cfg, f"{self.kind}_val"):
             log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
                         self.cfg.val_fraction, sum(self.report["sources"].values()), self.kind)
 
@@ -319,6 +322,14 @@ class ChatDataModule(L.LightningDataModule):
                         train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
 
     def _setup_in_memory(self) -> None:
+        self.train_rows, self.val_rows, self.report = self._read_and_encode()
+        for line in _report_lines(self.report):
+            log.info(line)
+        self._log_reports(self.report["train"], self.report["val"])
+
+    def _read_and_encode(self) -> tuple[list[dict], list[dict], dict]:
+        """(train rows, val rows, data report): the sources read and encoded in memory (what a
+        prompt-rows store is built from)."""
         sources, val_sources = getattr(self.cfg, self.kind), getattr(self.cfg, f"{self.kind}_val")
         # Without validation sources, val_fraction of the records is held out before the source
         # weights duplicate or subsample the rest: no copy of a validation record is trained on.
@@ -327,18 +338,16 @@ class ChatDataModule(L.LightningDataModule):
         val = read_report.held_out
         if val_sources:
             val, _ = read_examples(list(val_sources), self.kind, self.cfg.on_error, self.seed)
-        self.train_rows, train_report = self._encode(train)
-        self.val_rows, val_report = self._encode(val) if val else ([], {})
-        if not self.train_rows:
+        train_rows, train_report = self._encode(train)
+        val_rows, val_report = self._encode(val) if val else ([], {})
+        if not train_rows:
             raise DataError(f"no {self.kind} example left to train on after encoding: {train_report}")
         if holdout > 0 and not val:
             log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
                         holdout, sum(read_report.kept.values()), self.kind)
-        self.report = {"sources": read_report.kept, "skipped": read_report.skipped,
-                       "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
-        for line in read_report.lines():
-            log.info(line)
-        self._log_reports(train_report, val_report)
+        report = {"sources": read_report.kept, "skipped": read_report.skipped,
+                  "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
+        return train_rows, val_rows, report
 
     def collator(self) -> Any:
         """Takes a list of rows (or of packs when packing) and returns the batch tensors."""

@@ -689,8 +689,8 @@ class Store:
     def report(self) -> dict[str, Any]:
         return self.meta["report"]
 
-    def rows(self, stage: str) -> StoredRows:
-        return StoredRows(self, stage)
+    def rows(self, stage: str) -> StoredRows | StoredPromptRows:
+        return StoredPromptRows(self, stage) if self.kind == "promptrows" else StoredRows(self, stage)
 
     def packs(self, stage: str, share_prompt: bool) -> tuple[StoredPacks, dict]:
         name = f"{stage}_pack{int(share_prompt)}"
@@ -744,6 +744,30 @@ class StoredRows(Sequence):
             row[f"{name}_ids"] = np.asarray(arr[int(off[u]):int(off[u + 1])], dtype=np.int64).tolist()
         row["index"] = i
         return row
+
+
+class StoredPromptRows(Sequence):
+    """Prompt rows of one stage (data kind ``prompts``) as :func:`~rolemrc.data.datamodule.encode_prompts`
+    makes them (``prompt_ids``, ``messages``, ``columns``, ``index``), read from the maps on access."""
+
+    def __init__(self, store: Store, stage: str) -> None:
+        a = store.arrays
+        self._ids, self._off = a[f"{stage}_prompt"], a[f"{stage}_prompt_offsets"]
+        self._extra, self._extra_off = a[f"{stage}_extra"], a[f"{stage}_extra_offsets"]
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        ids = np.asarray(self._ids[int(self._off[i]):int(self._off[i + 1])], dtype=np.int64).tolist()
+        messages, columns = json.loads(bytes(self._extra[int(self._extra_off[i]):int(self._extra_off[i + 1])]))
+        return {"prompt_ids": ids, "messages": messages, "columns": columns, "index": i}
 
 
 class StoredPacks(Sequence):
@@ -854,6 +878,58 @@ def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, nu
                           lambda folder: build(spec, chat, folder, num_proc or default_num_proc(), parts))
 
 
+# ----------------------------------------------------------------------------- online RL's prompt rows
+
+
+def prompt_rows_key_parts(cfg: DataConfig, seed: int, chat: ChatFormat) -> dict[str, Any]:
+    """What a run's prompt rows (data kind ``prompts``) depend on: the ``data.prompts`` and
+    ``data.prompts_val`` sources' settings and files' identity (as the sft and pairs stores key
+    theirs), the holdout, seed, ``max_prompt_length``, ``on_error``, the tokenizer and template,
+    the encoder's code (with ``encode_prompts``' module)."""
+    sources = [source_config(s) for s in cfg.prompts]
+    val_sources = [source_config(s) for s in cfg.prompts_val]
+    datamodule = Path(__file__).with_name("datamodule.py")
+    return {
+        "kind": "promptrows",
+        "sources": [_source_identity(s) for s in sources],
+        "val_sources": [_source_identity(s) for s in val_sources],
+        "holdout": 0.0 if val_sources else float(cfg.val_fraction), "seed": int(seed),
+        "max_prompt_length": int(cfg.max_prompt_length), "on_error": str(cfg.on_error),
+        "tokenizer": tokenizer_identity(chat), "encoder": encoder_version(),
+        "datamodule": hashlib.sha256(datamodule.read_bytes()).hexdigest()[:16],
+    }
+
+
+def open_or_build_prompt_rows(parts: dict[str, Any], cache_dir: str | Path | None,
+                              encode: Any) -> Store:
+    """The store of a run's prompt rows (key :func:`prompt_rows_key_parts`): per stage
+    ``<stage>_prompt`` (int32 ids) and ``<stage>_extra`` (each row's messages and reward columns as
+    UTF-8 JSON), each with its offsets, and the data report. Built once by ``encode()`` (-> train
+    rows, val rows, report: what the datamodule makes in memory), memory-mapped by every later
+    start and rank (:class:`StoredPromptRows`); a build that fails (a bad record) stores nothing."""
+
+    def build_into(folder: Path) -> None:
+        started = time.perf_counter()
+        train, val, report = encode()
+        files: dict[str, Any] = {}
+        for stage, rows in (("train", train), ("val", val)):
+            ids = [r["prompt_ids"] for r in rows]
+            _write_array(folder, f"{stage}_prompt", np.asarray([t for p in ids for t in p], dtype=np.int32), files)
+            _write_array(folder, f"{stage}_prompt_offsets", np.cumsum([0] + [len(p) for p in ids], dtype=np.int64),
+                         files)
+            extra = [json.dumps([r["messages"], r["columns"]], ensure_ascii=False).encode() for r in rows]
+            _write_array(folder, f"{stage}_extra", np.frombuffer(b"".join(extra), dtype=np.uint8), files)
+            _write_array(folder, f"{stage}_extra_offsets", np.cumsum([0] + [len(e) for e in extra], dtype=np.int64),
+                         files)
+        BUILDS["count"] += 1
+        seconds = round(time.perf_counter() - started, 2)
+        log.info("data store: encoded %d prompt row(s) in %.1f s", len(train) + len(val), seconds)
+        _write_meta(folder, {"format": FORMAT_VERSION, "kind": "promptrows", "key_parts": parts, "files": files,
+                             "report": report, "units": len(train) + len(val), "build_seconds": seconds})
+
+    return _open_or_build(_root(cache_dir), f"promptrows-{store_key(parts)}", build_into)
+
+
 # ----------------------------------------------------------------------------- test items' prompts
 
 
@@ -885,7 +961,7 @@ def open_or_build_prompts(questions: Sequence[list[Any]], chat: ChatFormat, cach
         _write_array(folder, "prompt_offsets", np.cumsum([0] + [len(p) for p in prompts], dtype=np.int64), files)
         BUILDS["count"] += 1
         seconds = round(time.perf_counter() - started, 2)
-        log.info("data store: encoded %d test prompt(s) in %.1f s", len(prompts), seconds)
+        log.info("data store: encoded %d prompt(s) in %.1f s", len(prompts), seconds)
         _write_meta(folder, {"format": FORMAT_VERSION, "kind": "prompts", "key_parts": parts,
                              "sources": _plain(sources), "files": files, "units": len(prompts),
                              "build_seconds": seconds})

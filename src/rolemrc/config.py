@@ -345,9 +345,12 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         rollouts of ``data.max_prompt_length + max_completion_length``."""
         return int(data.batch_size) * self.num_generations * (int(data.max_prompt_length) + self.max_completion_length)
 
-    def rollout_shape(self, data: Any, trainer: Any) -> tuple[int, int, int]:
+    def rollout_shape(self, data: Any, trainer: Any) -> tuple[int, int, int] | None:
         """(sequences, prompt tokens, completion tokens) of a step's rollout, sampled at once: the
-        step's ``data.batch_size x accumulate_grad_batches`` prompts, ``num_generations`` each."""
+        step's ``data.batch_size x accumulate_grad_batches`` prompts, ``num_generations`` each;
+        None where ``generate`` does not sample them (``rollout=vllm``)."""
+        if self.rollout != "hf":
+            return None
         sequences = int(data.batch_size) * int(trainer.accumulate_grad_batches) * self.num_generations
         return sequences, int(data.max_prompt_length), self.max_completion_length
 

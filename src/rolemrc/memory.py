@@ -155,8 +155,9 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -
     )
     shape = getattr(objective, "rollout_shape", None)  # an online objective's rollout: the larger of the two
     phase = "step"
-    if shape is not None and rollout:
-        sequences, prompt, completion = shape(cfg.data, cfg.trainer)
+    rolled = shape(cfg.data, cfg.trainer) if shape is not None and rollout else None
+    if rolled is not None:
+        sequences, prompt, completion = rolled
         rollout = rollout_gb(arch, gpus=gpus, fsdp=fsdp, sequences=sequences, prompt=prompt, completion=completion,
                              cpu_offload=fsdp and cfg.strategy.cpu_offload,
                              dpo_copy=cfg.objective.reference == "copy" and objective.needs_reference,

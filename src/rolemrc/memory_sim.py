@@ -589,11 +589,12 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     _one_step(module, optimizer, warm, cfg.trainer.precision)
     phases: dict[str, dict[str, Any]] = {}
     rollout: dict[str, Any] = {}
-    spec = getattr(module, "memory_rollout", None)
+    maker = getattr(module, "memory_rollout", None)
+    spec = maker(cfg, batch_size) if maker is not None else None  # None: no rollout on this device (vLLM)
     if spec is not None:
         tracker = _tracker(module, optimizer, fsdp)
         with tracker:
-            rollout = _rollout_phase(module, spec(cfg, batch_size), cfg.trainer.precision, known)
+            rollout = _rollout_phase(module, spec, cfg.trainer.precision, known)
         _, total, snap = _peak(tracker)
         phases["rollout"] = {"peak_bytes": total, "by_category": snap}
     tracker = _tracker(module, optimizer, fsdp)

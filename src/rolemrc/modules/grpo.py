@@ -387,11 +387,14 @@ class GRPOModule(PolicyModule):
                    "objective.rollout engines other than hf")
 
     @staticmethod
-    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any]:
+    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any] | None:
         """The step's rollout for the memory simulation (:func:`rolemrc.memory_sim._rollout_phase`):
         the prompts of every micro-batch of the step at once (``_step_rollouts``), each
-        ``num_generations`` times, as :meth:`generate` samples them."""
+        ``num_generations`` times, as :meth:`generate` samples them; None where another engine
+        samples (``objective.rollout=vllm``: not on the trainer's memory as simulated)."""
         o = cfg.objective
+        if o.get("rollout", "hf") != "hf":
+            return None
         n = batch_size * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
         return {"sequences": n, "prompt": int(cfg.data.max_prompt_length), "completion": int(o.max_completion_length),
                 "sampling": dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,

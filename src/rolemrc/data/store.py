@@ -904,7 +904,8 @@ def open_or_build_prompt_rows(parts: dict[str, Any], cache_dir: str | Path | Non
                               encode: Any) -> Store:
     """The store of a run's prompt rows (key :func:`prompt_rows_key_parts`): per stage
     ``<stage>_prompt`` (int32 ids) and ``<stage>_extra`` (each row's messages and reward columns as
-    UTF-8 JSON), each with its offsets, and the data report. Built once by ``encode()`` (-> train
+    UTF-8 JSON), each with its offsets, ``<stage>_totals`` (``[R, 1]``: one prompt per row, the
+    step's normaliser), and the data report. Built once by ``encode()`` (-> train
     rows, val rows, report: what the datamodule makes in memory), memory-mapped by every later
     start and rank (:class:`StoredPromptRows`); a build that fails (a bad record) stores nothing."""
 
@@ -921,6 +922,7 @@ def open_or_build_prompt_rows(parts: dict[str, Any], cache_dir: str | Path | Non
             _write_array(folder, f"{stage}_extra", np.frombuffer(b"".join(extra), dtype=np.uint8), files)
             _write_array(folder, f"{stage}_extra_offsets", np.cumsum([0] + [len(e) for e in extra], dtype=np.int64),
                          files)
+            _write_array(folder, f"{stage}_totals", np.ones((len(rows), 1), dtype=np.int64), files)  # one prompt each
         BUILDS["count"] += 1
         seconds = round(time.perf_counter() - started, 2)
         log.info("data store: encoded %d prompt row(s) in %.1f s", len(train) + len(val), seconds)

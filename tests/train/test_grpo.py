@@ -370,6 +370,16 @@ def test_memory_formula_counts_the_rollout_and_auto_decides_from_the_step() -> N
     assert "set by the rollout" in line and line.startswith(f"WARNING: ~{gb:.1f} GB")
     on, why = choose_checkpointing(cfg)
     assert on is False and "the rollout" in why and "does not lower it" in why
+    # objective.rollout=vllm: no generate on the trainer's memory as simulated; the loss step alone
+    from rolemrc.config import typed
+    from rolemrc.modules.grpo import GRPOModule
+
+    vllm = compose_train([*GRPO, "trainer.accumulate_grad_batches=64", "objective.max_completion_length=4096",
+                          "runtime.device_memory_gb=0.5", "objective.rollout=vllm",
+                          "objective.vllm.base_url=http://127.0.0.1:9/v1"])
+    assert GRPOModule.memory_rollout(vllm, 2) is None and typed(vllm.objective).rollout_shape(vllm.data, vllm.trainer) is None
+    assert "set by the rollout" not in check(vllm)
+    assert GRPOModule.memory_rollout(cfg, 2)["sequences"] == 2 * 64 * 3
     # the KV cache term: per layer a bf16 key and value of kv_heads x head_dim per position
     kv = arch.layers * 2 * arch.kv_heads * (arch.h // arch.heads) * 2
     assert rollout_gb(arch, gpus=1, fsdp=False, sequences=10, prompt=48, completion=101) - \

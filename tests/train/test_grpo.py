@@ -417,7 +417,7 @@ def test_num_iterations_reuses_each_steps_rollouts_and_resumes_mid_reuse(tmp_pat
         run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
                            "+callbacks.crash.step=3"], run_dir=crashed))
     saved = torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 3 and saved["grpo_rollouts"]["uses"] == 1
+    assert saved["global_step"] == 3 and saved["per_rank_state"][0]["grpo_rollouts"]["uses"] == 1
     calls.clear()
     run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
     assert calls == []  # step 4 trains on the kept rollouts

@@ -31,6 +31,7 @@ ARGS = ["objective=grpo", "data.prompts=[{path: ${asset:sample/test.jsonl}}]", "
         "optim.warmup_ratio=0",
         "optim.scheduler=constant", "trainer.enable_progress_bar=false", "export.enabled=false",
         "data.val_fraction=0", "+objective.rewards.vowels._target_=tests.train.test_grpo.vowel_reward"]
+EVERY_STEP = ["callbacks.checkpoint.every_n_train_steps=1", "callbacks.checkpoint.save_top_k=-1"]
 TWO_RANKS = ["trainer.devices=2", "trainer.accelerator=cpu",
              "+callbacks.record._target_=tests.train.test_grpo_distributed.RecordRollouts"]
 
@@ -87,8 +88,15 @@ def replayed(run_dir: Path, width: int) -> tuple[dict[tuple, list[torch.Tensor]]
 
 def test_fsdp2_and_ddp_give_the_same_rollouts_and_ddp_reuse_equals_one_rank(tmp_path: Path, monkeypatch) -> None:
     fsdp = train(tmp_path / "fsdp", "strategy=fsdp", "strategy.param_dtype=null")
-    ddp = train(tmp_path / "ddp", "strategy=ddp")
+    ddp = train(tmp_path / "ddp", "strategy=ddp", *EVERY_STEP)
     assert len(fsdp) == len(ddp) == STEPS
+    # Resumed from step 1, in the middle of a reuse: each rank gets back its own kept rollouts and
+    # its own sampling RNG (seeded by rank), so steps 2-4 are the uninterrupted run's
+    step1 = next((tmp_path / "ddp" / "checkpoints").glob("*step=1.ckpt"))
+    resumed = train(tmp_path / "resumed", "strategy=ddp", f"ckpt_path='{step1}'")
+    assert [r["step"] for r in resumed] == [r["step"] for r in ddp[1:]]
+    for key in ("train/loss", "train/reward", "train/kl", "train/num_tokens", "train/completions/mean_length"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in ddp[1:]], rel=1e-5, abs=1e-7), key
     for key in ("train/reward", "train/rewards/vowels/mean", "train/completions/mean_length", "train/kl",
                 "train/entropy", "train/num_tokens", "train/clip_ratio/region_mean"):
         assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in ddp], abs=1e-5), key

@@ -76,7 +76,9 @@ class SamplingRNG:
     """The rollouts' random stream, apart from the global one (dropout, shuffling): ``generate``
     draws inside :meth:`fork`, which swaps this stream's state in and out. Seeded on first use from
     ``seed`` (the run's, ``torch.initial_seed()`` after ``seed_everything``) and the rank; its state
-    travels in every checkpoint (a :func:`run_state_parts` part)."""
+    travels in every checkpoint (a :func:`run_state_parts` part), each rank's its own."""
+
+    per_rank = True  # seeded by rank: every rank's state is saved (rolemrc.run.state.gather_per_rank)
 
     def __init__(self) -> None:
         self.cpu: torch.Tensor | None = None
@@ -119,7 +121,9 @@ class RolloutReuse:
     """``num_iterations > 1``: the step's rollouts (one part per micro-batch, with the old
     log-probs recorded at their first use) kept for the following ``num_iterations - 1`` steps,
     and how many uses they had; in every checkpoint taken while uses remain (a
-    :func:`run_state_parts` part), so a run resumed mid-reuse trains on the same rollouts."""
+    :func:`run_state_parts` part, each rank's its own), so a run resumed mid-reuse trains on the same rollouts."""
+
+    per_rank = True  # each rank keeps its own prompts' rollouts
 
     def __init__(self, num_iterations: int) -> None:
         self.num_iterations = num_iterations

@@ -10,7 +10,9 @@ saved and restored here through Lightning's public hooks (:class:`RunState`, a c
 - **the state of the run's other parts**: each object the LightningModule lists in its
   ``run_state_parts()`` (``state_dict()`` -> top-level checkpoint entries, ``load_state_dict(checkpoint)``):
   the DPO reference's precomputed log-prob tables (:mod:`rolemrc.modules.reference` computes them
-  and says which rows they belong to).
+  and says which rows they belong to). A part whose state differs by rank (``per_rank = True``:
+  GRPO's sampling RNG and the rollouts it keeps for reuse) is gathered from every rank into
+  ``per_rank_state`` and each rank restores its own.
 
 The train sampler's place is the sampler's own (:class:`rolemrc.data.sampler.SamplerPlace`, saved
 once, with the train loader's state); SLURM's checkpoint-and-requeue is :mod:`rolemrc.run.requeue`.
@@ -134,6 +136,47 @@ def lr_from_schedule(trainer: L.Trainer) -> None:
                 group["lr"] = base * lam(sched.last_epoch)
 
 
+PER_RANK_KEY = "per_rank_state"  # top-level checkpoint entry: every rank's entries of its per-rank parts, by rank
+
+
+def gather_per_rank(entries: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every rank's ``entries`` (a per-rank part's state: GRPO's sampling RNG, which is seeded by
+    rank, and the rollouts each rank keeps for reuse), in rank order. Whichever rank writes the
+    checkpoint (rank 0 under DDP, rank 0's objects under FSDP2's distributed checkpoint) holds all
+    of them; a collective, as every rank saves together. Tensors go to the CPU first."""
+    entries = {k: _to_cpu(v) for k, v in entries.items()}
+    if world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [entries]
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, entries)
+    return gathered
+
+
+def per_rank_entries(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's entries of :func:`gather_per_rank` in ``checkpoint``. A checkpoint from before
+    per-rank entries holds one copy at its top level (rank 0's), returned as it is. One saved by
+    another number of ranks cannot give each rank its own: the per-rank parts start afresh, said."""
+    saved = checkpoint.get(PER_RANK_KEY)
+    if saved is None:
+        return checkpoint
+    if len(saved) != world_size:
+        log.warning("the checkpoint was saved by %d rank(s) and this run has %d: per-rank state (GRPO's sampling "
+                    "RNG, rollouts kept for reuse) starts afresh, so rollouts differ from the run that saved it",
+                    len(saved), world_size)
+        return {}
+    return saved[rank]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
 def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:
     """The objects whose state ``pl_module`` wants in every checkpoint (its ``run_state_parts()``;
     none for a module without one)."""
@@ -243,8 +286,11 @@ class RunState(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()
+        own: dict[str, Any] = {}
         for part in run_state_parts(pl_module):
-            checkpoint.update(part.state_dict())
+            (own if getattr(part, "per_rank", False) else checkpoint).update(part.state_dict())
+        if any(getattr(part, "per_rank", False) for part in run_state_parts(pl_module)):
+            checkpoint[PER_RANK_KEY] = gather_per_rank(own, trainer.world_size)
         self._saved_step = trainer.global_step
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -255,8 +301,9 @@ class RunState(L.Callback):
         self._rng_to_restore = checkpoint.get(RNG_KEY)
         self._saved_step = int(checkpoint.get("global_step", -1))  # nothing new to save at this step
         self.restored_before_validation = saved_as_a_step_ended(checkpoint)
+        per_rank = per_rank_entries(checkpoint, trainer.global_rank, trainer.world_size)
         for part in run_state_parts(pl_module):
-            part.load_state_dict(checkpoint)
+            part.load_state_dict(per_rank if getattr(part, "per_rank", False) else checkpoint)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._rng_to_restore is not None:

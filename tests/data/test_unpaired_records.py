@@ -136,8 +136,7 @@ def test_datamodule_serves_unpaired_batches_with_their_step_totals(tmp_path: Pat
     dm = ChatDataModule(cfg, "unpaired", chat_format("chatml"), seed=3)
     dm.prepare_data()
     dm.setup("fit")
-    assert dm.kind == "unpaired" and dm.store is None  # in memory: the store holds sft and pairs rows
-    assert not (tmp_path / "cache").exists()
+    assert dm.kind == "unpaired" and dm.store is not None and dm.store.kind == "unpairedrows"
     assert len(dm.train_rows) + len(dm.val_rows) == 90 and len(dm.val_rows) == 9
     batches = list(dm.train_dataloader())
     labels = torch.cat([b["label"] for b in batches])
@@ -147,6 +146,70 @@ def test_datamodule_serves_unpaired_batches_with_their_step_totals(tmp_path: Pat
         assert float(b["step_desirable"]) == int(b["label"].sum())
     val = next(iter(dm.val_dataloader()))
     assert set(val) >= {"input_ids", "labels", "attention_mask", "label", "index"}
+
+
+def test_unpaired_rows_come_from_their_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.unpaired with data.cache: the rows built once into a store of their own (keyed by the
+    sources' files), the rows, batches (KL rows included) and report of the in-memory encoding
+    (data.cache=false), read back by the next start with no reading or tokenising. A bad record is
+    named by file and line and stores nothing; with on_error=skip it is dropped, counted, and stored so."""
+    from rolemrc.data import datamodule
+    from rolemrc.data import store as store_mod
+    from rolemrc.data.templates import ChatFormat
+    from rolemrc.modules.kto import _kl_rows, fixed_kl_completions
+    from tests.data.test_templates import chat_format
+
+    chat = chat_format("chatml")
+    path = split_sample_pairs(tmp_path, keep=10)
+
+    def start(cache: bool, cache_dir: Path, source: Path = path, on_error: str = "raise") -> ChatDataModule:
+        cfg = DataConfig(name="x", unpaired=[{"path": str(source)}], val_fraction=0.1, max_length=160,
+                         max_prompt_length=96, batch_size=4, cache=cache, cache_dir=str(cache_dir), on_error=on_error)
+        dm = ChatDataModule(cfg, "unpaired", chat, seed=3)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm
+
+    def batches(dm: ChatDataModule) -> list[dict[str, torch.Tensor]]:  # with each row's fixed KL row
+        out = list(dm.train_dataloader()) + list(dm.val_dataloader())
+        for b, rows in zip(out, [dm.train_rows] * (len(out) - 1) + [dm.val_rows]):
+            b.update({f"kl_{k}": v for k, v in _kl_rows(b, fixed_kl_completions(
+                rows, b["index"].tolist(), 4, False)).items()})
+        return out
+
+    def same(a: list[dict], b: list[dict]) -> None:
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    memory = start(False, tmp_path / "none")
+    assert memory.store is None and not (tmp_path / "none").exists()
+    builds = store_mod.BUILDS["count"]
+    first = start(True, tmp_path / "cache")
+    assert store_mod.BUILDS["count"] == builds + 1 and first.store is not None
+    assert list(first.train_rows) == list(memory.train_rows) and list(first.val_rows) == list(memory.val_rows)
+    assert first.report == memory.report and len(memory.val_rows) == 9
+    expected = batches(memory)
+    same(batches(first), expected)
+    with monkeypatch.context() as m:
+        for name in ("tokenize", "tokenize_many", "render"):
+            m.setattr(ChatFormat, name, lambda *a, **k: pytest.fail("encoded on the second start"))
+        m.setattr(datamodule, "read_examples", lambda *a, **k: pytest.fail("read the records on the second start"))
+        second = start(True, tmp_path / "cache")
+        assert store_mod.BUILDS["count"] == builds + 1 and second.report == memory.report
+        same(batches(second), expected)
+    assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_dir()] == ["unpairedrows"]
+
+    records = path.read_text().splitlines()
+    bad = write(tmp_path, records[:4] + ['{"prompt": "x", "completion": "y", "label": true}'] + records[4:8],
+                "bad.jsonl")
+    with pytest.raises(DataError, match=r"bad\.jsonl:5: field 'prompt' is a string"):
+        start(True, tmp_path / "bad", bad)
+    assert not [p for p in (tmp_path / "bad").iterdir() if p.is_dir()]  # a failed build stores nothing
+    skipped = start(True, tmp_path / "bad", bad, on_error="skip")
+    again = start(True, tmp_path / "bad", bad, on_error="skip")
+    assert skipped.report["skipped"] == again.report["skipped"] == {str(bad): 1}
+    assert len(again.train_rows) + len(again.val_rows) == 8 and again.store is not None
 
 
 def test_tokens_equal_trls_for_the_llama3_template(tmp_path: Path) -> None:

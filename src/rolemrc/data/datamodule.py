@@ -28,8 +28,8 @@ from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
                                   epoch_batches_under_limit, repeated_batches)
-from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, open_or_build, open_or_build_prompt_rows,
-                                prompt_rows_key_parts)
+from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, encoded_rows_key_parts, open_or_build,
+                                open_or_build_encoded_rows)
 from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -223,10 +223,10 @@ def item_totals(item: Any) -> tuple[int, ...]:
 
 class ChatDataModule(L.LightningDataModule):
     """``kind="sft"`` (conversations), ``kind="pairs"`` (preference pairs) or ``kind="unpaired"``
-    (``objective=kto``: the examples of ``data.unpaired``, encoded in memory at every start, the
-    store holding sft and pairs only; with ``data.unpaired`` empty, the pairs of ``data.pairs``, each
-    batch row a pair's chosen then rejected row as kind "pairs" serves them, the module reading
-    the chosen rows as desirable).
+    (``objective=kto``: the examples of ``data.unpaired``, in a store of their own as encoded in
+    memory; with ``data.unpaired`` empty, the pairs of ``data.pairs``, each batch row a pair's
+    chosen then rejected row as kind "pairs" serves them, the module reading the chosen rows as
+    desirable) or ``kind="prompts"`` (GRPO's prompt rows, in a store of their own too).
 
     ``cfg.packing``: loader items are packs of rows filling up to ``cfg.max_length`` tokens
     (best-fit decreasing, fixed at setup), one pack per batch row, ``cfg.batch_size`` packs per
@@ -266,9 +266,10 @@ class ChatDataModule(L.LightningDataModule):
         return encode_pairs(examples, self.chat, self.cfg.max_length, self.cfg.max_prompt_length, self.cfg.on_error)
 
     def _open_store(self) -> Store:
-        if self.store is None and self.kind == "prompts":  # rows with their reward columns (encode_prompts')
-            self.store = open_or_build_prompt_rows(prompt_rows_key_parts(self.cfg, self.seed, self.chat),
-                                                   self.cfg.cache_dir, self._read_and_encode)
+        if self.store is None and self.kind in ("prompts", "unpaired"):  # the rows encoded here, stored as made
+            self.store = open_or_build_encoded_rows(encoded_rows_key_parts(self.cfg, self.kind, self.seed, self.chat),
+                                                    self.cfg.cache_dir, self._read_and_encode, row_totals,
+                                                    len(STEP_TOTALS[self.kind]))
         if self.store is None:
             self.store = open_or_build(Spec.of(self.cfg, self.kind, self.seed), self.chat, self.cfg.cache_dir,
                                        self.cfg.num_proc)
@@ -294,13 +295,9 @@ class ChatDataModule(L.LightningDataModule):
             (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
 
     def _cached(self) -> bool:
-        """Whether the rows come from the store (``data.cache``; unpaired examples: in memory)."""
-        if self.cfg.cache and self.kind == "unpaired" and not getattr(self, "_said_in_memory", False):
-            self._said_in_memory = True
-            log.info("data.cache: unpaired examples are encoded in memory at each start (the store holds sft and "
-                     "pairs rows)")
-        # prompt rows (objective=grpo): a store of their own, with their reward columns
-        return bool(self.cfg.cache) and self.kind != "unpaired"
+        """Whether the rows come from the store (``data.cache``; prompt rows and unpaired examples: a
+        store of their own, the rows as encoded in memory)."""
+        return bool(self.cfg.cache)
 
     def _setup_from_store(self) -> None:
         store = self._open_store()
@@ -329,7 +326,7 @@ class ChatDataModule(L.LightningDataModule):
 
     def _read_and_encode(self) -> tuple[list[dict], list[dict], dict]:
         """(train rows, val rows, data report): the sources read and encoded in memory (what a
-        prompt-rows store is built from)."""
+        prompt-rows or unpaired-rows store is built from)."""
         sources, val_sources = getattr(self.cfg, self.kind), getattr(self.cfg, f"{self.kind}_val")
         # Without validation sources, val_fraction of the records is held out before the source
         # weights duplicate or subsample the rest: no copy of a validation record is trained on.

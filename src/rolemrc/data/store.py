@@ -689,8 +689,8 @@ class Store:
     def report(self) -> dict[str, Any]:
         return self.meta["report"]
 
-    def rows(self, stage: str) -> StoredRows | StoredPromptRows:
-        return StoredPromptRows(self, stage) if self.kind == "promptrows" else StoredRows(self, stage)
+    def rows(self, stage: str) -> StoredRows | StoredFieldRows:
+        return StoredFieldRows(self, stage) if self.kind in ROW_FIELDS else StoredRows(self, stage)
 
     def packs(self, stage: str, share_prompt: bool) -> tuple[StoredPacks, dict]:
         name = f"{stage}_pack{int(share_prompt)}"
@@ -746,17 +746,19 @@ class StoredRows(Sequence):
         return row
 
 
-class StoredPromptRows(Sequence):
-    """Prompt rows of one stage (data kind ``prompts``) as :func:`~rolemrc.data.datamodule.encode_prompts`
-    makes them (``prompt_ids``, ``messages``, ``columns``, ``index``), read from the maps on access."""
+class StoredFieldRows(Sequence):
+    """The rows of one stage of a store of encoded rows (:data:`ROW_FIELDS`: GRPO's prompt rows,
+    KTO's unpaired examples) as the datamodule's encoders make them (their fields, plus ``index``),
+    read from the maps on access."""
 
     def __init__(self, store: Store, stage: str) -> None:
         a = store.arrays
-        self._ids, self._off = a[f"{stage}_prompt"], a[f"{stage}_prompt_offsets"]
-        self._extra, self._extra_off = a[f"{stage}_extra"], a[f"{stage}_extra_offsets"]
+        self._fields = [(name, how, a[f"{stage}_{name}"], a.get(f"{stage}_{name}_offsets"))
+                        for name, how in store.meta["fields"].items()]
+        self._n = len(a[f"{stage}_totals"])
 
     def __len__(self) -> int:
-        return len(self._off) - 1
+        return self._n
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -765,9 +767,15 @@ class StoredPromptRows(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        ids = np.asarray(self._ids[int(self._off[i]):int(self._off[i + 1])], dtype=np.int64).tolist()
-        messages, columns = json.loads(bytes(self._extra[int(self._extra_off[i]):int(self._extra_off[i + 1])]))
-        return {"prompt_ids": ids, "messages": messages, "columns": columns, "index": i}
+        row: dict[str, Any] = {}
+        for name, how, data, off in self._fields:
+            if how == "bool":
+                row[name] = bool(data[i])
+                continue
+            piece = data[int(off[i]):int(off[i + 1])]
+            row[name] = np.asarray(piece, dtype=np.int64).tolist() if how == "ids" else json.loads(bytes(piece))
+        row["index"] = i
+        return row
 
 
 class StoredPacks(Sequence):
@@ -878,58 +886,87 @@ def open_or_build(spec: Spec, chat: ChatFormat, cache_dir: str | Path | None, nu
                           lambda folder: build(spec, chat, folder, num_proc or default_num_proc(), parts))
 
 
-# ----------------------------------------------------------------------------- online RL's prompt rows
+# ------------------------------------------------------------------- rows encoded in memory, stored as fields
 
 
-def prompt_rows_key_parts(cfg: DataConfig, seed: int, chat: ChatFormat) -> dict[str, Any]:
-    """What a run's prompt rows (data kind ``prompts``) depend on: the ``data.prompts`` and
-    ``data.prompts_val`` sources' settings and files' identity (as the sft and pairs stores key
-    theirs), the holdout, seed, ``max_prompt_length``, ``on_error``, the tokenizer and template,
-    the encoder's code (with ``encode_prompts``' module)."""
-    sources = [source_config(s) for s in cfg.prompts]
-    val_sources = [source_config(s) for s in cfg.prompts_val]
+ROW_FIELDS: dict[str, dict[str, str]] = {
+    # a store kind -> its rows' fields: "ids" (int32 token ids), "json" (UTF-8 JSON), "bool" (uint8)
+    "promptrows": {"prompt_ids": "ids", "messages": "json", "columns": "json"},  # GRPO's prompt rows
+    "unpairedrows": {"prompt_ids": "ids", "completion_ids": "ids", "label": "bool"},  # KTO's unpaired examples
+}
+_ROW_KINDS = {"prompts": "promptrows", "unpaired": "unpairedrows"}  # data kind -> store kind
+
+
+def encoded_rows_key_parts(cfg: DataConfig, kind: str, seed: int, chat: ChatFormat) -> dict[str, Any]:
+    """What a run's rows of data kind ``kind`` (``prompts``, ``unpaired``: rows the sft/pairs store
+    does not make) depend on: the ``data.<kind>`` and ``data.<kind>_val`` sources' settings and
+    files' identity (as the sft and pairs stores key theirs), the holdout, seed, the lengths they
+    are cut to, ``on_error``, the tokenizer and template, the encoder's code (with the datamodule's,
+    where these rows' encoders live)."""
+    sources = [source_config(s) for s in getattr(cfg, kind)]
+    val_sources = [source_config(s) for s in getattr(cfg, f"{kind}_val")]
+    lengths = {"max_prompt_length": int(cfg.max_prompt_length)}
+    if kind != "prompts":  # prompt rows are prompts only: max_length does not cut them
+        lengths["max_length"] = int(cfg.max_length)
     datamodule = Path(__file__).with_name("datamodule.py")
     return {
-        "kind": "promptrows",
+        "kind": _ROW_KINDS[kind],
         "sources": [_source_identity(s) for s in sources],
         "val_sources": [_source_identity(s) for s in val_sources],
         "holdout": 0.0 if val_sources else float(cfg.val_fraction), "seed": int(seed),
-        "max_prompt_length": int(cfg.max_prompt_length), "on_error": str(cfg.on_error),
+        **lengths, "on_error": str(cfg.on_error),
         "tokenizer": tokenizer_identity(chat), "encoder": encoder_version(),
         "datamodule": hashlib.sha256(datamodule.read_bytes()).hexdigest()[:16],
     }
 
 
-def open_or_build_prompt_rows(parts: dict[str, Any], cache_dir: str | Path | None,
-                              encode: Any) -> Store:
-    """The store of a run's prompt rows (key :func:`prompt_rows_key_parts`): per stage
-    ``<stage>_prompt`` (int32 ids) and ``<stage>_extra`` (each row's messages and reward columns as
-    UTF-8 JSON), each with its offsets, ``<stage>_totals`` (``[R, 1]``: one prompt per row, the
-    step's normaliser), and the data report. Built once by ``encode()`` (-> train
-    rows, val rows, report: what the datamodule makes in memory), memory-mapped by every later
-    start and rank (:class:`StoredPromptRows`); a build that fails (a bad record) stores nothing."""
+def _write_fields(folder: Path, stage: str, rows: Sequence[dict], fields: dict[str, str],
+                  files: dict[str, Any]) -> None:
+    """``<stage>_<field>`` of each field: flat ids or JSON bytes with their ``_offsets``, or one
+    byte per row (``bool``)."""
+    for name, how in fields.items():
+        if how == "bool":
+            _write_array(folder, f"{stage}_{name}", np.asarray([bool(r[name]) for r in rows], dtype=np.uint8), files)
+            continue
+        if how == "ids":
+            pieces = [r[name] for r in rows]
+            flat = np.asarray([t for p in pieces for t in p], dtype=np.int32)
+        else:
+            pieces = [json.dumps(r[name], ensure_ascii=False).encode() for r in rows]
+            flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+        _write_array(folder, f"{stage}_{name}", flat, files)
+        _write_array(folder, f"{stage}_{name}_offsets", np.cumsum([0] + [len(p) for p in pieces], dtype=np.int64),
+                     files)
+
+
+def open_or_build_encoded_rows(parts: dict[str, Any], cache_dir: str | Path | None, encode: Any,
+                               totals: Any, n_totals: int) -> Store:
+    """The store of a run's rows of the kind ``parts["kind"]`` (key :func:`encoded_rows_key_parts`;
+    its fields :data:`ROW_FIELDS`): per stage each field's array (:func:`_write_fields`),
+    ``<stage>_totals`` (``[R, n_totals]``: ``totals(row)``, each row's share of its step's
+    normalisers), and the data report. Built once by ``encode()`` (-> train rows, val rows, report:
+    what the datamodule makes in memory, a bad record's error with its file and line included),
+    memory-mapped by every later start and rank (:class:`StoredFieldRows`); a build that fails
+    stores nothing."""
+    kind = parts["kind"]
+    fields = ROW_FIELDS[kind]
 
     def build_into(folder: Path) -> None:
         started = time.perf_counter()
         train, val, report = encode()
         files: dict[str, Any] = {}
         for stage, rows in (("train", train), ("val", val)):
-            ids = [r["prompt_ids"] for r in rows]
-            _write_array(folder, f"{stage}_prompt", np.asarray([t for p in ids for t in p], dtype=np.int32), files)
-            _write_array(folder, f"{stage}_prompt_offsets", np.cumsum([0] + [len(p) for p in ids], dtype=np.int64),
-                         files)
-            extra = [json.dumps([r["messages"], r["columns"]], ensure_ascii=False).encode() for r in rows]
-            _write_array(folder, f"{stage}_extra", np.frombuffer(b"".join(extra), dtype=np.uint8), files)
-            _write_array(folder, f"{stage}_extra_offsets", np.cumsum([0] + [len(e) for e in extra], dtype=np.int64),
-                         files)
-            _write_array(folder, f"{stage}_totals", np.ones((len(rows), 1), dtype=np.int64), files)  # one prompt each
+            _write_fields(folder, stage, rows, fields, files)
+            _write_array(folder, f"{stage}_totals",
+                         np.asarray([totals(r) for r in rows], dtype=np.int64).reshape(len(rows), n_totals), files)
         BUILDS["count"] += 1
         seconds = round(time.perf_counter() - started, 2)
-        log.info("data store: encoded %d prompt row(s) in %.1f s", len(train) + len(val), seconds)
-        _write_meta(folder, {"format": FORMAT_VERSION, "kind": "promptrows", "key_parts": parts, "files": files,
-                             "report": report, "units": len(train) + len(val), "build_seconds": seconds})
+        log.info("data store: encoded %d %s row(s) in %.1f s", len(train) + len(val), kind, seconds)
+        _write_meta(folder, {"format": FORMAT_VERSION, "kind": kind, "key_parts": parts, "fields": fields,
+                             "files": files, "report": report, "units": len(train) + len(val),
+                             "build_seconds": seconds})
 
-    return _open_or_build(_root(cache_dir), f"promptrows-{store_key(parts)}", build_into)
+    return _open_or_build(_root(cache_dir), f"{kind}-{store_key(parts)}", build_into)
 
 
 # ----------------------------------------------------------------------------- test items' prompts

@@ -18,12 +18,13 @@ and the two ranks' sum of its proportional share (PSS) against one rank's RSS.
     make bench-data                                     # 12k and 48k records, all contenders, + DDP
     .venv/bin/python benchmarks/data_scale.py --sizes 2000 --skip trl   # a quick look
 
-``--in-memory`` times instead what every rank pays at every start for the rows the encoded-row
+``--in-memory`` times instead what every rank pays at every start for the rows the sft/pairs
 store does not hold: GRPO's prompt rows (data kind ``prompts``: the same records as SFT
 conversations cut before their last assistant turn, as ``data=rolemrc_rl`` reads the RoleMRC SFT
 mix), encoded in memory (``data.cache=false``) and with their token ids from the prompt store
 (first start: built; second: read back), and KTO's unpaired examples (``data.unpaired``: each
-record's last exchange as ``{prompt, completion, label}``, encoded in memory): the datamodule's
+record's last exchange as ``{prompt, completion, label}``), encoded in memory and (stage
+``unpaired-store``) from their own store (first start: built; second: read back): the datamodule's
 ``setup`` (read, render, tokenise) in this process, best of ``--repeats``:
 
     .venv/bin/python benchmarks/data_scale.py --in-memory --sizes 24000   # the RoleMRC mix's size
@@ -258,13 +259,14 @@ def in_memory_setup(kind: str, data: Path, repeats: int, cache_dir: Path | None 
             "load_after": load_average()}
 
 
-STAGES = ("prompts-memory", "prompts-store", "unpaired")
+STAGES = ("prompts-memory", "prompts-store", "unpaired", "unpaired-store")
 
 
 def run_in_memory(sizes: list[int], work: Path, repeats: int, out: Path, stages: list[str]) -> None:
     """``--in-memory``: :func:`in_memory_setup` at each size of prompt rows encoded in memory
     (``data.cache=false``), of prompt rows with the prompt store (its first start builds it: one
-    setup; the second reads it back: best of ``repeats``), and of unpaired rows (in memory)."""
+    setup; the second reads it back: best of ``repeats``), and of unpaired rows (in memory, and
+    with their store as prompt rows')."""
     results: dict[str, Any] = {"what": "ChatDataModule.setup, one rank, seconds", "repeats": repeats, "sizes": {}}
     if out.exists():  # a run of some stages completes the rows of another
         results["sizes"] = json.loads(out.read_text()).get("sizes", {})
@@ -285,6 +287,11 @@ def run_in_memory(sizes: list[int], work: Path, repeats: int, out: Path, stages:
                      ("prompts_store_second", "prompts", sft, repeats, store)]
         if "unpaired" in stages:
             runs.append(("unpaired", "unpaired", unpaired, repeats, None))
+        if "unpaired-store" in stages:
+            store = work / f"unpaired-store-{n}"
+            shutil.rmtree(store, ignore_errors=True)
+            runs += [("unpaired_store_first", "unpaired", unpaired, 1, store),
+                     ("unpaired_store_second", "unpaired", unpaired, repeats, store)]
         for name, kind, path, times, store in runs:
             row[name] = in_memory_setup(kind, path, times, store)
             print(f"  {name}: {row[name]['seconds']} s for {row[name]['rows']} rows ({row[name]['all_seconds']}; "

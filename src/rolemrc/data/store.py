@@ -33,6 +33,11 @@ questions' content (roles and contents, in order), the tokenizer, chat template 
 code: the items are read and validated at every start anyway (their references feed the metrics),
 so their content is at hand, and a digest of it is a stricter key than the files' identity.
 
+Rows the datamodule encodes itself (GRPO's prompt rows, KTO's unpaired examples) are stored as it
+makes them, one store per kind (``promptrows-<key>/``, ``unpairedrows-<key>/``: each field of
+:data:`ROW_FIELDS` per stage, :func:`open_or_build_encoded_rows`), keyed by the sources' files as
+above (:func:`encoded_rows_key_parts`).
+
 Building: under a file lock (``<key>.lock``), into ``<key>.tmp-<pid>`` renamed into place when
 complete; a killed build leaves only a tmp folder that the next build removes. A store whose files
 do not match their recorded sizes and checksums is logged, removed and rebuilt. A read-only
@@ -754,7 +759,7 @@ class StoredFieldRows(Sequence):
     def __init__(self, store: Store, stage: str) -> None:
         a = store.arrays
         self._fields = [(name, how, a[f"{stage}_{name}"], a.get(f"{stage}_{name}_offsets"))
-                        for name, how in store.meta["fields"].items()]
+                        for name, how in ROW_FIELDS[store.kind].items()]
         self._n = len(a[f"{stage}_totals"])
 
     def __len__(self) -> int:
@@ -962,8 +967,7 @@ def open_or_build_encoded_rows(parts: dict[str, Any], cache_dir: str | Path | No
         BUILDS["count"] += 1
         seconds = round(time.perf_counter() - started, 2)
         log.info("data store: encoded %d %s row(s) in %.1f s", len(train) + len(val), kind, seconds)
-        _write_meta(folder, {"format": FORMAT_VERSION, "kind": kind, "key_parts": parts, "fields": fields,
-                             "files": files, "report": report, "units": len(train) + len(val),
+        _write_meta(folder, {"format": FORMAT_VERSION, "kind": kind, "key_parts": parts, "files": files, "report": report, "units": len(train) + len(val),
                              "build_seconds": seconds})
 
     return _open_or_build(_root(cache_dir), f"{kind}-{store_key(parts)}", build_into)

@@ -198,6 +198,8 @@ def test_unpaired_rows_come_from_their_store(tmp_path: Path, monkeypatch: pytest
         second = start(True, tmp_path / "cache")
         assert store_mod.BUILDS["count"] == builds + 1 and second.report == memory.report
         same(batches(second), expected)
+    # a reference table's and a sampler place's rows: the stored checksums', one per stage
+    assert second.train_rows.fingerprint == first.train_rows.fingerprint != first.val_rows.fingerprint
     assert [p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.is_dir()] == ["unpairedrows"]
 
     records = path.read_text().splitlines()

@@ -761,6 +761,13 @@ class StoredFieldRows(Sequence):
         self._fields = [(name, how, a[f"{stage}_{name}"], a.get(f"{stage}_{name}_offsets"))
                         for name, how in ROW_FIELDS[store.kind].items()]
         self._n = len(a[f"{stage}_totals"])
+        # the stage's arrays' checksums: what a precomputed reference table or a sampler place is
+        # matched against, with no pass over the rows (as StoredRows')
+        files = store.meta["files"]
+        h = hashlib.sha256()
+        for name in sorted(n for n in files if n.startswith(f"{stage}_")):
+            h.update(f"{name}:{files[name]['sha256']}".encode())
+        self.fingerprint = h.hexdigest()[:16]
 
     def __len__(self) -> int:
         return self._n

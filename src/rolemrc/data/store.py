@@ -714,7 +714,24 @@ class Store:
         return np.asarray(self.arrays[f"{stage}_totals"])
 
 
-class StoredRows(Sequence):
+class _StoredSequence(Sequence):
+    """Rows read from a store's maps by position: slices and negative positions as a list has
+    them; each subclass reads one row (``_row``)."""
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._row(i)
+
+    def _row(self, i: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class StoredRows(_StoredSequence):
     """The rows of one stage as the encoders' dicts (``input_ids``/``labels`` or
     ``prompt_ids``/``chosen_ids``/``rejected_ids``, plus ``index``), read from the maps on access."""
 
@@ -731,13 +748,7 @@ class StoredRows(Sequence):
     def __len__(self) -> int:
         return len(self.units)
 
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def _row(self, i: int) -> dict[str, Any]:
         u = int(self.units[i])
         if self.store.kind == "sft":
             a, b = int(self._off[u]), int(self._off[u + 1])
@@ -751,7 +762,7 @@ class StoredRows(Sequence):
         return row
 
 
-class StoredFieldRows(Sequence):
+class StoredFieldRows(_StoredSequence):
     """The rows of one stage of a store of encoded rows (:data:`ROW_FIELDS`: GRPO's prompt rows,
     KTO's unpaired examples) as the datamodule's encoders make them (their fields, plus ``index``),
     read from the maps on access."""
@@ -772,13 +783,7 @@ class StoredFieldRows(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def _row(self, i: int) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for name, how, data, off in self._fields:
             if how == "bool":

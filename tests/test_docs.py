@@ -61,3 +61,24 @@ def test_make_docs_fails_on_a_broken_anchor(tmp_path: Path) -> None:
     assert "#no-such-key" in broken.stderr
     [warning] = [ln for ln in broken.stderr.splitlines() if ln.startswith("WARNING")]  # nothing else is wrong
     assert "preference.md" in warning
+
+
+# Tracker and history words: issue numbers ("Issue 33", "issue #12", "#33"), work sessions and rounds
+# ("in an earlier session", "this round"), "before/after the fix". Domain words stay legal (a
+# CharacterLLM "session" of questions, an HTML entity such as "&#124;", a URL's "#1" fragment).
+_TRACKER = re.compile(
+    r"\b[Ii]ssues? ?#?\d+\b"
+    r"|(?<![&\w/#])#\d+\b"
+    r"|\b(?:this|that|last|next|previous|earlier|later|same|another) (?:session|round)s?\b"
+    r"|\b(?:before|after) (?:the|this) (?:fix|change)\b"
+    r"|\bfiled by\b")
+
+
+def test_docs_carry_no_tracker_or_history_words() -> None:
+    pages = [ROOT / "README.md", ROOT / "mkdocs.yml", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = [f"{page.relative_to(ROOT)}:{n}: {m.group(0)!r}" for page in pages
+             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+             for m in _TRACKER.finditer(line)]
+    assert not found, "docs are written for users, not for the tracker:\n" + "\n".join(found)
+    assert _TRACKER.search("Issue 33 brings GRPO") and _TRACKER.search("in an earlier session")
+    assert not _TRACKER.search("Turns sessions of one topic; `&#124;` in a table; page.html#2")

@@ -303,11 +303,21 @@ def default_of(f: dataclasses.Field, value: Any, command: str, nested: bool) -> 
     return f"{show(value)}; schema: {show(schema)}"
 
 
+# An identifier in prose (a comment): one holding ``_`` (``_target_``, ``simpo_gamma``,
+# ``rolemrc.rewards.build_rewards``) or starred (``**kwargs``). Markdown would read its underscores
+# or stars as emphasis (``_target_`` renders as an italic "target"), so it is set as code, with the
+# path or setting it is part of (``<run_dir>/ref_cache``, ``$ROLEMRC_CACHE_DIR/data``).
+IDENTIFIER = re.compile(r"\$\{[^}\s]*_[^}\s]*\}[\w./]*"
+                        r"|(?<![\w`.*/<>$~=-])(?:\*{1,2}[A-Za-z_]\w*|[\w.$~<>/=-]*_[\w.$~<>/=-]*)(?<![./=-])")
+
+
 def cell(text: str) -> str:
-    """Table-cell text: pipes escaped, and ``<`` ``>`` outside code spans (``<name>`` is no HTML tag)."""
-    parts = re.split(r"(`+[^`]*`+)", text.replace("\n", " "))
+    """Table-cell text: identifiers outside code spans set as code, ``<`` ``>`` outside code spans
+    escaped (``<name>`` is no HTML tag), pipes escaped."""
+    text = "".join(p if p.startswith("`") else IDENTIFIER.sub(lambda m: f"`{m.group(0)}`", p)
+                   for p in re.split(r"(`+[^`]*`+)", text.replace("\n", " ")))
     return "".join(p if p.startswith("`") else p.replace("<", "&lt;").replace(">", "&gt;")
-                   for p in parts).replace("|", "\\|")
+                   for p in re.split(r"(`+[^`]*`+)", text)).replace("|", "\\|")
 
 
 def render_section(script: Script, s: Section, by_schema: dict[type, tuple[str, str]]) -> list[str]:

@@ -81,3 +81,14 @@ def test_check_flag_fails_on_a_stale_page(tmp_path: Path, monkeypatch) -> None:
     assert gen.main([]) == 0 and stale.read_text(encoding="utf-8") == gen.render()
     assert gen.main(["--check"]) == 0
 
+
+
+def test_identifiers_in_descriptions_are_code_not_emphasis() -> None:
+    """A description's `_target_` or `**kwargs` outside a code span renders as emphasis (an italic
+    "target"): the generator sets identifiers as code, with the path they are part of."""
+    cell = _generator().cell
+    assert cell("{_target_: dotted.path, **kwargs}") == "{`_target_`: dotted.path, `**kwargs`}"
+    assert cell("None: <out_dir>/judge_cache; TRL's simpo_gamma") == "None: `<out_dir>/judge_cache`; TRL's `simpo_gamma`"
+    assert cell("name -> {x} | y, `a_b` as is") == "name -&gt; {x} \\| y, `a_b` as is"
+    prose = re.sub(r"(`+)[^`]*?\1", "", PAGE.read_text(encoding="utf-8"))
+    assert not re.findall(r"(?<![\w*])(?:_\w+_|\*\*?\w)", prose.replace("*required*", ""))

@@ -12,13 +12,20 @@ Writes <out_dir>/{generations.jsonl, metrics.json, judge.jsonl, summary.md} and 
 summary's path.
 """
 
+import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+try:  # outside the project's environment: one line saying which, not a traceback
+    import hydra
+    from omegaconf import DictConfig
 
-from rolemrc.config import register
-from rolemrc.entry import entry_point
+    from rolemrc.config import register
+    from rolemrc.entry import entry_point
+except ModuleNotFoundError as err:
+    if (err.name or "").startswith("rolemrc."):
+        raise
+    raise SystemExit(f"error: {err}: {sys.executable} is not the project's environment; run "
+                     "`source .venv/bin/activate` first (`make setup` creates .venv)") from None
 
 register()
 

@@ -14,13 +14,20 @@ A LoRA run exports as its ``model.peft.merge_on_export`` says unless ``--merge``
 """
 
 import argparse
+import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
+try:  # outside the project's environment: one line saying which, not a traceback
+    from omegaconf import OmegaConf
 
-from rolemrc.config import register
-from rolemrc.entry import entry_point
-from rolemrc.errors import InputNotFound
+    from rolemrc.config import register
+    from rolemrc.entry import entry_point
+    from rolemrc.errors import InputNotFound
+except ModuleNotFoundError as err:
+    if (err.name or "").startswith("rolemrc."):
+        raise
+    raise SystemExit(f"error: {err}: {sys.executable} is not the project's environment; run "
+                     "`source .venv/bin/activate` first (`make setup` creates .venv)") from None
 
 
 def main() -> None:

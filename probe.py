@@ -11,11 +11,19 @@ Writes <out_dir>/{maps.npz, freq_a.png, freq_b.png, discrepancy.png, layer_chang
 probe_summary.md, restraint.json}.
 """
 
-import hydra
-from omegaconf import DictConfig
+import sys
 
-from rolemrc.config import register
-from rolemrc.entry import entry_point
+try:  # outside the project's environment: one line saying which, not a traceback
+    import hydra
+    from omegaconf import DictConfig
+
+    from rolemrc.config import register
+    from rolemrc.entry import entry_point
+except ModuleNotFoundError as err:
+    if (err.name or "").startswith("rolemrc."):
+        raise
+    raise SystemExit(f"error: {err}: {sys.executable} is not the project's environment; run "
+                     "`source .venv/bin/activate` first (`make setup` creates .venv)") from None
 
 register()
 

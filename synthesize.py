@@ -12,13 +12,19 @@ cached on disk, so a rerun costs nothing. Output: <out_dir>/assemble/{sft,pairs,
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
+try:  # outside the project's environment: one line saying which, not a traceback
+    import hydra
+    from omegaconf import DictConfig
 
-from rolemrc.entry import entry_point
-from rolemrc.synth.config import (
-    load_config,  # also registers the config schema with Hydra
-)
+    from rolemrc.entry import entry_point
+    from rolemrc.synth.config import (
+        load_config,  # also registers the config schema with Hydra
+    )
+except ModuleNotFoundError as err:
+    if (err.name or "").startswith("rolemrc."):
+        raise
+    raise SystemExit(f"error: {err}: {sys.executable} is not the project's environment; run "
+                     "`source .venv/bin/activate` first (`make setup` creates .venv)") from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="synthesize")

@@ -7,13 +7,20 @@
     python train.py --cfg job                         # print the resolved config
 """
 
+import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+try:  # outside the project's environment: one line saying which, not a traceback
+    import hydra
+    from omegaconf import DictConfig
 
-from rolemrc.config import register
-from rolemrc.entry import entry_point, one_copy_of_lightning_logs
+    from rolemrc.config import register
+    from rolemrc.entry import entry_point, one_copy_of_lightning_logs
+except ModuleNotFoundError as err:
+    if (err.name or "").startswith("rolemrc."):
+        raise
+    raise SystemExit(f"error: {err}: {sys.executable} is not the project's environment; run "
+                     "`source .venv/bin/activate` first (`make setup` creates .venv)") from None
 
 register()
 

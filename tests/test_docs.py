@@ -82,3 +82,58 @@ def test_docs_carry_no_tracker_or_history_words() -> None:
     assert not found, "docs are written for users, not for the tracker:\n" + "\n".join(found)
     assert _TRACKER.search("Issue 33 brings GRPO") and _TRACKER.search("in an earlier session")
     assert not _TRACKER.search("Turns sessions of one topic; `&#124;` in a table; page.html#2")
+
+
+def _fenced_block(page: Path, heading: str) -> list[str]:
+    """The command lines of the first ```bash block under ``heading`` (continuations joined,
+    comments dropped)."""
+    text = page.read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = []
+    for raw in block.replace("\\\n", " ").splitlines():
+        line = raw.split("  #")[0].split(" # ")[0].strip()
+        if line and not line.startswith("#"):
+            lines.append(line)
+    return lines
+
+
+def _fresh_shell_env() -> dict[str, str]:
+    """What a new terminal has: no virtual environment active, none of its bin folders on PATH
+    (PYTHONPATH is kept: a developer's own setting, as in a worktree that shares a venv)."""
+    venvs = {Path(sys.prefix).resolve(), (ROOT / ".venv").resolve()}
+    path = [p for p in os.environ.get("PATH", os.defpath).split(os.pathsep)
+            if p and not any(Path(p).resolve().is_relative_to(v) for v in venvs)]
+    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR", "PYTHONPATH", "TERM") if k in os.environ}
+    return {**env, "PATH": os.pathsep.join(path)}
+
+
+@pytest.mark.slow
+def test_readme_and_quickstart_commands_run_in_a_fresh_shell() -> None:
+    """The README's and the quickstart's own-run commands, typed into a new shell after `make
+    demo`, as written: each setup line (activating .venv) runs as is, each command is run to the
+    point where its configuration is composed (Hydra's `--cfg job`; export.py `--help`), so a
+    `python` without the project's packages, a renamed script or a stale key fails here."""
+    if not (ROOT / ".venv" / "bin" / "activate").is_file() and sys.prefix == sys.base_prefix:
+        pytest.skip("no .venv here and not run from a virtual environment")
+    commands: list[str] = []
+    for page, heading in ((ROOT / "README.md", "## Your own runs"), (ROOT / "docs" / "quickstart.md", "## A first run")):
+        commands += [c for c in _fenced_block(page, heading) if c not in commands]
+    assert any(c.startswith("python train.py") for c in commands)
+    script = ["set -euo pipefail"]
+    for command in commands:
+        command = re.sub(r"<same overrides>\s*", "", command)
+        command = re.sub(r"<[^>]+>", "x", command)  # <SFT export>, <time>, <run>: any name composes
+        if not command.startswith("python "):  # a setup line, e.g. activating the environment
+            if not (ROOT / ".venv").exists():  # a worktree sharing another checkout's venv: that one
+                command = command.replace(".venv/bin/activate", str(Path(sys.prefix) / "bin" / "activate"))
+            script.append(command)
+            continue
+        argv = shlex.split(command)
+        assert (ROOT / argv[1]).is_file(), f"{command}: no such script"
+        tail = "--help" if argv[1] == "export.py" else "" if "--cfg" in argv else "--cfg job"
+        script.append(f"echo '$ {command}' >&2; {command} {tail} >/dev/null")
+    done = subprocess.run(["bash", "-c", "\n".join(script)], cwd=ROOT, env=_fresh_shell_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("$ python") == sum(c.startswith("python ") for c in commands)

@@ -61,6 +61,16 @@ def test_make_docs_fails_on_a_broken_anchor(tmp_path: Path) -> None:
     assert "#no-such-key" in broken.stderr
     [warning] = [ln for ln in broken.stderr.splitlines() if ln.startswith("WARNING")]  # nothing else is wrong
     assert "preference.md" in warning
+    # The pages are written all the same: they load nothing from other hosts (no web fonts, no
+    # scripts: offline readers, privacy) and carry the theme CSS that keeps identifiers whole.
+    site = tree / "site"
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20
+    fetched = re.compile(r"<(?:link|script|img)\b[^>]*\b(?:href|src)=\"(?:https?:)?//[^\"]*\"|url\((?:['\"]?)(?:https?:)?//|@import")
+    external = [f"{p.relative_to(site)}: {m.group(0)}" for p in pages + sorted(site.rglob("*.css"))
+                for m in fetched.finditer(p.read_text(encoding="utf-8", errors="replace"))]
+    assert not external, "the built site fetches from other hosts:\n" + "\n".join(external[:10])
+    assert "stylesheets/extra.css" in (site / "index.html").read_text(encoding="utf-8")
 
 
 # Tracker and history words: issue numbers ("Issue 33", "issue #12", "#33"), work sessions and rounds

@@ -63,6 +63,8 @@ def test_cli_prints_the_estimate_of_a_config_and_the_table() -> None:
     assert "8 device(s)" in one.stdout
     table = cli()
     assert table.returncode == 0 and table.stdout.startswith("| run | GPUs |") and "| SFT 8B full | 4 | yes | no | 46 |" in table.stdout
+    assert table.stdout.strip() in (ROOT / "docs" / "memory.md").read_text(encoding="utf-8"), (
+        "docs/memory.md quotes the table as python -m rolemrc.memory prints it")
     bad = cli("objective=sft", "objective.beta=0.1")
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "beta" in bad.stderr and "Traceback" not in bad.stderr
 

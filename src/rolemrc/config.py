@@ -285,6 +285,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     name: str = "grpo"
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default)
     beta: float = 0.0  # KL coefficient to the reference; 0 builds no reference
+    use_bias_correction_kl: bool = True  # the KL term x the importance ratio (TRL's default; DeepSeek-V3.2)
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: epsilon (DAPO's clip-higher: e.g. 0.28)
     delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)

@@ -65,6 +65,27 @@ def test_k3_kl_term_and_dr_grpo_normaliser():
     assert out.loss.item() == pytest.approx(0.5 * kl / (2 * 4))
 
 
+def test_kl_term_weighted_by_the_ratio():
+    """ref - logp = d = ln 2, kl = e^d - d - 1 = 1 - ln 2. On-policy the ratio exp(logp - logp.detach()) is 1:
+    the value is the plain kl, but d/dlogp [kl * ratio] = (1 - e^d) + kl = -ln 2 where the plain term's is
+    1 - e^d = -1. On a reuse step (old = logp - ln 1.5) the ratio 1.5 scales the value (and the logged kl)."""
+    logps = torch.tensor([[-1.0]], dtype=F64, requires_grad=True)
+    ref = logps.detach() + math.log(2)
+    one = torch.ones(1, 1)
+    kl = 1 - math.log(2)
+    for corrected, grad in ((True, -math.log(2)), (False, -1.0)):
+        out = grpo_loss(logps, torch.zeros(1, dtype=F64), one, ref_per_token_logps=ref, beta=1.0,
+                        use_bias_correction_kl=corrected)
+        assert out.loss.item() == pytest.approx(kl) and out.metrics["kl"].item() == pytest.approx(kl)
+        (g,) = torch.autograd.grad(out.loss, logps)
+        assert g.item() == pytest.approx(grad)
+    old = logps.detach() - math.log(1.5)
+    out = grpo_loss(logps, torch.zeros(1, dtype=F64), one, old_per_token_logps=old, ref_per_token_logps=ref, beta=1.0)
+    assert out.loss.item() == pytest.approx(1.5 * kl) and out.metrics["kl"].item() == pytest.approx(1.5 * kl)
+    (g,) = torch.autograd.grad(out.loss, logps)
+    assert g.item() == pytest.approx(1.5 * (1 - 2 + kl))
+
+
 def test_global_totals_make_micro_batches_add_up():
     g = torch.Generator().manual_seed(0)
     logps, old = torch.randn(4, 5, generator=g, dtype=F64), torch.randn(4, 5, generator=g, dtype=F64)

@@ -10,6 +10,8 @@ The advantages are computed inline in TRL's ``_generate_and_score_completions``,
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from collections import defaultdict
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
+from trl import GRPOConfig  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
 
@@ -39,21 +42,56 @@ class _Accelerator:
 
     gather_for_metrics = gather
 
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
 
-def _trainer(logps: torch.Tensor, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float | None,
-             delta: float | None) -> SimpleNamespace:
-    """The attributes ``_compute_loss`` reads, as GRPOTrainer.__init__ sets them (lines 819-946)."""
-    return SimpleNamespace(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon,
-        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        use_vllm=False, vllm_importance_sampling_correction=False, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, max_completion_length=MAX_LEN, current_gradient_accumulation_steps=1,
-        model=SimpleNamespace(training=True), accelerator=_Accelerator(),
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=delta, steps_per_generation=1),
+
+# GRPOConfig's defaults: the stand-in trainer runs TRL at its defaults unless a test says otherwise
+TRL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
+
+
+def trl_trainer(logps: torch.Tensor, entropies: torch.Tensor | None = None, **config) -> SimpleNamespace:
+    """A stand-in for ``GRPOTrainer`` with the attributes ``_compute_loss`` reads, set from ``config``
+    over GRPOConfig's defaults as GRPOTrainer.__init__ sets them (lines 782-983); one process, no
+    accumulation, HF generation (no vLLM), no MoE auxiliary loss. Its forward returns ``logps``."""
+    args = SimpleNamespace(**{**TRL_DEFAULTS, "steps_per_generation": 1, **config})
+    entropy_on = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+    trainer = SimpleNamespace(
+        args=args, loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon,
+        epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+        importance_sampling_level=args.importance_sampling_level, top_entropy_quantile=args.top_entropy_quantile,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, use_vllm=args.use_vllm,
+        vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
+        entropy_coef=args.entropy_coef, use_adaptive_entropy=args.use_adaptive_entropy,
+        _entropy_bonus_enabled=entropy_on, _last_world_entropy=float("inf"), _entropy_window_stats=None,
+        aux_loss_enabled=False, max_completion_length=args.max_completion_length,
+        current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True), accelerator=_Accelerator(),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         _metrics={"train": defaultdict(list)},
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (
+            logps, torch.zeros_like(logps) if entropies is None else entropies, None),
     )
+    trainer.get_high_entropy_mask = functools.partial(GRPOTrainer.get_high_entropy_mask, trainer)
+    return trainer
+
+
+def trl_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old: torch.Tensor | None = None,
+             ref: torch.Tensor | None = None, entropies: torch.Tensor | None = None,
+             num_items_in_batch: torch.Tensor | None = None, **config) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` of these tensors (``config``: GRPOConfig fields over its
+    defaults) -> its loss and what it logged (one value per metric)."""
+    b, t = logps.shape
+    inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages,
+              "num_items_in_batch": mask.sum() if num_items_in_batch is None else num_items_in_batch}
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    trainer = trl_trainer(logps, entropies, **config)
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    return loss, {k: v[0] for k, v in trainer._metrics["train"].items()}
 
 
 def _tensors(seed: int, iterations: int, beta: float):
@@ -74,31 +112,56 @@ OPTIONS = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04
 
 @pytest.mark.parametrize("loss_type,beta,iterations,eps,delta", OPTIONS)
 def test_loss_gradient_and_metrics_equal_trl(loss_type, beta, iterations, eps, delta):
+    """TRL at its defaults (the KL term weighted by the ratio, ``use_bias_correction_kl``): on-policy
+    (iterations=1) the weight is 1 but not its gradient; on a reuse step (old log-probs) both move."""
     logps, old, ref, adv, mask = _tensors(7, iterations, beta)
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
-              "num_items_in_batch": mask.sum()}
-    if old is not None:
-        inputs["old_per_token_logps"] = old
-    if ref is not None:
-        inputs["ref_per_token_logps"] = ref
-    trainer = _trainer(logps, loss_type=loss_type, beta=beta, epsilon=eps[0], epsilon_high=eps[1], delta=delta)
-    theirs = GRPOTrainer._compute_loss(trainer, None, inputs)
+    config = dict(loss_type=loss_type, beta=beta, epsilon=eps[0], epsilon_high=eps[1], delta=delta,
+                  max_completion_length=MAX_LEN)
+    theirs, expected = trl_loss(logps, adv, mask, old=old, ref=ref, **config)
     (their_grad,) = torch.autograd.grad(theirs, logps)
-
     ours = grpo_loss(logps, adv, mask, old_per_token_logps=old, ref_per_token_logps=ref, beta=beta,
                      epsilon=eps[0], epsilon_high=eps[1], loss_type=loss_type, max_completion_length=MAX_LEN,
                      delta=delta)
     (our_grad,) = torch.autograd.grad(ours.loss, logps)
     torch.testing.assert_close(ours.loss, theirs)
     torch.testing.assert_close(our_grad, their_grad)
-    logged = trainer._metrics["train"]
-    expected = {k: v[0] for k, v in logged.items() if k != "entropy"}
+    expected.pop("entropy")
     assert set(ours.metrics) == set(expected)
     for name, value in expected.items():
         assert ours.metrics[name].item() == pytest.approx(value, rel=1e-6, abs=1e-7), name  # TRL counts in float32
     if iterations > 1:  # the ratios really leave the clip range: the comparison covers the clipped branches
         assert expected["clip_ratio/region_mean"] > 0
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_plain_kl_term_equals_trl_without_bias_correction(iterations):
+    logps, old, ref, adv, mask = _tensors(11, iterations, 0.04)
+    theirs, expected = trl_loss(logps, adv, mask, old=old, ref=ref, beta=0.04, use_bias_correction_kl=False)
+    ours = grpo_loss(logps, adv, mask, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
+                     use_bias_correction_kl=False)
+    torch.testing.assert_close(ours.loss, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours.loss, logps)[0], torch.autograd.grad(theirs, logps)[0])
+    assert ours.metrics["kl"].item() == pytest.approx(expected["kl"], rel=1e-6)
+
+
+def test_defaults_are_trls():
+    """grpo_loss's and objective=grpo's defaults of the options they share with GRPOConfig are TRL's."""
+    import inspect
+
+    from rolemrc.config import GRPOObjectiveConfig
+
+    ours = {k: p.default for k, p in inspect.signature(grpo_loss).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    config = {f.name: f.default for f in dataclasses.fields(GRPOObjectiveConfig)
+              if f.default is not dataclasses.MISSING}
+    for key, value in TRL_DEFAULTS.items():
+        if key == "max_completion_length":  # grpo_loss: none (dr_grpo's, given); objective=grpo: 256 (docs/rl.md)
+            continue
+        if key in ours:
+            assert ours[key] == value, key
+        if key in config:
+            assert config[key] == value, key
+    assert TRL_DEFAULTS["use_bias_correction_kl"] is True and config["use_bias_correction_kl"] is True
 
 
 def test_dapo_with_the_steps_token_total_equals_trl_accumulating():
@@ -110,9 +173,8 @@ def test_dapo_with_the_steps_token_total_equals_trl_accumulating():
                for s in (slice(0, 3), slice(3, 6)))
     theirs = 0
     for s in (slice(0, 3), slice(3, 6)):
-        trainer = _trainer(logps[s], loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, delta=None)
+        trainer = trl_trainer(logps[s], steps_per_generation=2)
         trainer.current_gradient_accumulation_steps = 2
-        trainer.args.steps_per_generation = 2
         inputs = {"prompt_ids": torch.zeros(3, 1, dtype=torch.long), "prompt_mask": torch.ones(3, 1, dtype=torch.long),
                   "completion_ids": torch.zeros(3, T, dtype=torch.long), "completion_mask": mask[s],
                   "advantages": adv[s], "old_per_token_logps": old[s], "num_items_in_batch": total}

@@ -1,5 +1,7 @@
 """objective=grpo end to end: the step's loss against the pure functions on the same rollouts, a
-short run's TRL metric names, exact resume of the rollouts, and the reference built only when beta > 0."""
+short run's TRL metric names, exact resume of the rollouts, and the reference built only when beta > 0.
+The step's loss, gradient and loss metrics are compared with TRL 1.16's own ``GRPOTrainer._compute_loss``
+(tests/objectives/test_grpo_trl.py's stand-in trainer) on the same rollouts."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from rolemrc.objectives.grpo import group_advantages, grpo_loss
+from rolemrc.objectives.grpo import group_advantages
 from rolemrc.run.train import run, setup
 from tests.train.helpers import metric_rows, series
 
@@ -48,8 +50,9 @@ def by_hand_entropy(module: Any, batch: dict, new_ids: torch.Tensor) -> float:
     return float((per_token * mask).sum() / mask.sum())
 
 
-def by_hand_loss(module: Any, batch: dict, new_ids: torch.Tensor) -> torch.Tensor:
-    """The GRPO loss of fixed completions from the model's plain logits and the pure functions."""
+def by_hand_logps(module: Any, batch: dict, new_ids: torch.Tensor) -> dict[str, Any]:
+    """Fixed completions' per-token log-probs (policy, with gradient; reference), mask and advantages
+    from the model's plain logits and the reward functions, as TRL's trainer hands them to its loss."""
     o = module.objective
     g = o.num_generations
     stops = torch.tensor(module.stop_ids)
@@ -85,47 +88,95 @@ def by_hand_loss(module: Any, batch: dict, new_ids: torch.Tensor) -> torch.Tenso
                                           position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
         ref = torch.log_softmax(ref_logits[:, p - 1:-1] / o.temperature, -1).gather(
             -1, new_ids.unsqueeze(-1)).squeeze(-1)
-    return grpo_loss(logps, adv, mask, ref_per_token_logps=ref, beta=o.beta, epsilon=o.epsilon,
-                     loss_type=o.loss_type, max_completion_length=o.max_completion_length,
-                     num_sequences=batch["step_prompts"] * g, num_tokens=mask.sum()).loss
+    return {"logps": logps, "ref": ref, "mask": mask, "advantages": adv}
 
 
-@pytest.mark.parametrize("extra", [["objective.loss_type=dapo"], ["objective.loss_type=grpo"],
-                                   ["objective.loss_type=dr_grpo", "objective.scale_rewards=none"],
-                                   ["objective.loss_type=dapo", "objective.beta=0.04", "objective.temperature=0.7",
-                                    "objective.scale_rewards=batch"]])
-def test_step_loss_is_grpo_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
-    parts = setup(train_cfg(*GRPO, *extra))
-    module, dm = parts.module, parts.datamodule
-    module._chat = parts.chat
-    dm.setup()
-    batch = next(iter(dm.train_dataloader()))
-    n = batch["prompt_ids"].shape[0] * module.objective.num_generations
-    gen = torch.Generator().manual_seed(0)
-    new_ids = torch.randint(10, module.chat.tokenizer.vocab_size, (n, 6), generator=gen)
-    new_ids[0, 2] = module.stop_ids[0]  # one completion stops early: the mask ends at its stop token
-    new_ids[4, 0] = module.stop_ids[0]
-    monkeypatch.setattr(module, "generate", lambda *a, **k: new_ids.clone())
-    if module.objective.beta > 0:  # move the policy off the reference: the KL term has a value
-        with torch.no_grad():
-            for p in module.model.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen))
-    params = [p for p in module.model.parameters() if p.requires_grad]
-    loss, _ = module.step_loss(batch)
+def trl_step_loss(module: Any, inputs: dict[str, Any], old: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` (GRPOConfig's defaults but for the run's keys) of one
+    micro-batch that is its whole step: its loss and logged metrics."""
+    from tests.objectives.test_grpo_trl import trl_loss
+
+    o = module.objective
+    return trl_loss(inputs["logps"], inputs["advantages"], inputs["mask"], old=old, ref=inputs["ref"],
+                    loss_type=o.loss_type, beta=o.beta, epsilon=o.epsilon, epsilon_high=o.epsilon_high,
+                    delta=o.delta, max_completion_length=o.max_completion_length,
+                    use_bias_correction_kl=o.use_bias_correction_kl)
+
+
+def assert_step_equals_trl(module: Any, loss: torch.Tensor, expected: torch.Tensor, logged: dict[str, float],
+                           params: list[torch.nn.Parameter]) -> None:
+    """Our step's loss, gradient and every loss metric TRL logs too (``entropy``: by hand, TRL's is a stub here)."""
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    expected = by_hand_loss(module, batch, new_ids)
     expected_grads = torch.autograd.grad(expected, params, allow_unused=True)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    assert batch["advantages"].abs().sum() > 0  # the rollouts teach something: the test can fail
-    # TRL's entropy: the token mean over the completion tokens of the entropy at logits / temperature
-    logged = module._loss_stats[-1]["metrics"]["entropy"]
-    assert logged == pytest.approx(by_hand_entropy(module, batch, new_ids), rel=1e-5)
     # At a fresh rollout the ratio is 1, so the loss's value hides the log-probs: the gradient shows them
     assert sum(g.abs().sum() for g in grads if g is not None) > 0
     for g, e in zip(grads, expected_grads):
         assert (g is None) == (e is None)
         if g is not None:
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    ours = module._loss_stats[-1]["metrics"]
+    shared = set(logged) - {"entropy"}
+    assert shared and shared <= set(ours)
+    for name in shared:
+        assert ours[name] == pytest.approx(logged[name], rel=1e-5, abs=1e-7, nan_ok=True), name
+
+
+BETA = ["objective.beta=0.04", "objective.temperature=0.7"]
+
+
+@pytest.mark.parametrize("extra", [["objective.loss_type=dapo"], ["objective.loss_type=grpo"],
+                                   ["objective.loss_type=dr_grpo", "objective.scale_rewards=none"],
+                                   ["objective.loss_type=dapo", *BETA, "objective.scale_rewards=batch"],
+                                   ["objective.loss_type=grpo", *BETA, "objective.num_iterations=2",
+                                    "objective.epsilon=0.05", "objective.delta=1.2"],
+                                   ["objective.loss_type=dapo", *BETA, "objective.num_iterations=2",
+                                    "objective.use_bias_correction_kl=false"]])
+def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
+    """The step's loss, gradient and loss metrics equal TRL's ``_compute_loss`` of the same rollouts
+    (log-probs from the model's plain logits); with num_iterations=2 also on the reuse step, after
+    the policy moved, with the first use's log-probs as TRL's old ones."""
+    parts = setup(train_cfg(*GRPO, *extra))
+    module, dm = parts.module, parts.datamodule
+    module._chat = parts.chat
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    fresh = dict(batch)  # step_loss lays the rollouts into batch
+    n = batch["prompt_ids"].shape[0] * module.objective.num_generations
+    gen = torch.Generator().manual_seed(0)
+    new_ids = torch.randint(10, module.chat.tokenizer.vocab_size, (n, 6), generator=gen)
+    new_ids[0, 2] = module.stop_ids[0]  # one completion stops early: the mask ends at its stop token
+    new_ids[4, 0] = module.stop_ids[0]
+    monkeypatch.setattr(module, "generate", lambda *a, **k: new_ids.clone())
+
+    def move(scale: float) -> None:
+        with torch.no_grad():
+            for p in module.model.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+    if module.objective.beta > 0:  # move the policy off the reference: the KL term has a value
+        move(0.02)
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    loss, _ = module.step_loss(batch)
+    inputs = by_hand_logps(module, batch, new_ids)
+    expected, logged = trl_step_loss(module, inputs)
+    assert batch["advantages"].abs().sum() > 0  # the rollouts teach something: the test can fail
+    assert_step_equals_trl(module, loss, expected, logged, params)
+    # TRL's entropy: the token mean over the completion tokens of the entropy at logits / temperature
+    entropy = module._loss_stats[-1]["metrics"]["entropy"]
+    assert entropy == pytest.approx(by_hand_entropy(module, batch, new_ids), rel=1e-5)
+    if module.objective.num_iterations == 1:
+        return
+    # the reuse step: the same rollouts after an update, the first use's log-probs as the old ones
+    old = inputs["logps"].detach()
+    move(0.05)
+    reused = {**fresh, "step_use": 1}
+    loss, _ = module.step_loss(reused)
+    assert torch.equal(reused["input_ids"], batch["input_ids"])
+    inputs = by_hand_logps(module, reused, new_ids)
+    expected, logged = trl_step_loss(module, inputs, old=old)
+    assert logged["clip_ratio/region_mean"] > 0 or module.objective.epsilon > 0.1  # off-policy: clipped tokens
+    assert_step_equals_trl(module, loss, expected, logged, params)
 
 
 def fixed_generate(self: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:

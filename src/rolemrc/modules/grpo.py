@@ -554,7 +554,7 @@ class GRPOModule(PolicyModule):
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
         num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
         out = grpo_loss(logps, batch["advantages"], mask, old_per_token_logps=batch.get("old_logps"),
-                        ref_per_token_logps=ref, beta=o.beta,
+                        ref_per_token_logps=ref, beta=o.beta, use_bias_correction_kl=o.use_bias_correction_kl,
                         epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
                         max_completion_length=o.max_completion_length, delta=o.delta,
                         num_sequences=step_sequences, num_tokens=num_tokens)

@@ -14,7 +14,12 @@ Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objec
   ``[B, T]`` -> the clipped surrogate
 
       ratio = exp(logp - old),  l_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
-              + beta * (exp(ref - logp) - (ref - logp) - 1)          (the k3 KL estimate)
+              + beta * ratio * (exp(ref - logp) - (ref - logp) - 1)  (the k3 KL estimate)
+
+  The KL term is weighted by the unclipped ratio (``use_bias_correction_kl=True``, TRL's default,
+  DeepSeek-V3.2's unbiased reverse-KL gradient): on-policy the ratio is 1 in value but not in
+  gradient (``d/dlogp`` adds the KL itself), on a reuse step (``old`` given) it scales the value too;
+  the logged ``kl`` is that weighted term's token mean. ``False`` adds the plain k3 estimate.
 
   aggregated by ``loss_type``: ``grpo`` (each sequence's token mean, then the mean over sequences),
   ``bnpo`` (sum over the micro-batch's tokens / its token count), ``dr_grpo`` (sum / (sequences x
@@ -136,7 +141,8 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
               old_per_token_logps: Tensor | None = None, ref_per_token_logps: Tensor | None = None,
               beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
               loss_type: str = "dapo", max_completion_length: int | None = None, delta: float | None = None,
-              num_sequences: Tensor | int | None = None, num_tokens: Tensor | int | None = None) -> GRPOOutput:
+              num_sequences: Tensor | int | None = None, num_tokens: Tensor | int | None = None,
+              use_bias_correction_kl: bool = True) -> GRPOOutput:
     """The clipped GRPO surrogate (see the module docstring) of one micro-batch."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     _validate(per_token_logps, advantages, completion_mask, (old_per_token_logps, ref_per_token_logps),
@@ -152,6 +158,8 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
     if beta != 0:
         diff = ref_per_token_logps - per_token_logps  # type: ignore[operator]
         kl = torch.exp(diff) - diff - 1
+        if use_bias_correction_kl:  # x the unclipped ratio: value 1 on-policy, gradient not 0
+            kl = kl * ratio
         per_token_loss = per_token_loss + beta * kl
 
     total = (per_token_loss * mask).sum()

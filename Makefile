@@ -29,8 +29,9 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 # GRPO on the sample rule-bearing prompts from the demo's SFT model, TRL's GRPOTrainer beside
-# rolemrc's objective=grpo (CPU, minutes): benchmarks/results/grpo_demo.{json,png}. Extra arguments
-# in DEMO_RL_ARGS, e.g. DEMO_RL_ARGS="--sft outputs/demo/<run>/sft/export --steps 60".
+# rolemrc's objective=grpo (CPU, minutes): outputs/grpo_demo/<time>/grpo_demo.{json,png}. Extra arguments
+# in DEMO_RL_ARGS, e.g. DEMO_RL_ARGS="--sft outputs/demo/<run>/sft/export --steps 60"; the published
+# figures: DEMO_RL_ARGS="--json benchmarks/results/grpo_demo.json".
 demo-rl: $(STAMP)
 	$(PY) benchmarks/grpo_demo.py $(DEMO_RL_ARGS)
 

@@ -21,7 +21,8 @@ side by side on the same model, prompts, reward and settings.
   its model's ``generate``; ours: its logged ``completion_tokens_per_s``), comparable;
   ``completions_per_s``: TRL over its timed steps (sampling, rewards, backward, optimizer), ours
   over the whole ``train.py`` process (start, model load, export included: a lower bound).
-- Output: ``<json>`` (default ``benchmarks/results/grpo_demo.json``: settings, per-step verifier
+- Output: ``<json>`` (default ``<work>/grpo_demo.json``; ``--json benchmarks/results/grpo_demo.json``
+  refreshes the published figures: settings, per-step verifier
   reward and mean completion length of each, first/last-10-step means, completions/s, the
   machine's load average at the start and end of each part) and a PNG
   of the curves next to it.
@@ -262,10 +263,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads of each run")
     ap.add_argument("--window", type=int, default=10, help="steps in the smoothed curve and the first/last means")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "grpo_demo.json")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="results file, the PNG beside it (default <work>/grpo_demo.json; the published figures: "
+                         "benchmarks/results/grpo_demo.json)")
     args = ap.parse_args()
     work = args.work or ROOT / "outputs" / "grpo_demo" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     work.mkdir(parents=True, exist_ok=True)
+    args.json = args.json or work / "grpo_demo.json"  # the checkout's files only when asked for
     sft = sft_export(args, work)
     results: dict[str, Any] = {
         "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "sft_export": str(sft),

@@ -42,6 +42,11 @@ class StorageError(UserError, OSError):
     a read-only or misnamed folder); the message names the path and what to do."""
 
 
+class DestinationError(UserError, FileExistsError):
+    """An output folder that would replace something the command did not write (a folder of other
+    files, a run folder, a file); the message names the path and how to write elsewhere."""
+
+
 class DataUnavailable(UserError, ConnectionError):
     """A data set that cannot be fetched (the hub offline or unreachable, no local copy); the
     message names what needed it and how to make it available."""

@@ -106,6 +106,15 @@ def atomic_save(path: str | Path, save: Callable[[str], None]) -> None:
             tmp.unlink()
 
 
+def cache_root() -> Path:
+    """rolemrc's cache folder: ``$ROLEMRC_CACHE_DIR``, else ``$XDG_CACHE_HOME/rolemrc``
+    (``~/.cache/rolemrc``). Caches live in folders of their own under it."""
+    root = os.environ.get("ROLEMRC_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "rolemrc"
+
+
 def remove(path: str | Path) -> None:
     """Delete the file or folder at ``path``, if there is one."""
     path = Path(path)

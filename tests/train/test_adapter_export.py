@@ -68,7 +68,17 @@ def test_the_adapter_names_its_base_and_peft_loads_it(base: Path, lora_run: Path
     export = lora_run / "export"
     config = json.loads((export / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
-    assert not (export / "rolemrc_base.json").exists()  # nothing shipped: the base is a folder of its own
+    # Nothing shipped (the base is a folder of its own); where it lies from the export is recorded
+    relative = os.path.relpath(base.resolve(), export.resolve())
+    assert json.loads((export / "rolemrc_base.json").read_text()) == {"base_relative": relative}
+    # Export and base moved together, the absolute path gone (another machine): rolemrc finds the base
+    far = tmp_path / "far" / Path(*["d"] * (relative.split("/").count("..") - 1)) / "export"
+    shutil.copytree(export, far)
+    shutil.copytree(base, (far / relative).resolve())
+    moved_config = json.loads((far / "adapter_config.json").read_text())
+    (far / "adapter_config.json").write_text(json.dumps({**moved_config, "base_model_name_or_path": "/gone/tiny"}))
+    from rolemrc.models.adapters import adapter_base
+    assert adapter_base(far) == str((far / relative).resolve())
     with_adapter = logits(AutoPeftModelForCausalLM.from_pretrained(str(export)))
     moved = tmp_path / "moved" / "export"  # the export moved; loaded from another working directory
     shutil.copytree(export, moved, ignore=shutil.ignore_patterns("merged*"))
@@ -126,19 +136,27 @@ def test_a_random_init_adapter_carries_its_base(tmp_path: Path, monkeypatch: pyt
     evaluate(compose_eval(f"model.path={moved}", "limit=1", "generation.max_new_tokens=2", "generation.progress=false",
                           "metrics.names=[bleu]", f"out_dir={out}"))
     assert len((out / "generations.jsonl").read_text().splitlines()) == 1
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(moved / "merged")),
+    # The merge is cached under rolemrc's cache, keyed by content: the export folder is not written
+    assert not (moved / "merged").exists() and not (moved / "merged.lock").exists()
+    cached_merge = Path(hf_model_path(str(moved)))
+    assert cached_merge.parent == Path(os.environ["ROLEMRC_CACHE_DIR"]) / "merged"
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(cached_merge)),
                                logits(AutoModelForCausalLM.from_pretrained(merged)), atol=1e-5, rtol=1e-5)
 
 
 def test_an_adapter_export_as_model_path(lora_run: Path, tmp_path: Path) -> None:
     export = lora_run / "export"
     out = tmp_path / "eval"
+    before = sorted(p.name for p in export.iterdir())
     done = python("evaluate.py", f"model.path={export}", "limit=1", "generation.max_new_tokens=2",
                   "generation.progress=false", "metrics.names=[bleu]", f"out_dir={out}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert len((out / "generations.jsonl").read_text().splitlines()) == 1
-    merged = export / "merged"  # merged once through peft on its base, reused after
+    merged = Path(hf_model_path(str(export)))  # merged once through peft on its base, in the cache, reused after
+    assert merged.parent == Path(os.environ["ROLEMRC_CACHE_DIR"]) / "merged"
     assert (merged / "model.safetensors").is_file() and (merged / "rolemrc_source.json").is_file()
+    assert not (export / "merged").exists() and not (export / "merged.lock").exists()
+    assert sorted(p.name for p in export.iterdir()) == before  # the user's export folder: nothing written into it
 
     nameless = tmp_path / "nameless"  # an adapter export that does not say its base (peft <= 0.21 from elsewhere)
     shutil.copytree(export, nameless, ignore=shutil.ignore_patterns("merged"))

@@ -4,13 +4,16 @@ run's model (:func:`export_state`) or from a checkpoint file/folder (:func:`expo
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fnmatch
 import hashlib
 import json
 import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,8 @@ import torch
 from torch import nn
 
 from rolemrc.checkpointing.state import read_model_state
-from rolemrc.fileio import atomic_dir
+from rolemrc.errors import DestinationError, StorageError
+from rolemrc.fileio import atomic_dir, atomic_write_json, cache_root, partial_path, storage_error
 from rolemrc.models.loading import load_model, load_tokenizer, unwrap
 from rolemrc.models.logprob_head import install_logprob_head, restore_linear_head
 
@@ -26,10 +30,133 @@ log = logging.getLogger(__name__)
 
 SHIPPED_BASE = "base_model"  # the folder, inside an adapter export, of a random-init run's base weights
 SHIPPED_BASE_RECORD = "rolemrc_base.json"  # beside adapter_config.json: the shipped base's relative name
+MANIFEST = "rolemrc_export.json"  # in every export folder: what wrote it and the entries it wrote
+# What an HF export folder holds (an export written before exports carried MANIFEST is recognised
+# by holding nothing else); rolemrc_source.json marks an export made for model.path, merged/ the
+# merge evaluate.py once cached inside an adapter export.
+EXPORT_ENTRIES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                  "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                  "chat_template.*", "adapter_config.json", "README.md", SHIPPED_BASE, SHIPPED_BASE_RECORD,
+                  "rolemrc_source.json", MANIFEST, "merged", "merged.lock")
+RUN_ENTRIES = (".hydra", "checkpoints", "*.ckpt", ".metadata", "csv", "wandb", "run_summary.json")  # a run, a checkpoint
+
+
+def _run_entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if any(fnmatch.fnmatch(p.name, pat) for pat in RUN_ENTRIES))
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """The entries of ``folder`` that no export writes: those its manifest does not list (beside
+    what rolemrc adds to an export later), or, without a manifest, those outside EXPORT_ENTRIES."""
+    manifest = folder / MANIFEST
+    listed: set[str] | None = None
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text(encoding="utf-8")).get("files")
+            listed = set(files) if isinstance(files, list) else None
+        except (OSError, ValueError, AttributeError):
+            listed = None
+    names = sorted(p.name for p in folder.iterdir())
+    if listed is not None:
+        return [n for n in names if n not in listed and n not in (MANIFEST, "rolemrc_source.json", "merged",
+                                                                   "merged.lock")]
+    foreign = [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in EXPORT_ENTRIES)]
+    if not foreign and names and not {"config.json", "adapter_config.json", MANIFEST} & set(names):
+        return names  # tokenizer files alone: not an export
+    return foreign
+
+
+def is_export(folder: str | Path) -> bool:
+    """``folder`` is an export folder (rolemrc's manifest, or only what an HF export holds)."""
+    folder = Path(folder)
+    return folder.is_dir() and not folder.is_symlink() and not _foreign_entries(folder)
+
+
+def _describe(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} entries)" if len(names) > n else "")
+
+
+def check_replaceable(out: Path, keep: tuple[Path, ...] = ()) -> None:
+    """Refuse (:class:`~rolemrc.errors.DestinationError`) to write an export at ``out`` where that
+    would delete what no export wrote: ``out``, or the ``<out>.partial``/``<out>.old`` twins that
+    writing it clears, being a file, a link, a run folder (``.hydra``, checkpoints), a folder
+    holding ``keep`` (the checkpoint read, its run folder) or a folder of other files. An empty
+    folder, or a previous export, may be replaced."""
+    out = Path(out)
+    resolved = out.resolve()
+    for kept in keep:
+        kept = Path(kept).resolve()
+        if resolved == kept or resolved in kept.parents:
+            raise DestinationError(f"{out} holds {kept}: an export never replaces the checkpoint it reads or "
+                                   "its run folder; choose another folder for the export")
+    for path in (out, partial_path(out), out.with_name(out.name + ".old")):
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise DestinationError(f"{path} is a {'link' if path.is_symlink() else 'file'}, not a folder: an export "
+                                   "is a folder; choose another folder for the export")
+        if not path.is_dir() or not any(path.iterdir()):
+            continue
+        run = _run_entries(path)
+        if run:
+            raise DestinationError(f"{path} holds a training run or checkpoint ({_describe(run)}): an export never "
+                                   "replaces it; choose another folder for the export, e.g. "
+                                   f"{path / 'export'}")
+        foreign = _foreign_entries(path)
+        if foreign:
+            mark = "" if (path / MANIFEST).is_file() else f" (no {MANIFEST})"
+            raise DestinationError(f"{path} is not empty and holds files no export wrote{mark}: {_describe(foreign)}; "
+                                   "an export is written only into a new or empty folder or over a previous "
+                                   "export: move those files away, or choose another folder for the export")
+
+
+def check_export_destination(out: str | Path, overwrite: bool, keep: tuple[Path, ...] = ()) -> Path:
+    """export.py's ``--out`` checked before anything loads (:func:`check_replaceable`; a previous
+    export is replaced only with ``overwrite``; the nearest existing folder above must be
+    writable): ``out`` made absolute, or a one-line :class:`~rolemrc.errors.UserError`."""
+    out = Path(out).expanduser().absolute()
+    for above in reversed(out.parents):  # a file where a folder must be: mkdir would fail
+        if above.exists() and not above.is_dir():
+            raise DestinationError(f"{above} is a file, not a folder: {out} cannot be created; choose another "
+                                   "folder for the export")
+    check_replaceable(out, keep)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DestinationError(f"{out} holds a previous export: pass --overwrite to replace it, or --out <another "
+                               "folder>")
+    parent = next(p for p in out.parents if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_mount(parent) else "permission denied"
+        raise StorageError(f"{out}: cannot write the export in {parent} ({reason}); make it writable, or choose "
+                           "another folder with --out")
+    return out
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def export_dir(out: Path, kind: str, source: str | None) -> Iterator[Path]:
+    """``with export_dir(out, kind, source) as partial:`` write an export into ``<out>.partial``,
+    swapped in for ``out`` when the block ends (:func:`rolemrc.fileio.atomic_dir`), after
+    :func:`check_replaceable`. The manifest (:data:`MANIFEST`: kind, source, the entries written)
+    is written first and completed last, so a partial or finished export is known as one. A
+    full disk or read-only folder is a one-line :class:`~rolemrc.errors.StorageError`."""
+    check_replaceable(out)
+    record = {"written_by": "rolemrc", "kind": kind, "source": source, "complete": False}
+    try:
+        with atomic_dir(out) as partial:
+            atomic_write_json(partial / MANIFEST, record)
+            yield partial
+            names = sorted(p.name for p in partial.iterdir())
+            atomic_write_json(partial / MANIFEST, {**record, "complete": True, "files": names})
+    except OSError as err:
+        raise storage_error(err, out, "writing the export", "choose another folder for it") from None
 
 
 def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True,
-                      base: str | None = None) -> Path:
+                      base: str | None = None, source: str | None = None) -> Path:
     """Save ``model`` so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
     LoRA models are merged into the base weights (``merge_lora``) or saved as a PEFT adapter
@@ -37,14 +164,16 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     loads it: ``base`` (the ``model.path`` it was loaded from: a hub id, or a folder written as
     an absolute path) or, for a random-init base, the base weights saved next to the adapter in
     ``<out_dir>/base_model`` (:func:`_ship_base`). Writes into ``<out_dir>.partial`` and swaps it in at the end
-    (:func:`rolemrc.fileio.atomic_dir`), so an interrupted export never leaves a folder that looks
-    complete and a previous export stays in place until the new one is; rerunning simply writes it again.
+    (:func:`export_dir`), so an interrupted export never leaves a folder that looks complete and a
+    previous export stays in place until the new one is; rerunning simply writes it again. ``out_dir``
+    may be new, empty or a previous export, never a folder of other files (:func:`check_replaceable`).
+    ``source`` (the checkpoint) is recorded in the export's manifest (:data:`MANIFEST`).
     """
     out = Path(out_dir)
     is_peft = hasattr(model, "get_base_model")
     if is_peft and getattr(unwrap(model), "is_loaded_in_4bit", False):
         # QLoRA: the adapter goes onto the full-precision base, as it would be served
-        return export_pretrained(_onto_full_precision_base(model, base), tokenizer, out, merge_lora, base)
+        return export_pretrained(_onto_full_precision_base(model, base), tokenizer, out, merge_lora, base, source)
     restore_linear_head(model)  # saved models are plain transformers models
     try:
         if is_peft and merge_lora:
@@ -54,7 +183,8 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
         config = unwrap(to_save).config
         training_cache, config.use_cache = config.use_cache, True  # exports are for inference (KV cache)
         try:
-            with atomic_dir(out) as partial:  # <out>.partial, swapped in for <out> once complete
+            kind = "adapter" if is_peft and not merge_lora else "model"
+            with export_dir(out, kind, source) as partial:  # <out>.partial, swapped in for <out> once complete
                 if is_peft and not merge_lora:
                     _save_adapter(to_save, partial, out, base)
                 else:
@@ -100,11 +230,26 @@ def _load_adapter(model: nn.Module, adapter: dict[str, torch.Tensor], origin: st
 
 def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) -> None:
     """The adapter alone, its config naming the base model (peft writes ``null`` for a base that
-    was built from a config or whose ``_name_or_path`` is a relative folder)."""
+    was built from a config or whose ``_name_or_path`` is a relative folder): a hub id as it is
+    (a snapshot folder of the hub cache as its hub id and revision); a folder as an absolute path
+    (what peft loads from any working directory), its path relative to the export recorded in
+    ``rolemrc_base.json`` (``base_relative``), which rolemrc follows when the absolute path is gone
+    (the export and its base moved together, to another machine say); a random-init base shipped
+    inside (:func:`_ship_base`)."""
+    relative = None
+    revision = None
     if base is not None and Path(base).expanduser().exists():
-        base = str(Path(base).expanduser().resolve())  # a folder: valid from any working directory
+        folder = Path(base).expanduser().resolve()
+        hub = _hub_snapshot(folder)
+        if hub is not None:  # a snapshot in the HF hub cache: its hub id and revision load anywhere
+            base, revision = hub
+        else:  # a folder: absolute, valid from any working directory; relative too, for rolemrc
+            base = str(folder)
+            relative = os.path.relpath(folder, out.resolve())
     for config in model.peft_config.values():
         config.base_model_name_or_path = base or SHIPPED_BASE  # a shipped base: re-pointed by _ship_base
+        if revision is not None:
+            config.revision = revision
     with warnings.catch_warnings():
         # peft looks for the base's config to see whether the vocabulary changed; a random-init
         # base is written just below (same vocabulary), so its warning would only mislead.
@@ -113,6 +258,16 @@ def _save_adapter(model: nn.Module, partial: Path, out: Path, base: str | None) 
     if base is None:  # random init: the adapter means nothing without these very base weights
         model.unload().save_pretrained(partial / SHIPPED_BASE, safe_serialization=True)
         _ship_base(partial)
+    elif relative is not None:  # where the base lies seen from the export: found again after both move
+        atomic_write_json(partial / SHIPPED_BASE_RECORD, {"base_relative": relative})
+
+
+def _hub_snapshot(folder: Path) -> tuple[str, str] | None:
+    """(hub id, revision) of a folder of the HF hub cache (``models--<org>--<name>/snapshots/<rev>``)."""
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/"), folder.name
 
 
 def _ship_base(partial: Path) -> None:
@@ -132,9 +287,7 @@ def _ship_base(partial: Path) -> None:
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 digest.update(block)
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc").resolve()
-    cached = cache / "bases" / digest.hexdigest()[:32]
+    cached = cache_root().resolve() / "bases" / digest.hexdigest()[:32]
     cached.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cached) + ".lock"):
         if not (cached / "config.json").is_file():
@@ -170,7 +323,7 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
         model = load_model(_unquantized(run_cfg.model), tokenizer)
         trainable = {k for k, p in model.named_parameters() if p.requires_grad}
         _load_adapter(model, {k: v for k, v in state.items() if k in trainable or "lora_" in k}, origin)
-        return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path)
+        return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path, source=origin)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
         model = load_model(skeleton_config(run_cfg.model), tokenizer)
     expected = model.state_dict()
@@ -185,7 +338,7 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
-    return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path)
+    return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path, source=origin)
 
 
 def _unquantized(model_cfg: Any) -> Any:

@@ -147,3 +147,13 @@ def test_readme_and_quickstart_commands_run_in_a_fresh_shell() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("$ python") == sum(c.startswith("python ") for c in commands)
+
+
+def test_no_identifier_renders_as_emphasis() -> None:
+    """`_target_` outside a code span renders as an italic "target": identifiers go in backticks."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+        prose = re.sub(r"(`+).+?\1", "", text, flags=re.S)
+        found += [f"{page.relative_to(ROOT)}: {m}" for m in re.findall(r"(?<![\w\\*])_[A-Za-z][\w.]*_(?!\w)", prose)]
+    assert not found, "put identifiers in backticks:\n" + "\n".join(found)

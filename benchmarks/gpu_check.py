@@ -330,7 +330,7 @@ def measure_child(overrides: list[str], out: Path, work: Path, device: str) -> N
     from common import compose, flop_counter
 
     from rolemrc.callbacks.throughput import batch_counts, model_flop_coefficients, peak_flops
-    from rolemrc.memory_sim import architecture_config
+    from rolemrc.sizing.simulate import architecture_config
     from rolemrc.run.train import run
 
     cfg = compose([*overrides, "trainer.accelerator=" + ("gpu" if device == "cuda" else "cpu"), "logger=csv",

@@ -1,5 +1,5 @@
 """The README's memory table: the four paper recipes on 4 and 8 x 80 GB devices, simulated
-(``python -m rolemrc.memory <recipe> trainer.devices=N --simulate --json``, see rolemrc.memory_sim).
+(``python -m rolemrc.memory <recipe> trainer.devices=N --simulate --json``, see rolemrc.sizing.simulate).
 
     .venv/bin/python benchmarks/memory_table.py                       # all 8 rows (~1-2 CPU-minutes per simulation)
     .venv/bin/python benchmarks/memory_table.py --recipes rolemrc_llama_sft --devices 4

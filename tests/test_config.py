@@ -306,7 +306,7 @@ def test_one_activation_checkpointing_switch(caplog) -> None:
         assert cfg.model.gradient_checkpointing is value and cfg.strategy.activation_checkpointing is None
         assert "strategy.activation_checkpointing is deprecated" in caplog.text
         assert "model.gradient_checkpointing" in caplog.text
-    # The recipes leave it to the memory estimate through the one key (rolemrc.memory.choose_checkpointing).
+    # The recipes leave it to the memory estimate through the one key (rolemrc.sizing.formula.choose_checkpointing).
     for experiment in EXPERIMENTS:
         assert compose_train([f"experiment={experiment}", "model.path=/x"]).model.gradient_checkpointing == "auto"
 
@@ -371,7 +371,7 @@ def test_typed_config_is_the_dataclasses(overrides: list[str]) -> None:
     from types import SimpleNamespace
 
     from rolemrc.config import OptimConfig, typed
-    from rolemrc.memory import check
+    from rolemrc.sizing.formula import check
 
     cfg = compose_train([*overrides, "trainer.checkpoint_every_n_steps=5"])  # an alias: mapped in the copy only
     up = upgrade_train_config(copy.deepcopy(cfg))

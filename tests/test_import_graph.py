@@ -255,8 +255,8 @@ def test_the_graph_sees_the_whole_package() -> None:
     """Guards the checker itself: it reads every module, function-level imports included."""
     sources = {e.source for e in EDGES}
     assert {"rolemrc.objectives.logprobs", "rolemrc.data.sampler", "rolemrc.run.strategies"} <= sources
-    lazy = [e for e in EDGES if e.source == "rolemrc.memory_sim" and e.target == "rolemrc.run.build"]
-    assert lazy and not lazy[0].runtime  # the simulation imports the training code inside a function
+    lazy = [e for e in EDGES if e.source == "rolemrc.memory" and e.target == "rolemrc.run.build"]
+    assert lazy and not lazy[0].runtime  # the command line imports the training code inside a function
 
 
 def test_checker_finds_lazy_relative_and_cyclic_imports(tmp_path: Path) -> None:
@@ -297,12 +297,13 @@ def test_checker_finds_lazy_relative_and_cyclic_imports(tmp_path: Path) -> None:
 # recipe modules, which sit above the parts they build with although they live in a package of
 # building blocks. Top to bottom; a unit imports units of its own layer or below, never above,
 # and the units form no cycle.
-RECIPE_MODULES = ["rolemrc.run.train", "rolemrc.run.sizing", "rolemrc.eval.run", "rolemrc.eval.suites",
-                  "rolemrc.eval.general", "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory",
-                  "rolemrc.memory_sim"]
+RECIPE_MODULES = ["rolemrc.run.train", "rolemrc.eval.run", "rolemrc.eval.suites",
+                  "rolemrc.eval.general", "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory"]
 LAYERS: list[tuple[str, list[str]]] = [
     ("recipes", RECIPE_MODULES),
-    ("parts", ["rolemrc.run", "rolemrc.parts"]),  # rolemrc.run less its recipe modules (train, sizing)
+    # rolemrc.run less its recipe module (train); rolemrc.sizing, which the run hands its module
+    # builder and world size (it imports nothing of rolemrc.run)
+    ("parts", ["rolemrc.run", "rolemrc.parts", "rolemrc.sizing"]),
     ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
                          "rolemrc.synth", "rolemrc.rewards", "rolemrc.rollout"]),
@@ -353,6 +354,72 @@ def test_no_cycle_between_units() -> None:
     assert not cycles, f"{len(cycles)} cycle(s) between packages:\n{show_cycles(cycles)}"
 
 
+def package_of(module: str) -> str:
+    """The top-level package (or module) of a project module: ``rolemrc.run.train`` -> ``rolemrc.run``."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges(edges: list[Edge] = EDGES) -> list[Edge]:
+    """Imports between different top-level packages, recipe modules counted with their package
+    (module level and inside functions; not TYPE_CHECKING)."""
+    return [Edge(package_of(e.source), package_of(e.target), e.file, e.line, e.when, e.implicit) for e in edges
+            if e.when != "typing" and inside(e.target, [PROJECT]) and e.target != PROJECT
+            and package_of(e.source) != package_of(e.target)]
+
+
+def test_no_cycle_between_top_level_packages() -> None:
+    """Coarser than the units: a recipe module counts as its package's, so ``rolemrc.run.train ->
+    rolemrc.sizing -> rolemrc.run.build`` would be the cycle ``run <-> sizing``. The sizing package
+    is handed the run's module builder and world size; it never imports the run."""
+    cycles = find_cycles(package_edges(), when=("module", "function"))
+    assert not cycles, f"{len(cycles)} cycle(s) between top-level packages:\n{show_cycles(cycles)}"
+
+
+def test_sizing_is_one_package_below_the_run() -> None:
+    """Sizing (the formula, the simulator, the run's decision and its cache) is ``rolemrc.sizing``:
+    it imports nothing of ``rolemrc.run`` nor of the command line (``rolemrc.memory``), the run and
+    the command line hand it what it needs; and no rolemrc module is imported inside a function
+    there (the simulator is imported where a simulation runs: the command line's ``--simulate``
+    and the child process a run simulates in). The old modules are gone."""
+    up = offending(["rolemrc.sizing"], ["rolemrc.run", "rolemrc.memory"])
+    assert not up, f"{len(up)} import(s) of the run from rolemrc.sizing:\n  {describe(up)}"
+    lazy = function_level_project_imports(["rolemrc.sizing"])
+    assert not lazy, f"{len(lazy)} function-level import(s) of rolemrc modules in rolemrc.sizing:\n  {describe(lazy)}"
+    modules = module_names(SRC, PROJECT)
+    assert "rolemrc.memory_sim" not in modules and "rolemrc.run.sizing" not in modules
+    assert {"rolemrc.sizing.formula", "rolemrc.sizing.simulate", "rolemrc.sizing.decide"} <= set(modules)
+
+
+def function_level_project_imports(sources: Iterable[str] = (PROJECT,), edges: list[Edge] = EDGES) -> list[Edge]:
+    """Imports of rolemrc modules inside a function body (not ``if TYPE_CHECKING:``) under ``sources``."""
+    return sorted((e for e in edges if e.when == "function" and not e.implicit and inside(e.source, list(sources))
+                   and inside(e.target, [PROJECT])), key=lambda e: (e.file, e.line))
+
+
+# Function-level imports of rolemrc modules in all of src/: a ceiling that only goes down (the
+# sizing package holds none; the command line, rolemrc.memory, imports the training code only for
+# --simulate). Lower it when an import moves to module level.
+MAX_FUNCTION_LEVEL_PROJECT_IMPORTS = 22
+
+
+def test_function_level_imports_of_project_modules_do_not_grow() -> None:
+    lazy = function_level_project_imports()
+    assert len(lazy) <= MAX_FUNCTION_LEVEL_PROJECT_IMPORTS, (
+        f"{len(lazy)} function-level import(s) of rolemrc modules (at most {MAX_FUNCTION_LEVEL_PROJECT_IMPORTS}):"
+        f"\n  {describe(lazy)}")
+
+
+def test_layers_and_packages_hold_on_a_fake_tree() -> None:
+    """Guards the two checks above: an upward import and a package cycle are found."""
+    fake = [Edge("rolemrc.run.train", "rolemrc.sizing.decide", "a.py", 1, "module"),
+            Edge("rolemrc.sizing.simulate", "rolemrc.run.build", "b.py", 2, "function")]
+    assert find_cycles(package_edges(fake), when=("module", "function"))
+    assert [str(e) for e in offending(["rolemrc.sizing"], ["rolemrc.run"], edges=fake)] == [
+        "rolemrc.sizing.simulate -> rolemrc.run.build (b.py:2)"]
+    assert [str(e) for e in function_level_project_imports(["rolemrc.sizing"], fake)] == [
+        "rolemrc.sizing.simulate -> rolemrc.run.build (b.py:2)"]
+
+
 def test_the_package_check_sees_a_function_level_cycle() -> None:
     """Guards the checker: a package cycle closed only by an import inside a function is found."""
     fake = [Edge("rolemrc.data.a", "rolemrc.config", "x.py", 1, "module"),
@@ -386,7 +453,7 @@ def imported_at_start(start: str, edges: list[Edge] = EDGES) -> dict[str, list[E
 
 @pytest.mark.parametrize("start", ["rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general",
                                    "rolemrc.probing.run", "rolemrc.checkpointing", "rolemrc.memory",
-                                   "rolemrc.run.resume"])
+                                   "rolemrc.run.resume", "rolemrc.sizing.formula", "rolemrc.sizing.decide"])
 def test_evaluation_probing_and_checkpoint_reading_start_without_lightning(start: str) -> None:
     """Lightning (and the torchmetrics/scipy/matplotlib/dynamo imports it brings, seconds of CPU
     at every start here) is training's: evaluate.py, probe.py, what reads a checkpoint and the memory estimate

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import pytest
 
 from rolemrc.errors import ConfigError
-from rolemrc.memory import KNOWN, Arch, arch_of, check, check_memory, choose_checkpointing
+from rolemrc.sizing.formula import KNOWN, Arch, arch_of, check, check_memory, choose_checkpointing
 from tests.conftest import ROOT, compose_train
 
 
@@ -25,7 +25,7 @@ def test_parameter_counts_match_the_published_sizes() -> None:
 def test_paper_recipe_fits_and_no_checkpointing_warns(caplog) -> None:
     ok = check(compose_train(["experiment=rolemrc_llama_sft"]))
     assert not ok.startswith("WARNING") and "4 device(s)" in ok
-    with caplog.at_level(logging.WARNING, logger="rolemrc.memory"):
+    with caplog.at_level(logging.WARNING, logger="rolemrc.sizing.formula"):
         bad = check(compose_train(["experiment=rolemrc_llama_sft", "model.gradient_checkpointing=false"]))
     assert bad.startswith("WARNING") and "exceeds 80 GB" in caplog.text
     more_gpus = check(compose_train(["experiment=rolemrc_llama_sft", "trainer.devices=8"]))
@@ -33,7 +33,7 @@ def test_paper_recipe_fits_and_no_checkpointing_warns(caplog) -> None:
 
 
 def test_check_memory_logs_the_estimate_and_reads_runtime(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="rolemrc.memory"):
+    with caplog.at_level(logging.INFO, logger="rolemrc.sizing.formula"):
         line = check_memory(compose_train(["experiment=rolemrc_llama_sft"]))
     assert f"memory estimate: {line}" in caplog.text and not line.startswith("WARNING")
     gb = float(line.split("~")[1].split()[0])

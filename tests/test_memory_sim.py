@@ -1,4 +1,4 @@
-"""The simulated per-rank memory (rolemrc.memory_sim) against the same step really run: two gloo
+"""The simulated per-rank memory (rolemrc.sizing.simulate) against the same step really run: two gloo
 ranks on this CPU train the tiny model one FSDP2 step under the same tracker; the simulated peak
 (fake tensors, fake process group) is within 5% of the real one, and the simulated parameter,
 gradient and AdamW bytes equal what FSDP2's sharding gives by count."""
@@ -15,10 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from rolemrc.memory_sim import run_spec, simulate
+from rolemrc.run.build import build_module
+from rolemrc.run.strategies import world_size
+from rolemrc.sizing import simulate as simulator
+from rolemrc.sizing.decide import run_spec
 from tests.conftest import ROOT, compose_train
 
 pytestmark = [pytest.mark.multiprocess]
+
+def simulate(cfg, **kwargs):
+    """The simulator as a training run calls it: handed the run's module builder and world size."""
+    return simulator.simulate(cfg, build=build_module, world=world_size(cfg.trainer), **kwargs)
+
 
 # The tiny model (conf/model/tiny.yaml) on 2 ranks, 2 rows of 256 tokens.
 TINY = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=2", "data.max_length=256"]
@@ -28,7 +36,7 @@ def _real_peak(tmp_path: Path, cfg, checkpointing: bool) -> dict:
     """Rank 0's tracked result of the step really run on 2 gloo ranks."""
     spec = tmp_path / "spec.json"
     out = tmp_path / "real.json"
-    spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing)))
+    spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, build=build_module, world=2)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -37,7 +45,7 @@ def _real_peak(tmp_path: Path, cfg, checkpointing: bool) -> dict:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(ROOT / "src")}
-        procs.append(subprocess.Popen([sys.executable, "-m", "rolemrc.memory_sim", "--real", str(spec), str(out)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "rolemrc.sizing.simulate", "--real", str(spec), str(out)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -121,7 +129,7 @@ def test_grpo_rollout_is_simulated_against_the_real_generate_and_its_cache() -> 
     report's KV cache bytes equal the summed bytes of generate's real DynamicCache."""
     import torch
 
-    from rolemrc import memory_sim as ms
+    from rolemrc.sizing import simulate as ms
     from rolemrc.modules.grpo import GRPOModule
     from rolemrc.parts import build_chat
 
@@ -132,13 +140,13 @@ def test_grpo_rollout_is_simulated_against_the_real_generate_and_its_cache() -> 
     assert sim.peak_bytes == max(p["peak_bytes"] for p in sim.phases.values())
     assert sim.phase in sim.phases and sim.peak_bytes == sim.phases[sim.phase]["peak_bytes"]
 
-    module, vocab = ms._build(cfg, False, "cpu")
+    module, vocab = ms._build(cfg, False, build_module, "cpu")
     module._chat = build_chat(cfg.model)
     module.__dict__["stop_ids"] = []  # (the property, shadowed) no stop token: every completion runs to the end
     GRPOModule.stop_ids  # noqa: B018 (the property the instance shadows exists)
     ms._configure(module, None)
     optimizer = ms._optimizer(module)
-    ms._one_step(module, optimizer, module.on_before_batch_transfer(ms._batch(cfg, 1, vocab, 16), 0),
+    ms._one_step(module, optimizer, module.on_before_batch_transfer(ms._batch(cfg, module, 1, vocab, 16), 0),
                  cfg.trainer.precision)
     ids = torch.full((n, prompt), 5, dtype=torch.long)
     tracker = ms._tracker(module, optimizer, False)

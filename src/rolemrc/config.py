@@ -62,7 +62,7 @@ class ModelConfig:
     packed_attention: str = "auto"
     kernels: str = "none"  # none | liger (GPU + liger-kernel: fused RMSNorm/RoPE/SwiGLU + linear cross-entropy)
     # true | false | auto (off when the memory estimate without it fits runtime.device_memory_gb;
-    # rolemrc.memory.choose_checkpointing). The one activation-checkpointing switch.
+    # rolemrc.sizing.formula.choose_checkpointing). The one activation-checkpointing switch.
     gradient_checkpointing: Any = False
     chat_template: Optional[str] = None  # override: llama3 | chatml | path to .jinja
     eot_token: Optional[str] = None  # override the detected end-of-turn marker
@@ -517,8 +517,8 @@ class RuntimeConfig:
 
     matmul_precision: Optional[str] = "high"  # torch.set_float32_matmul_precision: TF32 on Ampere+ GPUs (paper: tf32)
     checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch (and of training) only
-    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.memory.check_memory)
-    # model.gradient_checkpointing=auto decides from a simulated step (rolemrc.memory_sim, a child process,
+    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.sizing.formula.check_memory)
+    # model.gradient_checkpointing=auto decides from a simulated step (``rolemrc.sizing.simulate``, a child process,
     # ~1-2 CPU-minutes for an 8B model); false: from the formula alone.
     simulate_memory: bool = True
 

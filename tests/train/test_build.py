@@ -47,7 +47,7 @@ def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, 
 
     cfg = train_cfg("model.gradient_checkpointing=auto", f"runtime.device_memory_gb={device_gb}",
                     f"runtime.simulate_memory={str(simulate).lower()}")
-    with caplog.at_level(logging.INFO, logger="rolemrc.run.sizing"):
+    with caplog.at_level(logging.INFO, logger="rolemrc.sizing.decide"):
         run = setup(cfg)
     assert run.cfg.model.gradient_checkpointing is expected
     assert run.module.model.is_gradient_checkpointing is expected
@@ -62,29 +62,32 @@ def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_
     anew from the stored peak without simulating; another shape has another key."""
     import logging
 
-    import rolemrc.memory_sim as memory_sim
-    from rolemrc.run.sizing import sizing_cache_dir
+    from rolemrc.run.build import build_module
+    from rolemrc.sizing import decide
+    from rolemrc.sizing.decide import sizing_cache_dir
     from rolemrc.run.train import setup
 
     monkeypatch.setenv("ROLEMRC_CACHE_DIR", str(tmp_path / "cache"))
-    real = memory_sim.simulate_in_subprocess
+    real = decide.simulate_in_subprocess
     calls: list[int] = []
 
     def counted(cfg, **kwargs):
+        assert kwargs["build"] is build_module and kwargs["world"] == 1  # what the run hands the simulator
         calls.append(cfg.data.max_length)
         return real(cfg, **kwargs)
 
-    monkeypatch.setattr(memory_sim, "simulate_in_subprocess", counted)
+    monkeypatch.setattr(decide, "simulate_in_subprocess", counted)
     small = ("model.gradient_checkpointing=auto", "runtime.device_memory_gb=0.0001")
-    with caplog.at_level(logging.INFO, logger="rolemrc.run.sizing"):
+    with caplog.at_level(logging.INFO, logger="rolemrc.sizing.decide"):
         for overrides in (small, small, (*small, "optim.lr=0.5")):  # two starts, then a sweep job
             assert setup(train_cfg(*overrides)).cfg.model.gradient_checkpointing is True
         assert len(calls) == 1
         assert len(list(sizing_cache_dir().glob("*.json"))) == 1
         assert caplog.text.count("simulated per-rank peak") == 3 and caplog.text.count("; stored in ") == 2
-        from rolemrc.run.sizing import resolve_checkpointing, sizing_key
+        from rolemrc.sizing.decide import resolve_checkpointing, sizing_key
 
-        assert resolve_checkpointing(train_cfg("model.gradient_checkpointing=auto")) is False  # 80 GB: fits
+        assert resolve_checkpointing(train_cfg("model.gradient_checkpointing=auto"), build=build_module,
+                                     world=1) is False  # 80 GB: fits
         assert len(calls) == 1
     # Another shape is another key (simulated at its first start); a longer run is the same.
     key = sizing_key(train_cfg(*small))[0]
@@ -99,7 +102,7 @@ def test_importing_the_recipe_loads_no_simulator() -> None:
     import subprocess
     import sys
 
-    code = "import sys, rolemrc.run.train; print(sorted(m for m in sys.modules if m.startswith('rolemrc.memory_sim')))"
+    code = "import sys, rolemrc.run.train; print(sorted(m for m in sys.modules if m.startswith('rolemrc.sizing.simulate')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -378,7 +378,7 @@ def test_memory_simulation_runs_the_rollout_and_the_loss_step() -> None:
     """Both phases of a step (the rollout's generate, then the loss step on rollout shapes) under
     the tracker; the report's peak is the larger, named. The loss step holds the step's other
     rollouts, and with num_iterations > 1 their old log-probs: more than one micro-batch alone."""
-    from rolemrc.memory_sim import simulate
+    from tests.test_memory_sim import simulate
     from tests.conftest import compose_train
 
     sim = simulate(compose_train(GRPO), checkpointing=False)
@@ -396,7 +396,7 @@ def test_memory_simulation_runs_the_rollout_and_the_loss_step() -> None:
 
 
 def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_positive() -> None:
-    from rolemrc.memory import check
+    from rolemrc.sizing.formula import check
     from tests.conftest import compose_train
 
     assert f"{2 * 3 * (48 + 6)} tokens/micro-batch" in check(compose_train(GRPO))
@@ -410,7 +410,7 @@ def test_memory_formula_counts_the_rollout_and_auto_decides_from_the_step() -> N
     """The formula's GRPO estimate is the larger of the loss step and the rollout (generate of the
     step's completions at once: KV cache, prefill); a rollout too large for the device is said, but
     does not turn activation checkpointing on (it keeps no activations)."""
-    from rolemrc.memory import arch_of, check, choose_checkpointing, rollout_gb
+    from rolemrc.sizing.formula import arch_of, check, choose_checkpointing, rollout_gb
     from tests.conftest import compose_train
 
     cfg = compose_train([*GRPO, "trainer.accumulate_grad_batches=64", "objective.max_completion_length=4096",

@@ -63,7 +63,7 @@ def test_a_registered_objective_trains_through_the_builders(toy, train_cfg) -> N
 def test_the_memory_simulation_runs_the_objectives_own_step(toy, train_cfg) -> None:
     """``python -m rolemrc.memory ... --simulate`` builds the module the entry names and runs its
     ``step_loss``: the toy objective is simulated as itself, not as SFT."""
-    from rolemrc.memory_sim import simulate
+    from tests.test_memory_sim import simulate
 
     cfg = train_cfg("data.batch_size=2", "data.max_length=64")
     with_objective(cfg, OmegaConf.structured(ToyObjectiveConfig(scale=0.25)))
@@ -85,10 +85,10 @@ class EditedModule(SFTModule):
 
 def test_editing_an_objectives_step_is_another_sizing_key(train_cfg, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stored sizing decision (rolemrc.run.sizing) is keyed by the objective's step as well as
+    """The stored sizing decision (rolemrc.sizing.decide) is keyed by the objective's step as well as
     by the simulator: an edited ``step_loss`` is simulated again at its next start, the same source
     finds the stored decision, and what else the key holds is unchanged by the edit."""
-    from rolemrc.run.sizing import sizing_key
+    from rolemrc.sizing.decide import sizing_key
 
     source = tmp_path / "edited_objective.py"
     source.write_text(STEP_SOURCE.format(scale=2), encoding="utf-8")
@@ -142,9 +142,8 @@ def test_reference_free_objectives_train_without_a_reference(train_cfg, objectiv
 
 def test_a_simpo_recipe_is_simulated_without_a_reference_copy() -> None:
     """The memory simulation of SimPO holds the policy's shards only; DPO's copy adds its own."""
-    from rolemrc.memory_sim import simulate
     from tests.conftest import compose_train
-    from tests.test_memory_sim import TINY, _shard_bytes
+    from tests.test_memory_sim import TINY, _shard_bytes, simulate
 
     base = [*TINY, "data.max_prompt_length=128", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
             "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
@@ -302,9 +301,8 @@ def test_kto_settings_are_checked_before_anything_loads(train_cfg, overrides, ma
 
 def test_kto_is_simulated_as_itself() -> None:
     """KTO's step in the memory simulation: DPO's reference copy, plus the KL rows' passes."""
-    from rolemrc.memory_sim import simulate
     from tests.conftest import compose_train
-    from tests.test_memory_sim import TINY
+    from tests.test_memory_sim import TINY, simulate
 
     base = [*TINY, "data.max_prompt_length=128"]
     kto = simulate(compose_train([*base, "objective=kto"]), checkpointing=False)

@@ -150,7 +150,7 @@ class PolicyModule(L.LightningModule):
     def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step's loss and of its logged metrics (``train/<name>``
         -> share). :meth:`training_step` logs and scales them; ``python -m rolemrc.memory --simulate``
-        (:mod:`rolemrc.memory_sim`) runs exactly this, so each objective is simulated as itself."""
+        (:mod:`rolemrc.sizing.simulate`) runs exactly this, so each objective is simulated as itself."""
         raise NotImplementedError
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -212,7 +212,7 @@ class PolicyModule(L.LightningModule):
         benchmarks/profile_sft.py measured at up to ~10% of a packed proxy SFT step with two
         threads; the fused kernel is one vectorised pass per parameter (transformers' default
         ``adamw_torch_fused``). CUDA keeps torch's default, the multi-tensor ``foreach`` kernels
-        that the memory simulation (:mod:`rolemrc.memory_sim`) models; sharded (DTensor)
+        that the memory simulation (:mod:`rolemrc.sizing.simulate`) models; sharded (DTensor)
         parameters keep it too, and so do ``*-mixed`` precisions (Lightning's AMP plugin refuses
         gradient clipping with an optimizer that unscales internally, as fused ones do)."""
         return (self.device_mesh is None and bool(params) and "mixed" not in str(self.trainer.precision)

@@ -392,7 +392,7 @@ class GRPOModule(PolicyModule):
 
     @staticmethod
     def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any] | None:
-        """The step's rollout for the memory simulation (:func:`rolemrc.memory_sim._rollout_phase`):
+        """The step's rollout for the memory simulation (:func:`rolemrc.sizing.simulate._rollout_phase`):
         the prompts of every micro-batch of the step at once (``_step_rollouts``), each
         ``num_generations`` times, as :meth:`generate` samples them; None where another engine
         samples (``objective.rollout=vllm``: not on the trainer's memory as simulated)."""

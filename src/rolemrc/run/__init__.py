@@ -7,7 +7,8 @@
    Hydra starts, records what a continuation changes, holds the folder's lock and says when a run
    is finished (:mod:`rolemrc.run.resume`).
 3. **size**: ``model.gradient_checkpointing=auto`` -> on/off from the stored simulated peak,
-   simulated only when none of the run's shape is stored (:mod:`rolemrc.run.sizing`).
+   simulated only when none of the run's shape is stored (:mod:`rolemrc.sizing.decide`, handed
+   the run's module builder and world size by :func:`rolemrc.run.train.setup`).
 4. **build** the parts: datamodule, LightningModule, trainer with its strategy, loggers and
    callbacks (:mod:`rolemrc.run.build`, :mod:`rolemrc.run.strategies`).
 5. **fit** and export, the end-of-run summary (:mod:`rolemrc.run.train`: ``setup`` -> ``fit``).

@@ -26,7 +26,6 @@ from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.fileio import atomic_write_json, partial_path
-from rolemrc.memory import log_estimate
 from rolemrc.models.export import export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
@@ -34,8 +33,10 @@ from rolemrc.models.source import resolve_model_sources
 from rolemrc.run.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
 from rolemrc.run.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
                                 run_folder_lock)
-from rolemrc.run.sizing import resolve_checkpointing
 from rolemrc.run.state import RunInterrupted, RunState
+from rolemrc.run.strategies import world_size
+from rolemrc.sizing.decide import resolve_checkpointing
+from rolemrc.sizing.formula import log_estimate
 from rolemrc.warnings import hf_progress_bars
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,9 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
     if matmul:
         torch.set_float32_matmul_precision(matmul)
     L.seed_everything(cfg.seed, workers=True)
-    resolve_checkpointing(cfg)  # model.gradient_checkpointing=auto -> on only where memory needs it
+    # model.gradient_checkpointing=auto -> on only where memory needs it; the simulator gets the
+    # run's module builder and world size from here
+    resolve_checkpointing(cfg, build=build_module, world=world_size(cfg.trainer))
     log_estimate(cfg)  # the per-device estimate, logged (a warning when too big) before any weight loads
     if cfg.trainer.get("enable_progress_bar") is False:  # transformers' loading/saving bars off too
 

@@ -2,20 +2,28 @@
 before anything loads.
 
 ``auto`` decides from the simulated per-rank peak of one optimizer step without checkpointing
-(:mod:`rolemrc.memory_sim`, the simulator, run in a child process) where ``runtime.simulate_memory``
-is on, else from the formula (:func:`rolemrc.memory.choose_checkpointing`). The simulated peak is
-stored by a key of everything the simulated step depends on (:func:`sizing_key`, under
-``$ROLEMRC_CACHE_DIR/sizing``), so a second start, a resume, a requeue or a sweep job of the same
-shape decides without simulating: the simulator is imported only on a miss.
+(:mod:`rolemrc.sizing.simulate`, the simulator, run in a child process) where
+``runtime.simulate_memory`` is on, else from the formula
+(:func:`rolemrc.sizing.formula.choose_checkpointing`). The run hands :func:`resolve_checkpointing`
+what the simulator needs of it: its module builder (``build_module``, named to the child process
+by its import name) and its world size. The simulated peak is stored by a key of everything the
+simulated step depends on (:func:`sizing_key`, under ``$ROLEMRC_CACHE_DIR/sizing``), so a second
+start, a resume, a requeue or a sweep job of the same shape decides without simulating: the
+simulator runs, in its child process, only on a miss; this module does not import it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
 import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -23,23 +31,25 @@ from typing import Any
 from omegaconf import OmegaConf, open_dict
 
 from rolemrc import __version__
-from rolemrc.config import checkpointing_setting
+from rolemrc.config import OBJECTIVES, checkpointing_setting
 from rolemrc.fileio import atomic_write_json
-from rolemrc.memory import GB, choose_checkpointing, step_peak
+from rolemrc.sizing.formula import GB, choose_checkpointing
+from rolemrc.sizing.result import HEADROOM, Simulation, SimulationUnavailable, step_peak
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/rolemrc
+SIMULATOR = "rolemrc.sizing.simulate"  # the child process's module (python -m), and the file keyed
 
 
-def resolve_checkpointing(cfg: Any) -> bool:
+def resolve_checkpointing(cfg: Any, *, build: Callable[..., Any], world: int) -> bool:
     """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by a bool (logged), so everything
     built after sees one. ``auto`` decides from the simulated per-rank peak without checkpointing
-    (:func:`decide_by_simulation`) where ``runtime.simulate_memory`` is on and the run can be
-    simulated; otherwise (or when the simulation fails) from the formula
-    (:func:`choose_checkpointing`), and says so."""
+    (:func:`decide_by_simulation`: the run's module builder ``build`` on ``world`` ranks) where
+    ``runtime.simulate_memory`` is on and the run can be simulated; otherwise (or when the
+    simulation fails) from the formula (:func:`choose_checkpointing`), and says so."""
     choice, why = choose_checkpointing(cfg)
     if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
-        choice, why = decide_by_simulation(cfg, formula=(choice, why))
+        choice, why = decide_by_simulation(cfg, formula=(choice, why), build=build, world=world)
     log.info("activation checkpointing: %s, %s", "on" if choice else "off", why)
     with open_dict(cfg):
         cfg.model.gradient_checkpointing = choice
@@ -77,7 +87,7 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
     """(key, what it is made of): everything a simulated step without checkpointing depends on,
     that is the run's groups the simulation builds from (less :data:`NOT_SIZED`), the model's
     architecture files (``config.json`` of a local ``model.path`` / ``model.architecture``), and
-    the code that simulates (rolemrc's version, ``memory_sim.py`` itself, the objective's step:
+    the code that simulates (rolemrc's version, ``sizing/simulate.py`` itself, the objective's step:
     :func:`step_sources`, torch, transformers, peft). ``runtime.device_memory_gb`` is not part of
     it: the stored peak is compared with it at every start."""
     parts: dict[str, Any] = {}
@@ -90,7 +100,7 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
         if isinstance(value, str) and value != "???":
             files[f"model.{key}"] = _digest(Path(value) / "config.json")
     parts["files"] = files
-    parts["code"] = {"rolemrc": __version__, "memory_sim": _digest(PACKAGE / "memory_sim.py"),
+    parts["code"] = {"rolemrc": __version__, "simulate": _digest(PACKAGE / "sizing" / "simulate.py"),
                      "step": step_sources(cfg.objective.name),
                      **{name: _package_version(name) for name in ("torch", "transformers", "peft")}}
     text = json.dumps(parts, sort_keys=True, default=str)
@@ -103,11 +113,6 @@ def step_sources(objective: str) -> dict[str, str | None]:
     ``training_step``, their helpers), the reference's module where the entry takes a reference, and
     the pure loss functions (``rolemrc/objectives/*.py``). Editing one of them is another key (the
     objective's next start simulates again); another objective's module is not part of it."""
-    import importlib
-    import inspect
-
-    from rolemrc.config import OBJECTIVES
-
     entry = OBJECTIVES[objective]
     module, _, name = entry.module.partition(":")
     cls = getattr(importlib.import_module(module), name)
@@ -127,11 +132,50 @@ def sizing_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "rolemrc" / "sizing"
 
 
-def simulated_peak(cfg: Any) -> tuple[dict[str, Any] | None, str]:
+def builder_name(build: Callable[..., Any]) -> str:
+    """``"package.module:function"``: how the module builder the run hands travels to the child
+    process (:func:`rolemrc.sizing.simulate.resolve_builder` imports it there)."""
+    name = f"{build.__module__}:{build.__qualname__}"
+    module, _, attr = name.partition(":")
+    if "." in attr or getattr(sys.modules.get(module), attr, None) is not build:
+        raise SimulationUnavailable(f"the module builder {name} is not importable by that name: a child process "
+                                    "cannot build the run's module with it (hand a module-level function)")
+    return name
+
+
+def run_spec(cfg: Any, *, checkpointing: bool, build: Callable[..., Any], world: int,
+             batch_size: int | None = None) -> dict[str, Any]:
+    """What a child process needs to run the step: the config's parts the simulation reads,
+    resolved to plain values (a missing ``model.path`` stays ``???``), the step's settings, and
+    what the run handed: its module builder by import name, its world size."""
+    parts = {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=False)
+             for key in ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")}
+    return {"cfg": parts, "checkpointing": checkpointing, "batch_size": batch_size, "build": builder_name(build),
+            "world": int(world)}
+
+
+def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, build: Callable[..., Any], world: int,
+                           batch_size: int | None = None, timeout: float = 1800) -> Simulation:
+    """:func:`rolemrc.sizing.simulate.simulate` in a child process (``python -m
+    rolemrc.sizing.simulate <spec.json>``), so the fake process group never meets this process's own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "run.json"
+        spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, build=build, world=world,
+                                            batch_size=batch_size)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", SIMULATOR, str(spec)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SimulationUnavailable(f"the simulation failed (exit {proc.returncode}): {last}")
+    return Simulation(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def simulated_peak(cfg: Any, *, build: Callable[..., Any], world: int) -> tuple[dict[str, Any] | None, str]:
     """(the stored simulation of the run's step without checkpointing: ``peak_bytes``, ``ranks``,
-    ``headroom``; where it came from). Simulated (:func:`rolemrc.memory_sim.simulate_in_subprocess`)
-    only when no simulation of this :func:`sizing_key` is stored; a simulation that fails stores
-    nothing and gives (None, why)."""
+    ``headroom``; where it came from). Simulated (:func:`simulate_in_subprocess`, the run's module
+    builder ``build`` on ``world`` ranks) only when no simulation of this :func:`sizing_key` is
+    stored; a simulation that fails stores nothing and gives (None, why)."""
     key, parts = sizing_key(cfg)
     path = sizing_cache_dir() / f"{key}.json"
     try:
@@ -140,10 +184,8 @@ def simulated_peak(cfg: Any) -> tuple[dict[str, Any] | None, str]:
             return stored, f"stored in {path}"
     except (OSError, ValueError):
         pass  # none stored (or unreadable: simulated again and rewritten)
-    from rolemrc.memory_sim import HEADROOM, SimulationUnavailable, simulate_in_subprocess
-
     try:
-        sim = simulate_in_subprocess(cfg, checkpointing=False)
+        sim = simulate_in_subprocess(cfg, checkpointing=False, build=build, world=world)
     except (SimulationUnavailable, OSError, subprocess.TimeoutExpired) as err:
         return None, str(err)
     stored = {"peak_bytes": sim.peak_bytes, "ranks": sim.ranks, "headroom": HEADROOM,
@@ -156,13 +198,14 @@ def simulated_peak(cfg: Any) -> tuple[dict[str, Any] | None, str]:
     return stored, f"simulated, stored in {path}"
 
 
-def decide_by_simulation(cfg: Any, formula: tuple[bool, str]) -> tuple[bool, str]:
-    """``auto`` from the simulated step without checkpointing (:mod:`rolemrc.memory_sim`, in a
+def decide_by_simulation(cfg: Any, formula: tuple[bool, str], *, build: Callable[..., Any],
+                         world: int) -> tuple[bool, str]:
+    """``auto`` from the simulated step without checkpointing (:mod:`rolemrc.sizing.simulate`, in a
     child process, once per :func:`sizing_key`): off where its per-rank peak fits its headroom of
     ``runtime.device_memory_gb``, else on. A disagreement with the formula's choice is logged;
     where the run cannot be simulated the formula's choice stands (also logged)."""
     device_gb = cfg.runtime.device_memory_gb
-    sim, where = simulated_peak(cfg)
+    sim, where = simulated_peak(cfg, build=build, world=world)
     if sim is None:
         log.warning("memory simulation unavailable (%s): the formula decides activation checkpointing", where)
         return formula

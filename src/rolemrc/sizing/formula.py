@@ -1,17 +1,11 @@
-"""Back-of-the-envelope GPU memory per device for a run, checked before anything loads.
+"""The formula: back-of-the-envelope GPU memory per device for a run, checked before anything loads.
 
-    python -m rolemrc.memory                    # the README table (8B models, 80 GB GPUs)
-    python -m rolemrc.memory experiment=rolemrc_llama_sft trainer.devices=8   # one config's estimate
-    python -m rolemrc.memory experiment=rolemrc_llama_sft --simulate [--json]  # its simulated per-rank peak
-
-``--simulate`` runs one optimizer step of the configured run under fake tensors on fake ranks
-(:mod:`rolemrc.memory_sim`) and reports the per-rank peak by category, and whether it fits;
-``model.gradient_checkpointing=auto`` decides from that simulation, the formula below being the
-fallback; the decision, and the stored simulated peak it reads, are the run's
-(:mod:`rolemrc.run.sizing`), which calls the simulator only when no peak of the run's shape is stored.
-
-A training run calls :func:`log_estimate` in its setup, after the config checks and before any
-weight loads: it logs the estimate, and warns when it exceeds ``runtime.device_memory_gb``.
+``python -m rolemrc.memory`` prints its README table, ``python -m rolemrc.memory <train overrides>``
+one config's estimate (:mod:`rolemrc.memory`, the command line). A training run calls
+:func:`log_estimate` in its setup, after the config checks and before any weight loads: it logs
+the estimate, and warns when it exceeds ``runtime.device_memory_gb``. Where the run cannot be
+simulated (:mod:`rolemrc.sizing.simulate`), :func:`choose_checkpointing` decides
+``model.gradient_checkpointing=auto`` (:mod:`rolemrc.sizing.decide`).
 
 The estimate counts: weights, gradients and AdamW states (sharded over the data-parallel
 ranks under FSDP, fp32 master weights with a bf16 compute copy), the unsharded bf16 copy of
@@ -25,19 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rolemrc import ASSETS
-from rolemrc.config import (OBJECTIVES, check_train_config, checkpointing_setting, register, source_group, typed,
-                            upgrade_train_config)
-from rolemrc.entry import entry_point
+from rolemrc.config import OBJECTIVES, checkpointing_setting, source_group, typed, upgrade_train_config
 from rolemrc.models.family import memory_shape
-
-# rolemrc.memory_sim (the simulator: torch-private trackers, the training code it builds with) is
-# imported only where a simulation runs (--simulate here; rolemrc.run.sizing on a miss).
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -256,154 +244,3 @@ def log_estimate(cfg: Any) -> str:
     if not line.startswith("WARNING"):
         log.info("memory estimate: %s", line)
     return line
-
-
-def compose_train_config(overrides: list[str]) -> Any:
-    """``conf/train.yaml`` composed with ``overrides``, as ``python train.py`` would (no run)."""
-    from hydra import compose, initialize_config_dir
-
-
-    register()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    if not (conf / "train.yaml").is_file():
-        raise FileNotFoundError(f"no conf/train.yaml at {conf}: run from a rolemrc checkout")
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose("train", overrides=overrides)
-
-
-def step_peak(sim: Any) -> int:
-    """The simulated training step's peak bytes (forward, backward, AdamW), less an objective's
-    rollout phase: what activation checkpointing changes."""
-    return int(sim.phases["step"]["peak_bytes"]) if "step" in sim.phases else int(sim.peak_bytes)
-
-
-def simulated_report(cfg: Any) -> dict[str, Any]:
-    """The simulated per-rank peak of the run ``cfg`` (:func:`rolemrc.memory_sim.simulate`) at its
-    configured activation checkpointing; for ``auto`` both with and without it, the choice being
-    what setup would make (off where the peak without it fits). Keys: ``ranks``, ``peak_gib``,
-    ``by_category`` (GiB, the tracker's names), ``gradient_checkpointing`` (``on``/``off`` peaks in
-    GiB, null where not simulated), ``fits``, and what the step was."""
-    from rolemrc.memory_sim import HEADROOM, simulate
-
-    device_gb = float(cfg.runtime.device_memory_gb)
-    limit = HEADROOM * device_gb * GB
-    setting = checkpointing_setting(cfg.model.gradient_checkpointing)
-    sims = {}
-    for on in ((False, True) if setting == "auto" else (bool(setting),)):
-        sims[on] = simulate(cfg, checkpointing=on)
-    if setting == "auto":  # the step decides: a rollout (generate) keeps no activations to checkpoint
-        chosen = False if step_peak(sims[False]) <= limit else True
-    else:
-        chosen = bool(setting)
-    sim = sims[chosen]
-    return {
-        "ranks": sim.ranks,
-        "peak_gib": round(sim.peak_gib, 3),
-        "by_category": {k: round(v / GB, 3) for k, v in sim.by_category.items()},
-        "gradient_checkpointing": {"on": round(sims[True].peak_gib, 3) if True in sims else None,
-                                   "off": round(sims[False].peak_gib, 3) if False in sims else None},
-        "fits": sim.peak_bytes <= limit,
-        "checkpointing": "on" if chosen else "off",
-        "setting": str(setting).lower(),
-        "device_memory_gb": device_gb,
-        "headroom": HEADROOM,
-        "strategy": sim.strategy,
-        "note": sim.note,
-        "micro_batch": {"rows": sim.rows, "tokens": sim.tokens},
-        "tracker": sim.tracker,
-        # an objective with a rollout (GRPO): each phase's peak, and which sets the run's
-        "phase": sim.phase,
-        "phases": {name: {"peak_gib": round(p["peak_bytes"] / GB, 3),
-                          "by_category": {k: round(v / GB, 3) for k, v in p["by_category"].items()}}
-                   for name, p in sim.phases.items()},
-        "rollout": {**sim.rollout, **({"kv_cache_gib": round(sim.rollout["kv_cache_bytes"] / GB, 3)}
-                                      if "kv_cache_bytes" in sim.rollout else {})},
-    }
-
-
-def _print_report(r: dict[str, Any]) -> None:
-    mb = r["micro_batch"]
-    verdict = "fits" if r["fits"] else "does NOT fit"
-    print(f"simulated per-rank peak: {r['peak_gib']:.2f} GiB ({r['ranks']} rank(s), strategy={r['strategy']}, "
-          f"micro-batch {mb['rows']} rows / {mb['tokens']} tokens, activation checkpointing {r['checkpointing']}); "
-          f"{verdict} {r['device_memory_gb']:g} GB devices ({r['headroom']:.0%} usable: "
-          f"{r['headroom'] * r['device_memory_gb']:.1f} GiB)")
-    if r.get("phases"):
-        ro = r["rollout"]
-        print(f"  set by the {r['phase']} phase; phases: " + ", ".join(
-            f"{name} {p['peak_gib']:.2f} GiB" for name, p in r["phases"].items())
-              + f" (rollout: {ro['sequences']} sequences of {ro['prompt_tokens']} + {ro['completion_tokens']} tokens "
-              f"at once, KV cache {ro['kv_cache_gib']:.2f} GiB {ro['kv_dtype'].removeprefix('torch.')})")
-    for name, gib in sorted(r["by_category"].items(), key=lambda kv: -kv[1]):
-        print(f"  {name:16s} {gib:9.3f} GiB")
-    if r.get("note"):
-        print(f"note: {r['note']}")
-    gc = r["gradient_checkpointing"]
-    if r["setting"] == "auto":
-        print(f"model.gradient_checkpointing=auto: on {gc['on']:.2f} GiB, off {gc['off']:.2f} GiB -> "
-              f"{r['checkpointing']}")
-    if r.get("phase") == "rollout" and not r["fits"]:
-        print("the rollout sets the peak: activation checkpointing does not lower it (generate keeps no "
-              "activations); fewer sequences at once (data.batch_size, trainer.accumulate_grad_batches, "
-              "objective.num_generations) or shorter ones do")
-
-
-def _usage() -> str:
-    """The command lines of the module docstring, and what the flags do."""
-    lines = [line.strip() for line in (__doc__ or "").splitlines() if line.strip().startswith("python -m")]
-    return "\n".join(["usage:", *(f"  {line}" for line in lines), "",
-                      "Hydra overrides (key=value) pick the training config, as for train.py.",
-                      "  --simulate  one optimizer step under fake tensors on fake ranks: the per-rank peak",
-                      "  --json      with --simulate: the report also as one JSON object on the last line",
-                      "  -h, --help  this message"])
-
-
-def main(argv: list[str]) -> int:
-    """No arguments: the README table. Hydra overrides: that training config's estimate; with
-    ``--simulate`` after them, its simulated per-rank peak (``--json``: also as one JSON object on
-    the last line)."""
-    if not argv:
-        print(table())
-        return 0
-    if "-h" in argv or "--help" in argv:
-        print(_usage())
-        return 0
-    flags = [a for a in argv if a in ("--simulate", "--json")]
-    overrides = [a for a in argv if a not in flags]
-    if "--json" in flags and "--simulate" not in flags:
-        print("error: --json goes with --simulate (python -m rolemrc.memory <overrides> --simulate --json)",
-              file=sys.stderr)
-        return 1
-    unknown = [a for a in overrides if a.startswith("--")]
-    if unknown:
-        print(f"error: unknown flag {unknown[0]} (expected --simulate, --json after the Hydra overrides)",
-              file=sys.stderr)
-        return 1
-    from hydra.errors import HydraException
-
-    from rolemrc.memory_sim import SimulationUnavailable
-
-    with entry_point():
-        try:
-            cfg = compose_train_config(overrides)
-        except HydraException as err:  # a bad override: Hydra's message, one line, no traceback
-            cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
-            print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
-            return 1
-        check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
-        if "--simulate" not in flags:
-            print(log_estimate(cfg))  # checked just above: the checks run once
-            return 0
-        try:
-            report = simulated_report(cfg)
-        except SimulationUnavailable as err:
-            print(f"error: cannot simulate this run: {err}", file=sys.stderr)
-            return 1
-        _print_report(report)
-        if "--json" in flags:
-            print(json.dumps(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -5,8 +5,8 @@
 
 :func:`simulate` builds the run's own parts the way training does, on the meta device: the model
 (:func:`rolemrc.models.loading.load_model`: dtype, attention, activation checkpointing, LoRA, the
-log-prob head), the objective's module (:func:`rolemrc.run.build.build_module`: precision policy, the
-DPO reference copy or adapter), the FSDP2 units (:func:`rolemrc.models.sharding.shard_model`, over
+log-prob head), the objective's module (with the module builder the caller hands it: the run's
+:func:`rolemrc.run.build.build_module`: precision policy, the DPO reference copy or adapter), the FSDP2 units (:func:`rolemrc.models.sharding.shard_model`, over
 a ``trainer.devices x trainer.num_nodes`` mesh of a fake process group), then materialises it
 under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) and runs one optimizer step
 (forward, backward, AdamW) on a micro-batch of the run's shape, made by the run's own collator:
@@ -27,65 +27,57 @@ What it counts and what it does not:
 - not counted: the CUDA context and NCCL buffers, the caching allocator's fragmentation, kernels'
   workspaces (cuBLAS, flash-attention): :data:`HEADROOM` of the device is left for them;
 - 4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors); the formula of
-  :mod:`rolemrc.memory` serves it.
+  :mod:`rolemrc.sizing.formula` serves it.
 
-The fake process group is global state of ``torch.distributed``: :func:`simulate` tears it down
-before returning, and :func:`simulate_in_subprocess` runs it in a child process (what a training
-run's setup uses, so its own process group is never touched).
-
-The training code it builds with (``rolemrc.run.build`` and what it imports: Lightning, the data
-store, the modules) is imported inside the functions that simulate: ``python -m rolemrc.memory``
-prints its estimate table from this module without importing Lightning.
+The simulator imports no part of the run: the caller hands it the module builder (``build(cfg,
+model) -> LightningModule``) and the world size (``trainer.devices x trainer.num_nodes`` as the run
+counts them). The fake process group is global state of ``torch.distributed``: :func:`simulate`
+tears it down before returning, and a training run's setup simulates in a child process
+(:func:`rolemrc.sizing.decide.simulate_in_subprocess`, ``python -m rolemrc.sizing.simulate
+<spec.json>``: the builder travels by its import name), so its own process group is never touched.
+This module is imported only where a simulation runs (``--simulate``, the child process).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf, open_dict
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+from rolemrc import ASSETS
+from rolemrc.config import OBJECTIVES, checkpointing_setting, plain, register, source_group
+from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
+from rolemrc.models.loading import eval_mode, load_model, load_tokenizer
+from rolemrc.models.precision import cast_trainable
+from rolemrc.models.sharding import shard_model
+from rolemrc.modules.reference import Reference
+from rolemrc.objectives.logprobs import IGNORE_INDEX
+from rolemrc.sizing.result import GIB, HEADROOM, Simulation, SimulationUnavailable, step_peak
 
 log = logging.getLogger(__name__)
-GIB = 1024**3
-HEADROOM = 0.9  # fraction of device memory a run's simulated peak may use (context, NCCL, fragmentation)
-
-
-class SimulationUnavailable(RuntimeError):
-    """The configured run cannot be simulated (the formula of :mod:`rolemrc.memory` is the fallback)."""
-
-
-@dataclass
-class Simulation:
-    """One simulated optimizer step: per-rank peak bytes and their categories (tracker names)."""
-
-    ranks: int
-    peak_bytes: int
-    by_category: dict[str, int]
-    checkpointing: bool
-    rows: int  # rows of the micro-batch
-    tokens: int  # tokens of the micro-batch (rows x length)
-    strategy: str
-    tracker: str  # FSDPMemTracker | MemTracker
-    after_backward: dict[str, int] = field(default_factory=dict)  # bytes by category once backward is done
-    kind: str = "fake"  # fake: FakeTensorMode on a fake process group; else the real backend (gloo)
-    note: str = ""  # what of the step is not simulated (the module's memory_note), printed with the report
-    phase: str = "step"  # the phase whose peak is peak_bytes: step (forward, backward, AdamW) or rollout
-    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # {phase: {peak_bytes, by_category}}
-    rollout: dict[str, Any] = field(default_factory=dict)  # an objective's rollout: sequences, tokens, KV cache bytes
-
-    @property
-    def peak_gib(self) -> float:
-        return self.peak_bytes / GIB
+# What the run hands the simulator to build the objective's module: ``build(cfg, model)``, the
+# run's :func:`rolemrc.run.build.build_module`.
+ModuleBuilder = Callable[[Any, torch.nn.Module], Any]
 
 
 # ---------------------------------------------------------------- the run's architecture
@@ -94,10 +86,6 @@ def architecture_config(model_cfg: Any) -> dict[str, Any]:
     """The model's ``config.json`` as a dict: ``model.path``'s own when it is a local folder, else
     ``model.architecture`` (a folder, or a shipped one under ``rolemrc/assets/architectures``), else
     the tiny model's ``init`` (random-init models). Raises :class:`SimulationUnavailable` otherwise."""
-    from omegaconf import OmegaConf
-
-    from rolemrc.config import plain
-
     path = None if OmegaConf.is_missing(model_cfg, "path") else model_cfg.path
     if path is not None and (Path(path).expanduser() / "config.json").is_file():
         return json.loads((Path(path).expanduser() / "config.json").read_text())
@@ -105,8 +93,6 @@ def architecture_config(model_cfg: Any) -> dict[str, Any]:
     if arch:
         folder = Path(arch).expanduser()
         if not (folder / "config.json").is_file():
-            from rolemrc import ASSETS
-
             folder = Path(ASSETS) / "architectures" / arch
         if not (folder / "config.json").is_file():
             raise SimulationUnavailable(f"model.architecture={arch}: no config.json there nor in "
@@ -136,8 +122,6 @@ class _Vocabulary:
 def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
     """(model config that builds the run's architecture from its config, without weights; the
     tokenizer or its stand-in)."""
-    from omegaconf import OmegaConf, open_dict
-
     spec = architecture_config(cfg.model)
     m = copy.deepcopy(cfg.model)
     with open_dict(m):
@@ -152,8 +136,6 @@ def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
     if "vocab_size" in spec:
         tokenizer: Any = _Vocabulary(spec)
     else:  # a tiny random-init model sized by its shipped tokenizer, as training sizes it
-        from rolemrc.models.loading import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.model)
     return m, tokenizer
 
@@ -177,11 +159,9 @@ def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> l
              "index": i} for i in range(batch_size)]
 
 
-def _batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
+def _batch(cfg: Any, module: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
-    from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
-
-    maker = getattr(_module_class(cfg), "memory_batch", None)  # an objective that lays out its own (GRPO's rollouts)
+    maker = getattr(module, "memory_batch", None)  # an objective that lays out its own (GRPO's rollouts)
     if maker is not None:
         return maker(cfg, batch_size, vocab, length)
     rows = _rows(cfg, batch_size, vocab, length)
@@ -253,8 +233,6 @@ class _KnownMasks(torch.utils._python_dispatch.TorchDispatchMode):
 def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
     """The scored positions of the module's step (its ``trained_labels``: an objective that scores
     more than the responses, ORPO's prompt NLL, says so there)."""
-    from rolemrc.objectives.logprobs import IGNORE_INDEX
-
     labels = module.trained_labels(batch)
     counts = {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
     more = getattr(module, "memory_mask_counts", None)  # other masks of known size in its step
@@ -265,23 +243,12 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
 
 def _unpaired(cfg: Any) -> bool:
     """Whether the run's rows are single examples (data kind unpaired with ``data.unpaired`` given)."""
-    from rolemrc.config import source_group
-
     return source_group(_entry(cfg).data, cfg.data) == "unpaired"
 
 
 def _entry(cfg: Any) -> Any:
     """The objective's registry entry: what it trains on (pairs or not), whether it has a reference."""
-    from rolemrc.config import OBJECTIVES
-
     return OBJECTIVES[cfg.objective.name]
-
-
-def _module_class(cfg: Any) -> Any:
-    """The objective's LightningModule class (the registry names it)."""
-    from rolemrc.run.build import import_object
-
-    return import_object(_entry(cfg).module)
 
 
 def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -331,13 +298,9 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, Any]:
-    """(the run's module on ``device`` (meta; cpu for a real validation step), its vocabulary size)."""
-    from omegaconf import open_dict
-
-    from rolemrc.run.build import build_module
-    from rolemrc.models.loading import load_model
-
+def _build(cfg: Any, checkpointing: bool, build: ModuleBuilder, device: str = "meta") -> tuple[Any, Any]:
+    """(the run's module on ``device`` (meta; cpu for a real validation step), built by ``build``;
+    its vocabulary size)."""
     if cfg.model.quantization.load_in_4bit:
         raise SimulationUnavailable("4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors)")
     model_cfg, tokenizer = _sim_model_cfg(cfg, checkpointing)
@@ -352,10 +315,8 @@ def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, An
         precomputed = _entry(cfg).reference and cfg.objective.reference == "precomputed"
         if precomputed:
             run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
-    module = build_module(run_cfg, model)
+    module = build(run_cfg, model)
     if precomputed:
-        from rolemrc.modules.reference import Reference
-
         module.reference, module.mode = Reference(), "precomputed"  # no reference weights held
     _simulated_reference(module)
     return module, len(tokenizer)
@@ -364,9 +325,6 @@ def _build(cfg: Any, checkpointing: bool, device: str = "meta") -> tuple[Any, An
 def _configure(module: Any, mesh: Any) -> None:
     """What ``configure_model`` does (DPO: the copy stored in the frozen dtype; trainable weights
     fp32 masters; FSDP2 units), on meta tensors."""
-    from rolemrc.models.precision import cast_trainable
-    from rolemrc.models.sharding import shard_model
-
     ref = getattr(module, "ref_model", None)
     if ref is not None and next(ref.parameters()).dtype != module.policy.frozen:
         ref.to(dtype=module.policy.frozen)
@@ -407,8 +365,6 @@ def _budget(length: int, known: _KnownMasks | None) -> Any:
     the loop's "every sequence finished?" reads a value fake tensors have not, so ``known`` answers
     it, True once the sequences reach ``length``. It stops nothing itself (real tensors: generate's
     own max-length check ends the loop at the same length)."""
-    from transformers.generation.stopping_criteria import StoppingCriteria
-
     class Budget(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
             if known is not None:
@@ -436,10 +392,6 @@ def _rollout_phase(module: Any, spec: dict[str, Any], precision: str, known: _Kn
     of ``prompt + completion - 2`` positions grown by one, the step's logits and sampling); the
     steps between hold less (a shorter cache, the same one-token transients). Every sequence runs
     to ``completion`` tokens (none stops early). Returns the cache's layout."""
-    from transformers import DynamicCache
-
-    from rolemrc.models.loading import eval_mode
-
     model, n, prompt, completion = module.model, spec["sequences"], spec["prompt"], spec["completion"]
     config = model.config
     eos = config.eos_token_id if config.eos_token_id is not None else 0
@@ -448,8 +400,6 @@ def _rollout_phase(module: Any, spec: dict[str, Any], precision: str, known: _Kn
 
     def run(length: int, cache: Any = None) -> Any:
         ids = torch.full((n, length), tok, dtype=torch.long)
-        from transformers.generation.stopping_criteria import StoppingCriteriaList
-
         try:
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                             max_new_tokens=1, eos_token_id=eos, pad_token_id=pad, use_cache=True,
@@ -487,8 +437,6 @@ class _NoHook:
 
 
 def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     class TrainableMemTracker(MemTracker):
         """MemTracker with its gradient hooks on trainable parameters only: torch's registers one on
         every parameter of each module it enters, which raises on a frozen one (a reference copy,
@@ -506,7 +454,6 @@ def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
         tracker = TrainableMemTracker()
         tracker.track_external(*module.models_to_shard(), optimizer)
         return tracker
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     class RunTracker(FSDPMemTracker):
         """FSDPMemTracker over every FSDP unit of the run: rolemrc shards the decoder layers, the
@@ -514,8 +461,6 @@ def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
         unit at the top; the tracker instruments the FSDP modules under ``_root_mod``."""
 
         def __init__(self, roots: list[torch.nn.Module]) -> None:
-            from torch.distributed.fsdp import FSDPModule
-
             first = next(m for r in roots for m in r.modules() if isinstance(m, FSDPModule))
             super().__init__(first, optimizer)
             self._root_mod = torch.nn.ModuleList(roots)
@@ -534,30 +479,26 @@ def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, to
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake: bool) -> Simulation:
-    """Build the run under an initialised process group of ``world`` ranks (fake or real) and
-    track one optimizer step. ``fake``: under ``FakeTensorMode`` (no memory allocated)."""
-    import torch.distributed as dist
-
+def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake: bool,
+             build: ModuleBuilder) -> Simulation:
+    """Build the run (its module by ``build``) under an initialised process group of ``world``
+    ranks (fake or real) and track one optimizer step. ``fake``: under ``FakeTensorMode`` (no
+    memory allocated)."""
     fsdp = cfg.strategy.name == "fsdp"
     mesh = None
     if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))  # before fake mode
-    module, vocab = _build(cfg, checkpointing, "meta" if fake else "cpu")
+    module, vocab = _build(cfg, checkpointing, build, "meta" if fake else "cpu")
     module.model.train()
     for m in module.models_to_shard()[1:]:
         m.eval()
     # a tiny step first: AdamW's states exist in the tracked step; each batch as the trainer hands
     # it to the module (its on_before_batch_transfer: KTO's KL rows are built there)
-    warm = module.on_before_batch_transfer(_batch(cfg, 1, vocab, 16), 0)
-    batch = module.on_before_batch_transfer(_batch(cfg, batch_size, vocab), 0)
+    warm = module.on_before_batch_transfer(_batch(cfg, module, 1, vocab, 16), 0)
+    batch = module.on_before_batch_transfer(_batch(cfg, module, batch_size, vocab), 0)
     counts = {**_mask_counts(module, warm), **_mask_counts(module, batch)}
     _configure(module, mesh)
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         stack = contextlib.ExitStack()
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty reads the meta tensors
         with stack:
@@ -622,8 +563,7 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
 @contextlib.contextmanager
 def fake_process_group(world: int) -> Iterator[None]:
     """A fake process group of ``world`` ranks (this process is rank 0), destroyed on exit."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's testing package: only here
 
     if dist.is_initialized():
         raise SimulationUnavailable("a process group is already initialised in this process: simulate in a "
@@ -635,74 +575,87 @@ def fake_process_group(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def world_size(cfg: Any) -> int:
-    from rolemrc.run.strategies import world_size as ws
-
-    return ws(cfg.trainer)
-
-
-def simulate(cfg: Any, *, checkpointing: bool, batch_size: int | None = None) -> Simulation:
+def simulate(cfg: Any, *, checkpointing: bool, build: ModuleBuilder, world: int,
+             batch_size: int | None = None) -> Simulation:
     """One optimizer step of the run ``cfg`` (a composed training config) at micro-batch
     ``batch_size`` (default ``data.batch_size``), with activation checkpointing on or off,
-    simulated on ``trainer.devices x trainer.num_nodes`` fake ranks; per-rank peak."""
-    world = world_size(cfg)
+    simulated on ``world`` fake ranks (the run's ``trainer.devices x trainer.num_nodes``), its
+    module built by ``build`` (the run's ``build_module``); per-rank peak."""
     batch_size = int(batch_size or cfg.data.batch_size)
     with fake_process_group(world):
-        return run_step(cfg, checkpointing=checkpointing, batch_size=batch_size, world=world, fake=True)
+        return run_step(cfg, checkpointing=checkpointing, batch_size=batch_size, world=world, fake=True, build=build)
+
+
+def report(cfg: Any, *, build: ModuleBuilder, world: int) -> dict[str, Any]:
+    """The simulated per-rank peak of the run ``cfg`` (:func:`simulate`) at its configured
+    activation checkpointing; for ``auto`` both with and without it, the choice being what setup
+    would make (off where the peak without it fits). Keys: ``ranks``, ``peak_gib``,
+    ``by_category`` (GiB, the tracker's names), ``gradient_checkpointing`` (``on``/``off`` peaks in
+    GiB, null where not simulated), ``fits``, and what the step was."""
+    device_gb = float(cfg.runtime.device_memory_gb)
+    limit = HEADROOM * device_gb * GIB
+    setting = checkpointing_setting(cfg.model.gradient_checkpointing)
+    sims = {}
+    for on in ((False, True) if setting == "auto" else (bool(setting),)):
+        sims[on] = simulate(cfg, checkpointing=on, build=build, world=world)
+    if setting == "auto":  # the step decides: a rollout (generate) keeps no activations to checkpoint
+        chosen = False if step_peak(sims[False]) <= limit else True
+    else:
+        chosen = bool(setting)
+    sim = sims[chosen]
+    return {
+        "ranks": sim.ranks,
+        "peak_gib": round(sim.peak_gib, 3),
+        "by_category": {k: round(v / GIB, 3) for k, v in sim.by_category.items()},
+        "gradient_checkpointing": {"on": round(sims[True].peak_gib, 3) if True in sims else None,
+                                   "off": round(sims[False].peak_gib, 3) if False in sims else None},
+        "fits": sim.peak_bytes <= limit,
+        "checkpointing": "on" if chosen else "off",
+        "setting": str(setting).lower(),
+        "device_memory_gb": device_gb,
+        "headroom": HEADROOM,
+        "strategy": sim.strategy,
+        "note": sim.note,
+        "micro_batch": {"rows": sim.rows, "tokens": sim.tokens},
+        "tracker": sim.tracker,
+        # an objective with a rollout (GRPO): each phase's peak, and which sets the run's
+        "phase": sim.phase,
+        "phases": {name: {"peak_gib": round(p["peak_bytes"] / GIB, 3),
+                          "by_category": {k: round(v / GIB, 3) for k, v in p["by_category"].items()}}
+                   for name, p in sim.phases.items()},
+        "rollout": {**sim.rollout, **({"kv_cache_gib": round(sim.rollout["kv_cache_bytes"] / GIB, 3)}
+                                      if "kv_cache_bytes" in sim.rollout else {})},
+    }
 
 
 # ---------------------------------------------------------------- in a child process
 
-def run_spec(cfg: Any, *, checkpointing: bool, batch_size: int | None = None) -> dict[str, Any]:
-    """What a child process needs to run the step: the config's parts the simulation reads,
-    resolved to plain values (a missing ``model.path`` stays ``???``), and the step's settings."""
-    from omegaconf import OmegaConf
-
-    parts = {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=False)
-             for key in ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")}
-    return {"cfg": parts, "checkpointing": checkpointing, "batch_size": batch_size}
-
-
-def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, batch_size: int | None = None,
-                           timeout: float = 1800) -> Simulation:
-    """:func:`simulate` in a child process (``python -m rolemrc.memory_sim <config.json>``), so the
-    fake process group never meets this process's own."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "run.json"
-        spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, batch_size=batch_size)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, "-m", "rolemrc.memory_sim", str(spec)], capture_output=True,
-                              text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SimulationUnavailable(f"the simulation failed (exit {proc.returncode}): {last}")
-    return Simulation(**json.loads(proc.stdout.strip().splitlines()[-1]))
+def resolve_builder(name: str) -> ModuleBuilder:
+    """``"package.module:function"`` (:func:`rolemrc.sizing.decide.builder_name`) -> the builder."""
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _child(argv: list[str]) -> int:
     """``<spec.json>``: simulate and print the result as JSON. ``--real <spec.json> <out.json>``: one
     rank of the same step really run (gloo; ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT`` set by the launcher), rank 0 writing its tracked result: what the simulation is
-    validated against (tests/test_memory_sim.py)."""
-    from omegaconf import OmegaConf
-
-    from rolemrc.config import register
-
+    validated against (tests/test_memory_sim.py). The spec names the module builder by its import
+    name (``build``) and the world size (``world``) the run handed."""
     register()
     real = argv[0] == "--real"
     spec = json.loads(Path(argv[1 if real else 0]).read_text())
     cfg = OmegaConf.create(spec["cfg"])
+    build = resolve_builder(spec["build"])
     if not real:
-        sim = simulate(cfg, checkpointing=spec["checkpointing"], batch_size=spec["batch_size"])
+        sim = simulate(cfg, checkpointing=spec["checkpointing"], build=build, world=int(spec["world"]),
+                       batch_size=spec["batch_size"])
         print(json.dumps(asdict(sim)))
         return 0
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     try:
         sim = run_step(cfg, checkpointing=spec["checkpointing"], batch_size=int(spec["batch_size"] or cfg.data.batch_size),
-                       world=dist.get_world_size(), fake=False)
+                       world=dist.get_world_size(), fake=False, build=build)
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:

@@ -149,3 +149,22 @@ def test_adapter_and_merge_write_beside_the_run_export(tmp_path: Path, capsys, m
         assert f"exported model: {lora / folder}" in out.splitlines()
         assert (lora / folder / weights).is_file()
     assert snapshot(lora / "export") == export  # the run's own export, untouched
+
+
+def test_a_run_whose_export_dir_holds_other_files_stops_before_training(tmp_path: Path) -> None:
+    """The end-of-run export replaces only a previous export: ``export.dir`` naming the run folder
+    itself or a folder of other files is refused when the run starts, not after it trained."""
+    from rolemrc.errors import ConfigError
+    from rolemrc.run.train import run
+
+    run_dir = tmp_path / "run"
+    (run_dir / "notes").mkdir(parents=True)
+    (run_dir / "notes" / "todo.txt").write_text("keep me")
+    for where, says in (("notes", "holds files no export wrote"), (".", "holds a training run or checkpoint")):
+        (run_dir / ".hydra").mkdir(exist_ok=True)
+        cfg = compose_train([*TINY, f"export.dir={where}", "trainer.max_steps=1"], run_dir=run_dir)
+        with pytest.raises(ConfigError) as err:
+            run(cfg)
+        assert str(err.value).startswith(f"export.dir={where}: ") and says in str(err.value), str(err.value)
+    assert (run_dir / "notes" / "todo.txt").read_text() == "keep me"
+    assert not (run_dir / "checkpoints").exists()

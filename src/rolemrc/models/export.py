@@ -122,10 +122,12 @@ def check_export_destination(out: str | Path, overwrite: bool, keep: tuple[Path,
         raise DestinationError(f"{out} holds a previous export: pass --overwrite to replace it, or --out <another "
                                "folder>")
     parent = next(p for p in out.parents if p.exists())
-    if not os.access(parent, os.W_OK | os.X_OK):
-        reason = "read-only file system" if _read_only_mount(parent) else "permission denied"
-        raise StorageError(f"{out}: cannot write the export in {parent} ({reason}); make it writable, or choose "
-                           "another folder with --out")
+    # where <out>.partial is made and swapped in, and a previous export's folder, emptied on replacing it
+    for folder in (parent, *([out] if out.is_dir() and any(out.iterdir()) else [])):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            reason = "read-only file system" if _read_only_mount(folder) else "permission denied"
+            raise StorageError(f"{out}: cannot write the export in {folder} ({reason}); make it writable, or choose "
+                               "another folder with --out")
     return out
 
 

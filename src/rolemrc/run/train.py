@@ -78,7 +78,8 @@ def check_files(cfg: DictConfig) -> None:
     """The files a run reads, named before anything loads (a missing one would otherwise be found
     after the model, minutes for an 8B one): the objective's local data files (hub datasets are
     the readers' business), an explicit ``ckpt_path`` and a precomputed reference's cache folder
-    (:func:`check_reference_cache`)."""
+    (:func:`check_reference_cache`); and that the end-of-run export (``export.dir``) would replace
+    nothing but a previous export (:func:`rolemrc.models.export.check_replaceable`)."""
     from rolemrc.config import OBJECTIVES, source_group
     from rolemrc.data.readers import local_files, source_config
 
@@ -94,6 +95,14 @@ def check_files(cfg: DictConfig) -> None:
     if OBJECTIVES[cfg.objective.name].reference and cfg.objective.get("reference") == "precomputed":
         given = cfg.objective.get("reference_cache_dir")
         check_reference_cache(Path(given or Path(str(cfg.run_dir)) / "ref_cache"), given=bool(given))
+    if cfg.export.enabled:  # the end-of-run export replaces only a previous export: refused now, not after training
+        from rolemrc.errors import DestinationError
+        from rolemrc.models.export import check_replaceable
+
+        try:
+            check_replaceable(Path(str(cfg.run_dir)) / cfg.export.dir)
+        except DestinationError as err:
+            raise ConfigError(f"export.dir={cfg.export.dir}: {err}") from None
 
 
 REFERENCE_TABLES = "ref_logps-*.safetensors"  # rolemrc.modules.reference.PrecomputedReference.cache_path

@@ -94,6 +94,10 @@ def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_
     assert sizing_key(train_cfg(*small, "data.max_length=32"))[0] != key
     assert sizing_key(train_cfg(*small, "data.batch_size=2"))[0] != key
     assert sizing_key(train_cfg(*small, "trainer.max_steps=7", "seed=1"))[0] == key
+    # The builder travels to the child process by its import name; one without (a lambda) cannot.
+    assert decide.builder_name(build_module) == "rolemrc.run.build:build_module"
+    with pytest.raises(decide.SimulationUnavailable, match="not importable by that name"):
+        decide.builder_name(lambda cfg, model: None)
 
 
 def test_importing_the_recipe_loads_no_simulator() -> None:

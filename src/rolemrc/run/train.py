@@ -24,9 +24,9 @@ from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import check_train_config
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
-from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.errors import ConfigError, DestinationError, InputNotFound
 from rolemrc.fileio import atomic_write_json, partial_path
-from rolemrc.models.export import export_pretrained, export_state
+from rolemrc.models.export import check_replaceable, export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
@@ -96,9 +96,6 @@ def check_files(cfg: DictConfig) -> None:
         given = cfg.objective.get("reference_cache_dir")
         check_reference_cache(Path(given or Path(str(cfg.run_dir)) / "ref_cache"), given=bool(given))
     if cfg.export.enabled:  # the end-of-run export replaces only a previous export: refused now, not after training
-        from rolemrc.errors import DestinationError
-        from rolemrc.models.export import check_replaceable
-
         try:
             check_replaceable(Path(str(cfg.run_dir)) / cfg.export.dir)
         except DestinationError as err:

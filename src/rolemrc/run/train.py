@@ -21,8 +21,9 @@ from omegaconf import DictConfig
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing import full_state_dict
 from rolemrc.checkpointing.verify import check_checkpoint
-from rolemrc.config import check_train_config
+from rolemrc.config import OBJECTIVES, check_train_config, source_group
 from rolemrc.data.datamodule import ChatDataModule
+from rolemrc.data.readers import local_files, source_config
 from rolemrc.data.templates import ChatFormat
 from rolemrc.errors import ConfigError, DestinationError, InputNotFound
 from rolemrc.fileio import atomic_write_json, partial_path
@@ -80,9 +81,6 @@ def check_files(cfg: DictConfig) -> None:
     the readers' business), an explicit ``ckpt_path`` and a precomputed reference's cache folder
     (:func:`check_reference_cache`); and that the end-of-run export (``export.dir``) would replace
     nothing but a previous export (:func:`rolemrc.models.export.check_replaceable`)."""
-    from rolemrc.config import OBJECTIVES, source_group
-    from rolemrc.data.readers import local_files, source_config
-
     kind = source_group(OBJECTIVES[cfg.objective.name].data, cfg.data)
     for group in (kind, f"{kind}_val"):
         for i, source in enumerate(cfg.data[group]):

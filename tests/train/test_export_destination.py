@@ -168,3 +168,13 @@ def test_a_run_whose_export_dir_holds_other_files_stops_before_training(tmp_path
         assert str(err.value).startswith(f"export.dir={where}: ") and says in str(err.value), str(err.value)
     assert (run_dir / "notes" / "todo.txt").read_text() == "keep me"
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_hub_cache_base_is_named_by_its_hub_id() -> None:
+    """An adapter's base given as a folder of the HF hub cache is written as its hub id and revision
+    (loadable on any machine), not as this machine's path."""
+    from rolemrc.models.export import _hub_snapshot
+
+    snapshot_dir = Path("/home/u/.cache/huggingface/hub/models--Qwen--Qwen2.5-7B/snapshots/0123abc")
+    assert _hub_snapshot(snapshot_dir) == ("Qwen/Qwen2.5-7B", "0123abc")
+    assert _hub_snapshot(Path("/data/models/qwen")) is None

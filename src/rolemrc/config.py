@@ -283,13 +283,22 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     ``per_device_train_batch_size`` counts completions)."""
 
     name: str = "grpo"
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default)
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default) | cispo | sapo | luspo | vespo
     beta: float = 0.0  # KL coefficient to the reference; 0 builds no reference
     use_bias_correction_kl: bool = True  # the KL term x the importance ratio (TRL's default; DeepSeek-V3.2)
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: epsilon (DAPO's clip-higher: e.g. 0.28)
     delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)
     num_iterations: int = 1  # TRL's mu: each step's rollouts train this many optimizer steps (old log-probs)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
+    sapo_temperature_pos: float = 1.0  # loss_type=sapo: the gate's temperature where the advantage is > 0
+    sapo_temperature_neg: float = 1.05  # loss_type=sapo: ... where it is <= 0
+    vespo_k_pos: float = 2.0  # loss_type=vespo: the Gamma weight's power, advantage >= 0
+    vespo_lambda_pos: float = 3.0  # loss_type=vespo: its decay, advantage >= 0
+    vespo_k_neg: float = 3.0  # loss_type=vespo: the power, advantage < 0
+    vespo_lambda_neg: float = 2.0  # loss_type=vespo: the decay, advantage < 0
+    top_entropy_quantile: float = 1.0  # rho: the policy term on the top-rho tokens by entropy only (1: all)
+    off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences drifted past it (None: off)
     scale_rewards: str = "group"  # group | batch | none
     num_generations: int = 8  # completions per prompt (G)
     temperature: float = 1.0
@@ -305,9 +314,19 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
 
     def __post_init__(self) -> None:
-        from rolemrc.objectives.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
+        from rolemrc.objectives.grpo import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
 
         one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        one_of("objective.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"objective.{key} must be > 0 (the sapo gate divides by it), got {getattr(self, key)}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"objective.top_entropy_quantile must be in [0, 1] (1: every token), "
+                              f"got {self.top_entropy_quantile}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ConfigError(f"objective.off_policy_mask_threshold must be > 0 (e.g. 0.5) or null (off), "
+                              f"got {self.off_policy_mask_threshold}")
         one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("objective.reference", self.reference, ("copy", "adapter"))
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)

@@ -136,3 +136,34 @@ def test_bad_groups_and_scale():
         group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="scale_rewards must be one of"):
         group_advantages(torch.zeros(4), 2, "std")
+
+
+def test_sequence_level_ratio_is_the_exp_of_the_mean_log_ratio():
+    """GSPO: log-ratios (0.2, 0.4) and 0.6 (one token, one masked) -> sequence ratios e^0.3, e^0.6; with
+    epsilon 0.4 and A = +1 the first is inside (loss -e^0.3 on each token), the second clipped (-1.4)."""
+    logps = torch.tensor([[0.2, 0.4], [0.6, 5.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    out = grpo_loss(logps, torch.ones(2, dtype=F64), mask, old_per_token_logps=torch.zeros(2, 2, dtype=F64),
+                    loss_type="grpo", importance_sampling_level="sequence", epsilon=0.4)
+    assert out.loss.item() == pytest.approx((-math.exp(0.3) - 1.4) / 2)
+    (g,) = torch.autograd.grad(out.loss, logps)  # d/dlogp_t of -e^mean / 2 = -e^0.3 / 2 / 2 per token
+    torch.testing.assert_close(g, torch.tensor([[-math.exp(0.3) / 4] * 2, [0.0, 0.0]], dtype=F64))
+    assert out.metrics["clip_ratio/high_mean"].item() == 0.5  # one of two sequences (not tokens)
+    assert out.weights["clip_ratio/high_mean"].item() == 2
+
+
+def test_cispo_sapo_luspo_by_hand():
+    """cispo: -min(r, eps_high).detach() * A * logp, dapo's normaliser; sapo: -(4/tau) sigmoid(tau (r - 1)) A,
+    tau by the sign of A; luspo: the clipped surrogate summed per sequence, then the mean over sequences."""
+    logps = torch.tensor([[math.log(2.0), 0.0]], dtype=F64, requires_grad=True)  # ratios 2 and 1 (old = 0)
+    old, mask, adv = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2), torch.ones(1, dtype=F64)
+    out = grpo_loss(logps, adv, mask, old_per_token_logps=old, loss_type="cispo", epsilon_high=1.5)
+    assert out.loss.item() == pytest.approx(-(1.5 * math.log(2.0) + 0.0) / 2)
+    (g,) = torch.autograd.grad(out.loss, logps)
+    torch.testing.assert_close(g, torch.tensor([[-1.5 / 2, -1.0 / 2]], dtype=F64))  # no gradient through the weight
+    assert out.metrics["cispo_clip_ratio"].item() == 0.5
+    sapo = grpo_loss(logps, -adv, mask, old_per_token_logps=old, loss_type="sapo", sapo_temperature_neg=2.0)
+    sig = 1 / (1 + math.exp(-2.0))
+    assert sapo.loss.item() == pytest.approx((4 / 2.0 * sig + 4 / 2.0 * 0.5) / 2)
+    luspo = grpo_loss(logps, adv, mask, old_per_token_logps=old, loss_type="luspo", epsilon=0.2)
+    assert luspo.loss.item() == pytest.approx(-(1.2 + 1.0))  # one sequence: its token sum

@@ -24,11 +24,12 @@ from trl import GRPOConfig  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
 
-from rolemrc.objectives.grpo import group_advantages, grpo_loss  # noqa: E402
+from rolemrc.objectives.grpo import group_advantages, grpo_loss, high_entropy_mask, off_policy_mask  # noqa: E402
 
 assert trl.__version__ == "1.16.0", "these tests restate TRL 1.16.0's lines; re-read them for another version"
 
 B, T, MAX_LEN = 6, 7, 9
+F64 = torch.float64
 
 
 class _Accelerator:
@@ -66,7 +67,7 @@ def trl_trainer(logps: torch.Tensor, entropies: torch.Tensor | None = None, **co
         _entropy_bonus_enabled=entropy_on, _last_world_entropy=float("inf"), _entropy_window_stats=None,
         aux_loss_enabled=False, max_completion_length=args.max_completion_length,
         current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True), accelerator=_Accelerator(),
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (
             logps, torch.zeros_like(logps) if entropies is None else entropies, None),
@@ -162,6 +163,88 @@ def test_defaults_are_trls():
         if key in config:
             assert config[key] == value, key
     assert TRL_DEFAULTS["use_bias_correction_kl"] is True and config["use_bias_correction_kl"] is True
+
+
+def _assert_equal_trl(config: dict, *, iterations: int, seed: int = 7, entropies: bool = False, **ours_kw):
+    """grpo_loss with ``config`` (and ``ours_kw``) against TRL's _compute_loss with ``config``:
+    loss, gradient, every metric TRL logs but ``entropy``. Returns TRL's logged metrics."""
+    beta = config.get("beta", 0.0)
+    logps, old, ref, adv, mask = _tensors(seed, iterations, beta)
+    ent = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 3 \
+        if entropies else None
+    theirs, expected = trl_loss(logps, adv, mask, old=old, ref=ref, entropies=ent, max_completion_length=MAX_LEN,
+                                **config)
+    (their_grad,) = torch.autograd.grad(theirs, logps)
+    kw = {k: v for k, v in config.items() if k != "top_entropy_quantile"}
+    if config.get("top_entropy_quantile", 1.0) < 1.0:
+        kw["token_mask"] = high_entropy_mask(ent, mask, config["top_entropy_quantile"])
+    ours = grpo_loss(logps, adv, mask, old_per_token_logps=old, ref_per_token_logps=ref,
+                     max_completion_length=MAX_LEN, **kw, **ours_kw)
+    (our_grad,) = torch.autograd.grad(ours.loss, logps)
+    torch.testing.assert_close(ours.loss, theirs)
+    torch.testing.assert_close(our_grad, their_grad)
+    expected.pop("entropy")
+    assert set(ours.metrics) == set(expected)
+    for name, value in expected.items():
+        assert ours.metrics[name].item() == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    return expected
+
+
+FAMILY = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"],
+                                ["token", "sequence"], [0.0, 0.04], [1, 2]))
+
+
+@pytest.mark.parametrize("loss_type,level,beta,iterations", FAMILY)
+def test_loss_family_and_sequence_level_ratios_equal_trl(loss_type, level, beta, iterations):
+    """Every loss type at token and sequence level (GSPO), on-policy and on a reuse step, with and
+    without the KL term; cispo with epsilon_high 1.3 so the weight cap is reached on reuse."""
+    config = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta)
+    if loss_type == "cispo":
+        config["epsilon_high"] = 1.3
+    logged = _assert_equal_trl(config, iterations=iterations)
+    if iterations > 1 and loss_type == "cispo" and level == "token":
+        assert logged["cispo_clip_ratio"] > 0
+    if iterations > 1 and loss_type not in ("cispo", "sapo", "vespo") and level == "token":
+        assert logged["clip_ratio/region_mean"] > 0
+
+
+@pytest.mark.parametrize("sapo", [(1.0, 1.05), (0.5, 2.0)])
+def test_sapo_temperatures_equal_trl(sapo):
+    _assert_equal_trl(dict(loss_type="sapo", sapo_temperature_pos=sapo[0], sapo_temperature_neg=sapo[1]),
+                      iterations=2)
+
+
+def test_vespo_parameters_equal_trl():
+    _assert_equal_trl(dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                           vespo_lambda_neg=1.5), iterations=2)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+@pytest.mark.parametrize("rho", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("threshold", [None, 0.1])
+def test_top_entropy_quantile_and_off_policy_mask_equal_trl(loss_type, rho, threshold):
+    """The entropy mask (rho) and the off-policy sequence mask act on the policy term only (not the KL),
+    on a reuse step where both drop something."""
+    config = dict(loss_type=loss_type, top_entropy_quantile=rho, off_policy_mask_threshold=threshold, beta=0.04)
+    if loss_type == "cispo":
+        config["epsilon_high"] = 1.3
+    _assert_equal_trl(config, iterations=2, entropies=True)
+
+
+def test_masks_drop_what_they_say():
+    """rho = 0.2 of 10 distinct entropies keeps the top 2 (the 0.8 quantile interpolates between the 8th
+    and 9th); the off-policy mask drops only a negative-advantage sequence whose mean drift passes it."""
+    ent = torch.arange(10, dtype=F64).reshape(2, 5)
+    mask = torch.ones(2, 5)
+    mask[1, 4] = 0  # 9 completion tokens: 0..8; 0.8 quantile = 6.4 -> 7, 8 kept
+    kept = high_entropy_mask(ent, mask, 0.2)
+    assert kept.nonzero().tolist() == [[1, 2], [1, 3]]
+    assert high_entropy_mask(ent, mask, 1.0).sum() == 9 and high_entropy_mask(ent, mask, 0.0).sum() == 1
+    logps = torch.zeros(3, 2, dtype=F64)
+    sampling = torch.tensor([[0.3, 0.3], [0.3, 0.3], [0.05, 0.05]], dtype=F64)
+    adv = torch.tensor([1.0, -1.0, -1.0], dtype=F64)
+    keep = off_policy_mask(adv, logps, sampling, torch.ones(3, 2), 0.1)
+    assert keep.squeeze(1).tolist() == [1.0, 0.0, 1.0]
 
 
 def test_dapo_with_the_steps_token_total_equals_trl_accumulating():

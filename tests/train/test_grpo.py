@@ -81,6 +81,10 @@ def by_hand_logps(module: Any, batch: dict, new_ids: torch.Tensor) -> dict[str, 
                           position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
     p = prompt_ids.shape[1]
     logps = torch.log_softmax(logits[:, p - 1:-1] / o.temperature, -1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)
+    from trl.trainer.utils import entropy_from_logits
+
+    with torch.no_grad():
+        entropies = entropy_from_logits(logits[:, p - 1:-1] / o.temperature)
     ref = None
     if o.beta > 0:
         with torch.no_grad():
@@ -88,24 +92,23 @@ def by_hand_logps(module: Any, batch: dict, new_ids: torch.Tensor) -> dict[str, 
                                           position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
         ref = torch.log_softmax(ref_logits[:, p - 1:-1] / o.temperature, -1).gather(
             -1, new_ids.unsqueeze(-1)).squeeze(-1)
-    return {"logps": logps, "ref": ref, "mask": mask, "advantages": adv}
+    return {"logps": logps, "ref": ref, "mask": mask, "advantages": adv, "entropies": entropies}
 
 
 def trl_step_loss(module: Any, inputs: dict[str, Any], old: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """TRL 1.16's ``GRPOTrainer._compute_loss`` (GRPOConfig's defaults but for the run's keys) of one
     micro-batch that is its whole step: its loss and logged metrics."""
-    from tests.objectives.test_grpo_trl import trl_loss
+    from tests.objectives.test_grpo_trl import TRL_DEFAULTS, trl_loss
 
     o = module.objective
+    shared = {k: getattr(o, k) for k in TRL_DEFAULTS if hasattr(o, k)}  # every key we share with TRL
     return trl_loss(inputs["logps"], inputs["advantages"], inputs["mask"], old=old, ref=inputs["ref"],
-                    loss_type=o.loss_type, beta=o.beta, epsilon=o.epsilon, epsilon_high=o.epsilon_high,
-                    delta=o.delta, max_completion_length=o.max_completion_length,
-                    use_bias_correction_kl=o.use_bias_correction_kl)
+                    entropies=inputs["entropies"], **shared)
 
 
 def assert_step_equals_trl(module: Any, loss: torch.Tensor, expected: torch.Tensor, logged: dict[str, float],
                            params: list[torch.nn.Parameter]) -> None:
-    """Our step's loss, gradient and every loss metric TRL logs too (``entropy``: by hand, TRL's is a stub here)."""
+    """Our step's loss, gradient and every loss metric TRL logs."""
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     expected_grads = torch.autograd.grad(expected, params, allow_unused=True)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
@@ -116,8 +119,8 @@ def assert_step_equals_trl(module: Any, loss: torch.Tensor, expected: torch.Tens
         if g is not None:
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
     ours = module._loss_stats[-1]["metrics"]
-    shared = set(logged) - {"entropy"}
-    assert shared and shared <= set(ours)
+    shared = set(logged)
+    assert "entropy" in shared and shared == set(ours)
     for name in shared:
         assert ours[name] == pytest.approx(logged[name], rel=1e-5, abs=1e-7, nan_ok=True), name
 
@@ -131,7 +134,12 @@ BETA = ["objective.beta=0.04", "objective.temperature=0.7"]
                                    ["objective.loss_type=grpo", *BETA, "objective.num_iterations=2",
                                     "objective.epsilon=0.05", "objective.delta=1.2"],
                                    ["objective.loss_type=dapo", *BETA, "objective.num_iterations=2",
-                                    "objective.use_bias_correction_kl=false"]])
+                                    "objective.use_bias_correction_kl=false"],
+                                   ["objective.loss_type=grpo", *BETA, "objective.num_iterations=2",
+                                    "objective.importance_sampling_level=sequence"],
+                                   ["objective.loss_type=cispo", "objective.epsilon_high=1.1", "objective.num_iterations=2",
+                                    "objective.top_entropy_quantile=0.5", "objective.off_policy_mask_threshold=0.01"],
+                                   ["objective.loss_type=sapo", "objective.num_iterations=2", *BETA]])
 def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
     """The step's loss, gradient and loss metrics equal TRL's ``_compute_loss`` of the same rollouts
     (log-probs from the model's plain logits); with num_iterations=2 also on the reuse step, after
@@ -175,7 +183,8 @@ def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extr
     assert torch.equal(reused["input_ids"], batch["input_ids"])
     inputs = by_hand_logps(module, reused, new_ids)
     expected, logged = trl_step_loss(module, inputs, old=old)
-    assert logged["clip_ratio/region_mean"] > 0 or module.objective.epsilon > 0.1  # off-policy: clipped tokens
+    if "clip_ratio/region_mean" in logged and module.objective.epsilon < 0.1:  # off-policy: clipped tokens
+        assert logged["clip_ratio/region_mean"] > 0
     assert_step_equals_trl(module, loss, expected, logged, params)
 
 
@@ -295,7 +304,13 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
                                ([*GRPO, "objective.num_iterations=0"], "objective.num_iterations must be >= 1"),
                                ([*GRPO, "objective.rollout=vllm"], "needs objective.vllm.base_url"),
                                ([*GRPO, "objective.num_generations=1"], "objective.num_generations must be >= 2"),
-                               ([*GRPO, "objective.loss_type=cispo"], "objective.loss_type must be one of"),
+                               ([*GRPO, "objective.loss_type=ppo"], "objective.loss_type must be one of"),
+                               ([*GRPO, "objective.importance_sampling_level=batch"],
+                                "objective.importance_sampling_level must be one of"),
+                               ([*GRPO, "objective.top_entropy_quantile=1.5"], "objective.top_entropy_quantile must be in"),
+                               ([*GRPO, "objective.off_policy_mask_threshold=0"],
+                                "objective.off_policy_mask_threshold must be > 0"),
+                               ([*GRPO, "objective.sapo_temperature_neg=0"], "objective.sapo_temperature_neg must be > 0"),
                                ([*GRPO, "objective.scale_rewards=rank"], "objective.scale_rewards must be one of"),
                                ([*GRPO, "objective.beta=0.1", "objective.reference=adapter"],
                                 "objective.reference=adapter needs a LoRA model")):
@@ -331,13 +346,23 @@ TRL_NAMES = ["reward", "reward_std", "rewards/vowels/mean", "rewards/vowels/std"
              "clip_ratio/low_min", "clip_ratio/high_max", "kl", "completion_tokens_per_s", "loss"]
 
 
-def test_a_short_run_logs_trl_metric_names(train_cfg) -> None:
-    out = run(train_cfg(*GRPO, "trainer.max_steps=3", "objective.beta=0.05", "data.val_fraction=0.1"))
+CLIP_NAMES = [n for n in TRL_NAMES if n.startswith("clip_ratio/")]
+
+
+@pytest.mark.parametrize("extra,names", [
+    ([], TRL_NAMES),
+    (["objective.loss_type=cispo", "objective.epsilon_high=5.0", "objective.importance_sampling_level=sequence",
+      "objective.top_entropy_quantile=0.2", "objective.off_policy_mask_threshold=0.5"],
+     [n for n in TRL_NAMES if n not in CLIP_NAMES] + ["cispo_clip_ratio"])])
+def test_a_short_run_logs_trl_metric_names(train_cfg, extra: list[str], names: list[str]) -> None:
+    out = run(train_cfg(*GRPO, "trainer.max_steps=3", "objective.beta=0.05", "data.val_fraction=0.1", *extra))
     run_dir = Path(out["run_dir"])
     rows = [r for r in metric_rows(run_dir) if "train/loss" in r]
     assert len(rows) == 3
-    for name in TRL_NAMES:
+    for name in names:
         assert all(f"train/{name}" in r for r in rows), name
+    loss_metrics = {k for r in rows for k in r if k.startswith(("train/clip_ratio/", "train/cispo"))}
+    assert loss_metrics == {f"train/{n}" for n in names if n.startswith(("clip_ratio/", "cispo"))}
     assert all(0 <= r["train/rewards/vowels/mean"] <= 1 for r in rows)
     assert all(r["train/completions/max_length"] <= 6 for r in rows)
     assert any(r["train/reward_std"] > 0 for r in rows)
@@ -510,3 +535,7 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
                                     [micro(3, 3.0, 0.25), micro(1, 6.0, nan)]])
     assert out["entropy"] == pytest.approx(((1 + 9) / 4 + (6 + 6) / 4) / 2)
     assert out["clip_ratio/low_min"] == 0.25  # NaN micro-batches are skipped, as TRL's log skips them
+    # a per-sequence mean (GSPO's sequence-level ratios): weighted by each rank's sequences, not tokens
+    seq = [[{"tokens": 10.0, "weights": {"clip_ratio/high_mean": 1.0}, "metrics": {"clip_ratio/high_mean": 1.0}}],
+           [{"tokens": 1.0, "weights": {"clip_ratio/high_mean": 3.0}, "metrics": {"clip_ratio/high_mean": 0.0}}]]
+    assert GRPOModule._loss_metrics(seq)["clip_ratio/high_mean"] == pytest.approx(1 / 4)

@@ -39,7 +39,8 @@ every rank: ``reward``, ``reward_std``, ``rewards/<name>/mean|std``, ``frac_rewa
 ``num_tokens`` (prompt + completion tokens of the run's rollouts so far), ``completions/mean_length|
 min_length|max_length|clipped_ratio``, ``completions/mean_terminated_length|min_terminated_length|
 max_terminated_length``, and per micro-batch then averaged over the step's micro-batches (as TRL's log
-does) ``entropy``, ``clip_ratio/*``, ``kl`` (``beta > 0``); plus ``completion_tokens_per_s`` (sampled
+does) ``entropy``, ``clip_ratio/*`` (clipped loss types; ``cispo_clip_ratio`` for cispo,
+``vespo/phi_seq_mean`` for vespo, none for sapo), ``kl`` (``beta > 0``); plus ``completion_tokens_per_s`` (sampled
 tokens per second of ``generate``). Validation (``data.prompts_val`` or the held-out
 ``val_fraction``): one GREEDY completion per prompt, ``val/reward`` and ``val/rewards/<name>/mean``.
 """
@@ -63,7 +64,7 @@ from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, grpo_loss, nanstd
+from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, grpo_loss, high_entropy_mask, nanstd
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
 
@@ -178,6 +179,15 @@ class GRPOModule(PolicyModule):
         if objective.beta > 0 and reference is None:
             raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
         self.reference = reference if objective.beta > 0 else None
+        level, loss_type = objective.importance_sampling_level, objective.loss_type
+        if loss_type == "luspo" and level != "sequence":  # TRL warns of the same settings
+            log.warning("objective.loss_type=luspo is meant with objective.importance_sampling_level=sequence (LUSPO)")
+        if loss_type == "vespo" and level != "token":
+            log.warning("objective.loss_type=vespo computes its sequence weights itself: "
+                        "objective.importance_sampling_level=token is meant")
+        if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            log.warning("objective.importance_sampling_level=sequence with loss_type=%s sums per-token terms, weighting "
+                        "each sequence by its length; GSPO's setup is objective.loss_type=grpo", loss_type)
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
@@ -475,6 +485,18 @@ class GRPOModule(PolicyModule):
             return self.token_logps(self.reference.models()[0], batch)[0]
 
     # ---- the step ---------------------------------------------------------------------------
+    def _pooled_entropies(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``: this micro-batch's completion-token entropies on every rank, flat,
+        NaN elsewhere (TRL gathers them from every process for the quantile)."""
+        local = torch.where(mask, entropy.float(), torch.full_like(entropy, float("nan"), dtype=torch.float32))
+        local = local.reshape(-1)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return local
+        sizes = self.all_gather(torch.tensor([local.numel()], device=local.device))
+        padded = torch.full((int(sizes.max()),), float("nan"), device=local.device)
+        padded[:local.numel()] = local
+        return self.all_gather(padded).reshape(-1)
+
     def _num_tokens(self, mask: torch.Tensor) -> torch.Tensor:
         """dapo's normaliser for a micro-batch handed in with its rollouts (the memory simulation,
         tests): its completion tokens summed over ranks, x the accumulation."""
@@ -553,11 +575,20 @@ class GRPOModule(PolicyModule):
         n = batch["input_ids"].shape[0]
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
         num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
+        token_mask = None
+        if o.top_entropy_quantile < 1.0:  # the quantile over every rank's completion tokens, as TRL's
+            token_mask = high_entropy_mask(entropy, mask, o.top_entropy_quantile,  # type: ignore[arg-type]
+                                           pooled=self._pooled_entropies(entropy, mask))  # type: ignore[arg-type]
         out = grpo_loss(logps, batch["advantages"], mask, old_per_token_logps=batch.get("old_logps"),
                         ref_per_token_logps=ref, beta=o.beta, use_bias_correction_kl=o.use_bias_correction_kl,
                         epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
                         max_completion_length=o.max_completion_length, delta=o.delta,
-                        num_sequences=step_sequences, num_tokens=num_tokens)
+                        num_sequences=step_sequences, num_tokens=num_tokens,
+                        importance_sampling_level=o.importance_sampling_level,
+                        sapo_temperature_pos=o.sapo_temperature_pos, sapo_temperature_neg=o.sapo_temperature_neg,
+                        vespo_k_pos=o.vespo_k_pos, vespo_lambda_pos=o.vespo_lambda_pos, vespo_k_neg=o.vespo_k_neg,
+                        vespo_lambda_neg=o.vespo_lambda_neg, token_mask=token_mask,
+                        off_policy_mask_threshold=o.off_policy_mask_threshold)
         loss = out.loss
         if o.loss_type == "bnpo" and self._trainer is not None:  # the local token mean, divided as TRL's trainer
             loss = loss / (self.trainer.accumulate_grad_batches * self.trainer.world_size)
@@ -568,7 +599,8 @@ class GRPOModule(PolicyModule):
             tokens = float(mask.sum())
             metrics = {k: float(v) for k, v in out.metrics.items()}
             metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
-            self._loss_stats.append({"tokens": tokens, "metrics": metrics})
+            weights = {k: float(v) for k, v in out.weights.items()}  # tokens, or sequences (GSPO's ratios)
+            self._loss_stats.append({"tokens": tokens, "weights": weights, "metrics": metrics})
         return loss, {}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -620,8 +652,8 @@ class GRPOModule(PolicyModule):
                 if key.endswith(("_min", "_max")):  # TRL's nanmin / nanmax over the gathered sequences
                     kept = [v for v in local if not math.isnan(v)]
                     values.append((min(kept) if key.endswith("_min") else max(kept)) if kept else float("nan"))
-                else:  # TRL's global_masked_mean: token-weighted over ranks (0 with no token)
-                    tokens = [r["tokens"] for r in ranks]
+                else:  # TRL's global_masked_mean: weighted by tokens (or sequences) over ranks (0 with none)
+                    tokens = [r.get("weights", {}).get(key, r["tokens"]) for r in ranks]
                     values.append(sum(v * w for v, w in zip(local, tokens)) / max(sum(tokens), 1.0))
             kept = [v for v in values if not math.isnan(v)]  # TRL's log skips NaN entries
             out[key] = sum(kept) / len(kept) if kept else float("nan")

@@ -1,4 +1,4 @@
-"""GRPO (Shao et al. 2024) and its length-debiased variants as pure tensor functions.
+"""GRPO (Shao et al. 2024) and TRL 1.16's family of GRPO losses as pure tensor functions.
 
 Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objectives/test_grpo_trl.py):
 
@@ -26,6 +26,15 @@ Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objec
   ``max_completion_length``)), ``dapo`` (TRL's default: sum / the tokens of the whole step).
   ``delta`` caps the unclipped ratio (two-sided clipping, as TRL's ``delta``).
 
+  TRL's other loss types: ``cispo`` (MiniMax-M1: ``-min(ratio, epsilon_high).detach() * A * logp``,
+  dapo's normaliser), ``sapo`` (a sigmoid gate ``4/tau sigmoid(tau (ratio - 1))`` for the clip, tau by
+  the advantage's sign; grpo's normaliser), ``luspo`` (the clipped surrogate summed per sequence, then
+  the mean over sequences) and ``vespo`` (a detached Gamma weight :func:`vespo_weights` of the sequence
+  ratio on ``-A * logp``, dapo's normaliser). ``importance_sampling_level="sequence"`` (GSPO) uses one
+  ratio per sequence, the exp of its token-mean log-ratio. ``token_mask`` (e.g. :func:`high_entropy_mask`,
+  ``top_entropy_quantile``) and ``off_policy_mask_threshold`` (:func:`off_policy_mask`) drop tokens or
+  sequences from the policy term, not from the KL term, as TRL.
+
 Totals: a training step that splits its batch into micro-batches (or ranks) passes the step's global
 ``num_sequences`` (``grpo``, ``dr_grpo``) and ``num_tokens`` (``dapo``), so the micro-batch losses add
 up to the step's loss; by default the micro-batch's own counts are used. ``bnpo`` is by definition
@@ -34,19 +43,22 @@ the local token mean (TRL then divides by the accumulation steps: the caller doe
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 ADVANTAGE_EPS = 1e-4  # TRL 1.16's constant in the advantages' denominator
 
-__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "SCALE_REWARDS", "GRPOLossType", "GRPOOutput", "GroupAdvantages",
-           "ScaleRewards", "group_advantages", "grpo_loss", "nanstd"]
+__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "SCALE_REWARDS", "GRPOLossType",
+           "GRPOOutput", "GroupAdvantages", "ScaleRewards", "group_advantages", "grpo_loss", "high_entropy_mask",
+           "nanstd", "off_policy_mask", "vespo_weights"]
 
 
 class GroupAdvantages(NamedTuple):
@@ -69,6 +81,7 @@ class GRPOOutput(NamedTuple):
     loss: Tensor
     per_token_loss: Tensor
     metrics: dict[str, Tensor]
+    weights: dict[str, Tensor]  # each mean metric's count (tokens or sequences): how to pool micro-batches, ranks
 
 
 def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
@@ -115,21 +128,67 @@ def group_advantages(rewards: Tensor, num_generations: int,
                            torch.isclose(std, torch.zeros_like(std)))
 
 
-def _validate(per_token_logps: Tensor, advantages: Tensor, mask: Tensor, others: tuple[Tensor | None, ...],
+def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, top_entropy_quantile: float,
+                      pooled: Tensor | None = None) -> Tensor:
+    """``top_entropy_quantile`` (rho, "Beyond the 80/20 rule"): bool ``[B, T]``, the completion tokens
+    whose entropy is at least the ``1 - rho`` quantile of ``pooled`` (the completion-token entropies
+    over every rank, NaN entries ignored; default: this micro-batch's). ``rho = 1`` keeps every
+    token, ``rho = 0`` the highest-entropy ones only."""
+    if not 0.0 <= top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
+    if entropies.shape != completion_mask.shape:
+        raise ValueError(f"entropies has shape {tuple(entropies.shape)}, completion_mask {tuple(completion_mask.shape)}")
+    keep = completion_mask.bool()
+    if pooled is None:  # NaN outside the completion: nanquantile over the completion tokens, no data-dependent shape
+        pooled = torch.where(keep, entropies.float(), torch.full_like(entropies, float("nan"), dtype=torch.float32))
+    threshold = torch.nanquantile(pooled.float().reshape(-1), 1.0 - top_entropy_quantile)
+    return ((entropies * completion_mask.to(entropies.dtype)) >= threshold) & keep  # no token: NaN, none kept
+
+
+def off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
+                    completion_mask: Tensor, threshold: float) -> Tensor:
+    """``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking): ``[B, 1]`` of 1
+    (kept) and 0: a sequence is dropped when its advantage is negative AND the token mean of
+    ``sampling - current`` log-probs (a forward-KL estimate; NaN tokens count 0) exceeds ``threshold``."""
+    mask = completion_mask.to(per_token_logps.dtype)
+    diff = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+    mean = (diff * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages.reshape(-1, 1) >= 0) | (mean <= threshold)).to(mask.dtype)
+
+
+def vespo_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor, *, k_pos: float = 2.0,
+                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+    """VESPO's sequence weight ``[B, 1]`` (no gradient): ``phi(w) = exp(lambda + k ln w - lambda w)``
+    (``phi(1) = 1``) of the sequence ratio ``w = exp(sum of the token log-ratios)`` (each clamped to
+    +-20, the sum to [ln 1e-8, 20]), ``k, lambda`` by the advantage's sign (``>= 0``: the ``_pos`` ones)."""
+    with torch.no_grad():
+        low = math.log(1e-8)
+        seq = (torch.clamp(log_ratio, -20.0, 20.0) * completion_mask.to(log_ratio.dtype)).sum(-1, keepdim=True)
+        log_w = torch.clamp(seq, low, 20.0)
+        nonneg = advantages.reshape(-1, 1) >= 0
+        k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _validate(per_token_logps: Tensor, advantages: Tensor, mask: Tensor, others: dict[str, Tensor | None],
               loss_type: str, beta: float, epsilon: float, epsilon_high: float,
-              max_completion_length: int | None) -> None:
+              max_completion_length: int | None, importance_sampling_level: str) -> None:
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(GRPO_LOSS_TYPES)}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, "
+                         f"got {importance_sampling_level!r}")
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must be [B, T], got shape {tuple(per_token_logps.shape)}")
-    for name, t in (("completion_mask", mask), *zip(("old_per_token_logps", "ref_per_token_logps"), others)):
+    for name, t in (("completion_mask", mask), *others.items()):
         if t is not None and t.shape != per_token_logps.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, per_token_logps {tuple(per_token_logps.shape)}")
     if advantages.shape not in ((per_token_logps.shape[0],), (per_token_logps.shape[0], 1)):
         raise ValueError(f"advantages must be [B] = [{per_token_logps.shape[0]}], got {tuple(advantages.shape)}")
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
-    if beta != 0 and others[1] is None:
+    if beta != 0 and others["ref_per_token_logps"] is None:
         raise ValueError(f"beta={beta} needs ref_per_token_logps (beta=0 builds no reference)")
     if not (epsilon >= 0 and epsilon_high >= 0):
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
@@ -142,59 +201,114 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
               beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
               loss_type: str = "dapo", max_completion_length: int | None = None, delta: float | None = None,
               num_sequences: Tensor | int | None = None, num_tokens: Tensor | int | None = None,
-              use_bias_correction_kl: bool = True) -> GRPOOutput:
-    """The clipped GRPO surrogate (see the module docstring) of one micro-batch."""
+              use_bias_correction_kl: bool = True, importance_sampling_level: str = "token",
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+              vespo_lambda_neg: float = 2.0, token_mask: Tensor | None = None,
+              off_policy_mask_threshold: float | None = None,
+              sampling_per_token_logps: Tensor | None = None) -> GRPOOutput:
+    """The GRPO-family loss (see the module docstring) of one micro-batch."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    _validate(per_token_logps, advantages, completion_mask, (old_per_token_logps, ref_per_token_logps),
-              loss_type, beta, epsilon, eps_high, max_completion_length)
+    _validate(per_token_logps, advantages, completion_mask,
+              {"old_per_token_logps": old_per_token_logps, "ref_per_token_logps": ref_per_token_logps,
+               "token_mask": token_mask, "sampling_per_token_logps": sampling_per_token_logps},
+              loss_type, beta, epsilon, eps_high, max_completion_length, importance_sampling_level)
     mask = completion_mask.to(per_token_logps.dtype)
     adv = advantages.to(per_token_logps.dtype).reshape(-1, 1)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token_loss = -torch.min(capped * adv, clipped * adv)
+    log_ratio = per_token_logps - old
+    if importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, exp of its token-mean log-ratio
+        log_ratio_used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        log_ratio_used = log_ratio
+    ratio = torch.exp(log_ratio_used)  # [B, T] or [B, 1]
     kl = None
     if beta != 0:
         diff = ref_per_token_logps - per_token_logps  # type: ignore[operator]
         kl = torch.exp(diff) - diff - 1
         if use_bias_correction_kl:  # x the unclipped ratio: value 1 on-policy, gradient not 0
             kl = kl * ratio
+
+    phi = None
+    if loss_type == "cispo":  # the ratio clipped from above, no gradient through it: a weight on logp
+        per_token_loss = -torch.clamp(ratio, max=eps_high).detach() * adv * per_token_logps
+    elif loss_type == "sapo":  # a sigmoid gate instead of the hard clip, its temperature by the advantage's sign
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+        per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
+    elif loss_type == "vespo":
+        phi = vespo_weights(adv, log_ratio, mask, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos,
+                            k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg)
+        per_token_loss = -phi * adv * per_token_logps
+    else:  # the clipped surrogate: grpo, bnpo, dr_grpo, dapo, luspo
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
+        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token_loss = -torch.min(capped * adv, clipped * adv)
+    if off_policy_mask_threshold is not None:
+        sampling = old if sampling_per_token_logps is None else sampling_per_token_logps
+        per_token_loss = per_token_loss * off_policy_mask(adv, per_token_logps, sampling, mask,
+                                                          off_policy_mask_threshold)
+    if token_mask is not None:
+        per_token_loss = per_token_loss * token_mask.to(per_token_loss.dtype)
+    if kl is not None:
         per_token_loss = per_token_loss + beta * kl
+    per_token_loss = per_token_loss.expand_as(mask)  # [B, 1] (a sequence-level ratio) broadcast over the tokens
 
     total = (per_token_loss * mask).sum()
     n_seq = per_token_logps.shape[0] if num_sequences is None else num_sequences
     n_seq_t = torch.as_tensor(n_seq, dtype=total.dtype, device=total.device).clamp(min=1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         seq_means = (per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         loss = seq_means.sum() / n_seq_t
+    elif loss_type == "luspo":  # each sequence's token sum (its loss x its length), then the mean over sequences
+        loss = total / n_seq_t
     elif loss_type == "bnpo":
         loss = total / mask.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = total / (n_seq_t * max_completion_length)
-    else:  # dapo
+    else:  # dapo, cispo, vespo
         n_tok = mask.sum() if num_tokens is None else num_tokens
         loss = total / torch.as_tensor(n_tok, dtype=total.dtype, device=total.device).clamp(min=1)
 
     with torch.no_grad():
-        r, a = ratio.detach(), adv.detach()
-        low = ((r < 1 - epsilon) & (a < 0)).to(mask.dtype)
-        high = ((r > 1 + eps_high) & (a > 0)).to(mask.dtype)
-        count = mask.sum().clamp(min=1.0)
-        seq_count = mask.sum(-1)
+        metrics, weights = _metrics(ratio.detach(), adv, mask, kl, phi, loss_type, epsilon, eps_high)
+    return GRPOOutput(loss, per_token_loss, metrics, weights)
 
-        def seq_mean(x: Tensor) -> Tensor:  # over sequences with at least one token (empty ones: NaN, skipped)
-            return ((x * mask).sum(-1) / seq_count)[seq_count > 0]
 
-        low_seq, high_seq = seq_mean(low), seq_mean(high)
+def _metrics(ratio: Tensor, adv: Tensor, mask: Tensor, kl: Tensor | None, phi: Tensor | None, loss_type: str,
+             epsilon: float, eps_high: float) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """TRL's loss metrics of one micro-batch and the count each mean is over (its completion tokens;
+    its sequences for a per-sequence quantity: a sequence-level ratio, VESPO's weight)."""
+    tokens = mask.sum()
+    sequences = torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)
+    metrics: dict[str, Tensor] = {}
+    weights: dict[str, Tensor] = {}
+
+    def mean(name: str, x: Tensor) -> None:
+        if x.shape[1] == 1:  # one value per sequence
+            metrics[name], weights[name] = x.sum() / sequences.clamp(min=1.0), sequences
+        else:
+            metrics[name], weights[name] = (x * mask).sum() / tokens.clamp(min=1.0), tokens
+
+    if kl is not None:
+        mean("kl", kl.detach())
+    if loss_type == "cispo":
+        mean("cispo_clip_ratio", ((ratio > eps_high) & (adv > 0)).to(mask.dtype))
+    elif loss_type == "vespo":
+        assert phi is not None
+        mean("vespo/phi_seq_mean", phi)
+    elif loss_type != "sapo":
+        low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
+        mean("clip_ratio/low_mean", low)
+        mean("clip_ratio/high_mean", high)
+        mean("clip_ratio/region_mean", torch.maximum(low, high))
         nan = torch.tensor(float("nan"), dtype=mask.dtype, device=mask.device)
-        metrics = {
-            "clip_ratio/low_mean": (low * mask).sum() / count,
-            "clip_ratio/high_mean": (high * mask).sum() / count,
-            "clip_ratio/region_mean": (torch.maximum(low, high) * mask).sum() / count,
-            "clip_ratio/low_min": low_seq.min() if low_seq.numel() else nan,
-            "clip_ratio/high_max": high_seq.max() if high_seq.numel() else nan,
-        }
-        if kl is not None:
-            metrics["kl"] = (kl.detach() * mask).sum() / count
-    return GRPOOutput(loss, per_token_loss, metrics)
+        if ratio.shape[1] == 1:  # one value per sequence, every sequence
+            low_seq, high_seq = low.squeeze(1), high.squeeze(1)
+        else:  # each sequence's token mean, over the sequences with a token (NaN ones skipped, as TRL's nanmin)
+            seq_count = mask.sum(-1)
+            low_seq = ((low * mask).sum(-1) / seq_count)[seq_count > 0]
+            high_seq = ((high * mask).sum(-1) / seq_count)[seq_count > 0]
+        metrics["clip_ratio/low_min"] = low_seq.min() if low_seq.numel() else nan
+        metrics["clip_ratio/high_max"] = high_seq.max() if high_seq.numel() else nan
+    return metrics, weights

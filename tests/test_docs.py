@@ -53,6 +53,8 @@ def test_make_docs_fails_on_a_broken_anchor(tmp_path: Path) -> None:
     tree = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", tree / "docs")
     shutil.copy(ROOT / "mkdocs.yml", tree / "mkdocs.yml")
+    (tree / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "mkdocs_hooks.py", tree / "scripts" / "mkdocs_hooks.py")
     page = tree / "docs" / "preference.md"
     page.write_text(page.read_text(encoding="utf-8") + "\nSee [nowhere](configuration.md#no-such-key).\n",
                     encoding="utf-8")
@@ -71,6 +73,8 @@ def test_make_docs_fails_on_a_broken_anchor(tmp_path: Path) -> None:
                 for m in fetched.finditer(p.read_text(encoding="utf-8", errors="replace"))]
     assert not external, "the built site fetches from other hosts:\n" + "\n".join(external[:10])
     assert "stylesheets/extra.css" in (site / "index.html").read_text(encoding="utf-8")
+    # scripts/mkdocs_hooks.py: each word of inline code is kept on one line
+    assert '<code><span class="nowrap">objective.reference</span></code>' in (site / "preference" / "index.html").read_text(encoding="utf-8")
 
 
 # Tracker and history words: issue numbers ("Issue 33", "issue #12", "#33"), work sessions and rounds

@@ -92,11 +92,21 @@ def verifier(*, prompts: list[Any], completions: list[Any], rule: list[str], **k
 
 
 def run_trl(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
-    import torch
-    import trl
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from rolemrc.warnings import filter_known_warnings
+
+    filter_known_warnings()  # before peft imports bitsandbytes: the lines train.py's runs do not print either
+    # transformers prints "Running in WANDB offline mode" when it is imported with WANDB_MODE=offline
+    # (make sets it); TRL reports to nothing here (report_to=[]). The train.py run gets it back (_env).
+    wandb_mode = os.environ.pop("WANDB_MODE", None)
+    try:
+        import torch
+        import trl
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    finally:
+        if wandb_mode is not None:
+            os.environ["WANDB_MODE"] = wandb_mode
 
     torch.set_num_threads(args.threads)
     step_s: list[float] = []
@@ -114,7 +124,7 @@ def run_trl(args: argparse.Namespace, sft: Path, work: Path) -> dict[str, Any]:
         per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
         steps_per_generation=1, num_generations=args.generations, max_completion_length=args.max_new,
         temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=0.0, epsilon=0.2, num_iterations=1,
-        scale_rewards="group", gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[],
+        scale_rewards="group", activation_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[],
         dataloader_num_workers=0, disable_tqdm=True)
     trainer = GRPOTrainer(model=str(sft), reward_funcs=[verifier], args=config,
                           train_dataset=Dataset.from_list(prompts()), callbacks=[Timer()])

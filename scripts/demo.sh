@@ -19,8 +19,7 @@ if [ -f evaluate.py ]; then
   # BERTScore with the offline MiniLM (the default, roberta-large as the paper, needs the model hub)
   $PY evaluate.py model.path="$DEMO/dpo/export" judge=hf generation.max_new_tokens=48 generation.cpu_threads=1 \
       metrics.bertscore.model=minilm \
-      generation.progress=false hydra.run.dir="$DEMO/eval"
-  echo "evaluation summary: $DEMO/eval/summary.md"
+      generation.progress=false hydra.run.dir="$DEMO/eval"   # prints "evaluation summary: <its path>"
 fi
 echo
 echo "SFT export: $DEMO/sft/export"

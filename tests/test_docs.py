@@ -161,3 +161,21 @@ def test_no_identifier_renders_as_emphasis() -> None:
         prose = re.sub(r"(`+).+?\1", "", text, flags=re.S)
         found += [f"{page.relative_to(ROOT)}: {m}" for m in re.findall(r"(?<![\w\\*])_[A-Za-z][\w.]*_(?!\w)", prose)]
     assert not found, "put identifiers in backticks:\n" + "\n".join(found)
+
+
+def test_documented_evaluate_commands_say_how_bertscore_loads() -> None:
+    """BERTScore defaults to the paper's roberta-large, which is not shipped and rolemrc keeps the
+    hub offline: each documented evaluate.py command that scores BERTScore either uses the shipped
+    MiniLM (`metrics.bertscore.model=`) or goes online (`HF_HUB_OFFLINE=0`), so it runs as written.
+    Exempt: RoleBench, CharacterLLM and lm-eval runs (no BERTScore) and resuming a folder."""
+    exempt = re.compile(r"data=(?:rolebench|characterllm)|benchmarks=|out_dir=|--cfg|metrics\.(?:names|rouge_only)")
+    found, bad = 0, []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if "python evaluate.py" not in line or exempt.search(line):
+                    continue
+                found += 1
+                if "metrics.bertscore.model=" not in line and "HF_HUB_OFFLINE=0" not in line:
+                    bad.append(f"{page.relative_to(ROOT)}: {line.strip()}")
+    assert found >= 8 and not bad, "\n".join(bad)

@@ -28,11 +28,15 @@ def test_a_missing_checkpoint_file_is_named_a_missing_file(tmp_path: Path) -> No
     assert done.stderr.strip().splitlines()[-1] == f"error: model.path={missing}: no such file"
 
 
-def test_memory_help_prints_usage_and_exits_0() -> None:
-    done = subprocess.run([sys.executable, "-m", "rolemrc.memory", "--help"], cwd=ROOT, env=ENV,
+def test_memory_help_prints_usage_and_exits_0_at_once() -> None:
+    """At once: before torch is imported (seconds); it names where the table lives now."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "rolemrc.memory", "--help"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage:") and "--simulate" in done.stdout and "python -m rolemrc.memory" in done.stdout
+    assert "docs/memory.md" in done.stdout and "README" not in done.stdout and "an 8B recipe takes minutes" in done.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert not [m for m in imported if m in ("torch", "hydra", "rolemrc.config")], imported
 
 
 @pytest.mark.parametrize(("steps", "words"), [(1, "1 step,"), (2, "2 steps,"), (0, "0 steps,")])
@@ -75,3 +79,36 @@ def test_a_mistyped_hub_id_fails_at_once_without_hf_hub_offline(tmp_path: Path) 
                                 "(no config.json of it in the local hub cache)."), lines[-1]
     assert "HF_HUB_OFFLINE=0" in lines[-1]
     assert not [ln for ln in lines[:-1] if "retry" in ln.lower() or "huggingface.co" in ln], lines
+
+
+def test_the_model_summary_has_no_flops_it_did_not_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning counts FLOPs only for a module with an example input (rolemrc's have none): its
+    summary would print "Total FLOPs: 0" on every run; rolemrc's leaves FLOPs out."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.utilities.model_summary.model_summary import summarize
+
+    from rolemrc.callbacks.model_summary import ModelSummaryWithoutFlops
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+    s = summarize(Module(), max_depth=1)
+    assert s.total_flops == 0
+    ModelSummaryWithoutFlops.summarize(s._get_summary_data(), s.total_parameters, s.trainable_parameters,
+                                       s.model_size, s.total_training_modes, total_flops=s.total_flops)
+    out = capsys.readouterr().out
+    assert "Total params: 20" in out and "layer" in out and "Linear" in out and "FLOPs" not in out
+
+
+def test_grpo_on_cpu_says_what_a_step_costs() -> None:
+    from omegaconf import OmegaConf
+
+    from rolemrc.run.train import grpo_cpu_hint
+
+    cfg = OmegaConf.create({"data": {"batch_size": 4}, "trainer": {"accumulate_grad_batches": 2},
+                            "objective": {"num_generations": 8, "max_completion_length": 48}})
+    hint = grpo_cpu_hint(cfg)
+    assert hint.startswith("GRPO on CPU: each step samples 64 completions of up to 48 tokens") and "10-20 s" in hint

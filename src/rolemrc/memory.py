@@ -1,6 +1,6 @@
 """GPU memory per device for a run: the estimate, and the simulated per-rank peak.
 
-    python -m rolemrc.memory                    # the README table (8B models, 80 GB GPUs)
+    python -m rolemrc.memory                    # the table of docs/memory.md (8B models, 80 GB GPUs)
     python -m rolemrc.memory experiment=rolemrc_llama_sft trainer.devices=8   # one config's estimate
     python -m rolemrc.memory experiment=rolemrc_llama_sft --simulate [--json]  # its simulated per-rank peak
 
@@ -15,8 +15,25 @@ fallback (:mod:`rolemrc.sizing.decide`, where a training run stores the simulate
 
 from __future__ import annotations
 
-import json
 import sys
+
+
+def _usage() -> str:
+    """The command lines of the module docstring, and what the flags do."""
+    lines = [line.strip() for line in (__doc__ or "").splitlines() if line.strip().startswith("python -m")]
+    return "\n".join(["usage:", *(f"  {line}" for line in lines), "",
+                      "Hydra overrides (key=value) pick the training config, as for train.py.",
+                      "  --simulate  one optimizer step under fake tensors on fake ranks: the per-rank peak",
+                      "              (seconds for the tiny model; an 8B recipe takes minutes, ~5 on 2 busy cores)",
+                      "  --json      with --simulate: the report also as one JSON object on the last line",
+                      "  -h, --help  this message"])
+
+
+if __name__ == "__main__" and ("-h" in sys.argv[1:] or "--help" in sys.argv[1:]):
+    print(_usage())  # at once: what follows imports torch (seconds)
+    sys.exit(0)
+
+import json
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +92,8 @@ def _print_report(r: dict[str, Any]) -> None:
               "objective.num_generations) or shorter ones do")
 
 
-def _usage() -> str:
-    """The command lines of the module docstring, and what the flags do."""
-    lines = [line.strip() for line in (__doc__ or "").splitlines() if line.strip().startswith("python -m")]
-    return "\n".join(["usage:", *(f"  {line}" for line in lines), "",
-                      "Hydra overrides (key=value) pick the training config, as for train.py.",
-                      "  --simulate  one optimizer step under fake tensors on fake ranks: the per-rank peak",
-                      "  --json      with --simulate: the report also as one JSON object on the last line",
-                      "  -h, --help  this message"])
-
-
 def main(argv: list[str]) -> int:
-    """No arguments: the README table. Hydra overrides: that training config's estimate; with
+    """No arguments: the table of docs/memory.md. Hydra overrides: that training config's estimate; with
     ``--simulate`` after them, its simulated per-rank peak (``--json``: also as one JSON object on
     the last line)."""
     if not argv:
@@ -119,6 +126,8 @@ def main(argv: list[str]) -> int:
         if "--simulate" not in flags:
             print(log_estimate(cfg))  # checked just above: the checks run once
             return 0
+        print("simulating one optimizer step under fake tensors: seconds for the tiny model, minutes for an 8B "
+              "recipe (~5 on 2 busy CPU cores)", file=sys.stderr, flush=True)
         try:
             report = simulated_report(cfg)
         except SimulationUnavailable as err:

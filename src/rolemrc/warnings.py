@@ -22,6 +22,10 @@ What is filtered, and why it asks nothing of a rolemrc user:
   accelerate/parallelize does not apply).
 - Lightning's advice to log validation metrics with ``sync_dist=True`` under DDP/FSDP: rolemrc
   gathers the validation items across ranks itself before it logs ``val/*``.
+- Lightning's "You have overridden `on_before_batch_transfer` in both `LightningModule` and
+  `LightningDataModule`. It will use the implementation from `LightningDataModule`": rolemrc's
+  DataModule hands every batch on to the module's own hook after its own (KTO builds its KL rows
+  there), so the module's hook does run, as the note would have one believe it does not.
 - bitsandbytes' "Failed to load CPU gemm_4bit_forward ... pip install kernels", logged when peft
   imports bitsandbytes on a CPU with AVX512-BF16 (every LoRA run, 4-bit or not): an optional
   faster CPU kernel; the 4-bit CPU path works without it.
@@ -30,6 +34,9 @@ What is filtered, and why it asks nothing of a rolemrc user:
 - absl's "Using default tokenizer." from rouge-score, once per ROUGE scorer.
 - transformers' "Loading weights" / "Writing model shards" progress bars when progress bars are
   off (``trainer.enable_progress_bar=false``) or the output is not a terminal (a log file).
+- lm-eval's "Passed argument batch_size = auto... Detecting largest batch size" and "Determined
+  largest batch size: N", print()ed each time ``benchmarks.batch_size=auto`` measures (once per
+  task kind): the size found is logged once by rolemrc instead (:func:`lm_eval_prints`).
 
 And one copy of each line: a process that a launcher started as a rank other than 0 prints only
 errors on the console (:func:`console_on_rank_zero`); its own log file keeps every line.
@@ -41,6 +48,8 @@ import logging
 import os
 import sys
 import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 # (message regex, category, module regex) for warnings.filterwarnings
 WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
@@ -51,6 +60,8 @@ WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
      r"single process", UserWarning, r"torch\.distributed\.checkpoint\.utils"),
     (r"It is recommended to use `self\.log\('val/[^']*', \.\.\., sync_dist=True\)`", UserWarning,
      r"lightning\.pytorch\."),
+    (r"You have overridden `on_before_batch_transfer` in both `LightningModule` and `LightningDataModule`",
+     UserWarning, r"lightning\.pytorch\.trainer\.connectors\.data_connector"),
 )
 # logger name -> the start of the messages dropped from it
 LOG_LINES: dict[str, tuple[str, ...]] = {
@@ -62,6 +73,58 @@ LOG_LINES: dict[str, tuple[str, ...]] = {
     "httpx": ("HTTP Request: ",),
     "absl": ("Using default tokenizer.",),
 }
+
+
+# lm-eval's print()s about benchmarks.batch_size=auto (case-insensitive starts: lm-eval spells
+# "Largest" both ways); the second carries the size found.
+LM_EVAL_BATCH_SIZE_PRINTS = ("passed argument batch_size = auto", "determined largest batch size: ")
+
+
+class _PrintedLines:
+    """A text stream in front of ``out`` that drops the lines starting with ``starts`` (casefolded)
+    and hands each dropped line to ``seen``; every other line passes through as it was written."""
+
+    def __init__(self, out: Any, starts: tuple[str, ...], seen: Callable[[str], None]) -> None:
+        self.out, self.starts, self.seen, self.pending = out, starts, seen, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            if line.casefold().startswith(self.starts):
+                self.seen(line)
+            else:
+                self.out.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the real stream's
+        return getattr(self.out, name)
+
+
+@contextmanager
+def lm_eval_prints() -> Iterator[None]:
+    """While lm-eval runs: its batch-size print()s (:data:`LM_EVAL_BATCH_SIZE_PRINTS`) dropped,
+    each size it determined logged once as ``lm-eval batch size: N (benchmarks.batch_size=auto)``."""
+    found: list[str] = []
+
+    def seen(line: str) -> None:
+        size = line.rsplit(":", 1)[-1].strip()
+        if line.casefold().startswith(LM_EVAL_BATCH_SIZE_PRINTS[1]) and size not in found:
+            found.append(size)
+            logging.getLogger("rolemrc.eval.general").info("lm-eval batch size: %s (benchmarks.batch_size=auto)", size)
+
+    out = sys.stdout
+    sys.stdout = _PrintedLines(out, LM_EVAL_BATCH_SIZE_PRINTS, seen)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        rest = sys.stdout.pending if isinstance(sys.stdout, _PrintedLines) else ""
+        sys.stdout = out
+        if rest:
+            out.write(rest)
 
 
 class _DropKnownLines(logging.Filter):

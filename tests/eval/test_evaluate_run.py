@@ -297,6 +297,33 @@ def test_vllm_missing_is_a_clear_error(export: Path, tmp_path: Path) -> None:
         run(cfg)
 
 
+def test_checks_come_in_order_of_relevance_before_any_slow_work(export: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model before BERTScore's encoder: an empty model folder is the error to read, though the
+    paper's roberta-large is not cached either. With a good model, BERTScore's error names the
+    overrides that fix it, before the model is resolved (a checkpoint exported, an adapter merged)."""
+    from huggingface_hub import constants
+
+    from rolemrc.errors import InputNotFound
+    from rolemrc.eval import run as eval_run
+    from rolemrc.eval.metrics import BertScoreUnavailable
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputNotFound, match="model.path=.*empty: the folder holds no model"):
+        run(compose_eval(f"model.path={empty}", f"out_dir={tmp_path / 'a'}"))
+
+    def resolved_too_early(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model source was resolved before the checks")
+
+    monkeypatch.setattr(eval_run, "resolve_model_sources", resolved_too_early)
+    with pytest.raises(BertScoreUnavailable) as err:
+        run(compose_eval(f"model.path={export}", f"out_dir={tmp_path / 'b'}"))
+    assert "Add metrics.bertscore.model=minilm" in str(err.value) and "HF_HUB_OFFLINE=0" in str(err.value)
+
+
 def test_config_typos_fail_and_groups_compose() -> None:
     with pytest.raises(ConfigCompositionException):
         compose_eval("generation.batchsize=2")

@@ -57,7 +57,7 @@ _PLAIN = re.compile(
     r"\||error: |warning: "  # rolemrc's prints (results as a Markdown table)
     r"|Epoch \d+/\d+ |\s+[\w/]+: [-\d.]+|generate: "  # progress bars (Rich, tqdm) and the metrics beside them
     r"|[┏┃┡│└]|(Non-)?[Tt]rainable params: |Total params: |Total estimated model params size|Modules in (train|eval) "
-    r"mode: |Total FLOPs: "  # Lightning's model summary (trainer.enable_model_summary)
+    r"mode: "  # the model summary (rolemrc.callbacks.model_summary: no FLOPs, Lightning counts none)
     r"|(\x1b\[[\d;]*m)*wandb(\x1b\[0m)?: )")  # W&B's own report of where the run is (logger=wandb)
 
 

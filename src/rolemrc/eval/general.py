@@ -38,6 +38,7 @@ from rolemrc.config import plain
 from rolemrc.errors import ConfigError, DataUnavailable, InputNotFound
 from rolemrc.eval.generation import load_eval_model, model_label
 from rolemrc.fileio import atomic_write_json
+from rolemrc.warnings import lm_eval_prints
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,11 @@ def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model:
     named = any(isinstance(s, str) for _, s, _ in specs)
     tm = _task_manager(TaskManager)(include_path=b.include_path or None, include_defaults=named)
     limit = b.limit if b.limit is not None else cfg.limit
-    res = lm_eval.simple_evaluate(model=lm, tasks=[s for _, s, _ in specs], task_manager=tm, limit=limit,
-                                  num_fewshot=b.num_fewshot, log_samples=False, random_seed=cfg.seed,
-                                  numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+    with lm_eval_prints():  # its batch-size print()s: the size found, logged once
+        res = lm_eval.simple_evaluate(model=lm, tasks=[s for _, s, _ in specs], task_manager=tm, limit=limit,
+                                      num_fewshot=b.num_fewshot, log_samples=False, random_seed=cfg.seed,
+                                      numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
+                                      fewshot_random_seed=cfg.seed)
     if res is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     tasks = {}

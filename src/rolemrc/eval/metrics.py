@@ -110,13 +110,13 @@ class BertScoreUnavailable(UserError, OSError):
 
 
 def bertscore_help(model: str, why: str) -> str:
-    """The one-line fix for an encoder that cannot be loaded."""
+    """The one-line fix for an encoder that cannot be loaded: the overrides that work, offline first."""
     return (
-        f"metrics.bertscore.model={model} cannot be loaded: {why}. The paper's BERTScore is bert-score's English "
-        f"default ({PAPER_BERTSCORE_MODEL}, layer 17, no rescaling): put it in the Hugging Face cache (HF_HOME) or "
-        f"point at a local copy (metrics.bertscore.model=/path/to/{PAPER_BERTSCORE_MODEL} "
-        f"metrics.bertscore.num_layers=17); or use the offline MiniLM (metrics.bertscore.model={MINILM}, not "
-        "comparable with the paper), or leave bertscore_f1 out of metrics.names"
+        f"metrics.bertscore.model={model} cannot be loaded: {why}. Add metrics.bertscore.model={MINILM} (offline, "
+        f"not comparable with the paper), or, for the paper's BERTScore (bert-score's English default: "
+        f"{PAPER_BERTSCORE_MODEL}, layer 17, no rescaling), download it once by rerunning with HF_HUB_OFFLINE=0, "
+        f"or point at a local copy (metrics.bertscore.model=/path/to/{PAPER_BERTSCORE_MODEL} "
+        "metrics.bertscore.num_layers=17), or leave bertscore_f1 out of metrics.names"
     )
 
 

@@ -33,7 +33,8 @@ from rolemrc.eval.metrics import (
 from rolemrc.eval.report import log_to_loggers, print_console, write_report  # noqa: F401 - print_console re-exported
 from rolemrc.eval.suites import run_suites, wants_suites
 from rolemrc.eval.verifiers import agreement, verify_all
-from rolemrc.models.source import resolve_model_sources
+from rolemrc.models.loading import check_source
+from rolemrc.models.source import check_model_path, resolve_model_sources
 from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -128,22 +129,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_suites(cfg)
 
 
+    # Checks in the order of relevance, all before anything slow: the model first (a missing or
+    # empty model folder is the error to read, not a metric's encoder), then the backend (vllm
+    # installed, the API key's variable, the replies file), the judge's backend, model and key,
+    # the test data, METEOR's data and BERTScore's encoder.
     backend = generation_backend(cfg)
     if backend.local:
-        cfg, resolved = resolve_model_sources(cfg)
-    else:
-        resolved = {}
-    source = resolved.get("model.path")  # the checkpoint an export came from
-
-    check_backend(cfg)  # before anything slow: vllm installed, the API key's variable, the replies file
-    # The judge's backend, model name and API key variable are checked before anything slow.
+        check_model_path(cfg.model.path, "model.path")
+        check_source(cfg.model.tokenizer, "model.tokenizer")
+    check_backend(cfg)
     check_judge(judge_config(cfg.judge))
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     items, rolebench = load_test_items(cfg.data, cfg.limit)
-    if not (rolebench or cfg.metrics.rouge_only):  # METEOR's data, BERTScore's encoder: before anything slow
+    if not (rolebench or cfg.metrics.rouge_only):
         check_metrics(list(cfg.metrics.names), cfg.metrics.meteor_tokenizer, _bertscore(cfg.metrics.bertscore))
+    # Slow for a checkpoint or an adapter (exported or merged once): after every check.
+    if backend.local:
+        cfg, resolved = resolve_model_sources(cfg)
+    else:
+        resolved = {}
+    source = resolved.get("model.path")  # the checkpoint an export came from
     ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
     log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
 

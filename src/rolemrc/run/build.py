@@ -26,6 +26,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import OmegaConf
 from torch import nn
 
+from rolemrc.callbacks.model_summary import ModelSummaryWithoutFlops
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing.io import AtomicCheckpointIO
 from rolemrc.checkpointing.state import read_checkpoint_entries
@@ -149,7 +150,8 @@ def build_trainer(cfg: Any) -> L.Trainer:
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
     callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), RunState(),
-                 RunSummary()]  # a final validation at max_steps; the end-of-run figures
+                 RunSummary(),  # a final validation at max_steps; the end-of-run figures
+                 ModelSummaryWithoutFlops()]  # Lightning's own would print "Total FLOPs: 0"
     if _one_process(cfg):
         # Lightning warns that `srun` "is available but not used" wherever SLURM is installed: advice
         # against parallel jobs hanging, which a one-process run cannot do (a login node's test run).
@@ -166,6 +168,7 @@ def build_trainer(cfg: Any) -> L.Trainer:
         strategy=strategy,
         logger=loggers or False,
         callbacks=callbacks,
+        enable_model_summary=False,  # ModelSummaryWithoutFlops prints it (Lightning would add its own beside)
         default_root_dir=str(cfg.run_dir),
         use_distributed_sampler=False,  # ResumableSampler splits data across ranks itself
         plugins=plugins,

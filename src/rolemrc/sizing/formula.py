@@ -1,6 +1,6 @@
 """The formula: back-of-the-envelope GPU memory per device for a run, checked before anything loads.
 
-``python -m rolemrc.memory`` prints its README table, ``python -m rolemrc.memory <train overrides>``
+``python -m rolemrc.memory`` prints the table of docs/memory.md, ``python -m rolemrc.memory <train overrides>``
 one config's estimate (:mod:`rolemrc.memory`, the command line). A training run calls
 :func:`log_estimate` in its setup, after the config checks and before any weight loads: it logs
 the estimate, and warns when it exceeds ``runtime.device_memory_gb``. Where the run cannot be
@@ -207,7 +207,7 @@ def _devices(devices: Any) -> int:
 
 
 def table() -> str:
-    """The README table: 8B full fine-tunes with FSDP, LoRA/QLoRA on one GPU (80 GB)."""
+    """The table of docs/memory.md: 8B full fine-tunes with FSDP, LoRA/QLoRA on one GPU (80 GB)."""
     rows = ["| run | GPUs | act. ckpt | CPU offload | est. GB/GPU | fits 80 GB |", "|---|---|---|---|---|---|"]
     llama = arch_of(_Model("meta-llama/Llama-3.1-8B"))
     sft_tokens, dpo_tokens = 8 * 4200, 2 * 4 * 3000  # paper micro-batches

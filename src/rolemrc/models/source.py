@@ -24,6 +24,7 @@ from rolemrc.errors import InputNotFound
 from rolemrc.fileio import atomic_write_json
 from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
 from rolemrc.models.export import export_checkpoint
+from rolemrc.models.loading import check_source
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ def check_model_path(value: str | None, key: str = "model.path") -> None:
     """Cheap, before any other check of a run: ``value`` names something a model loads from. A
     missing file or folder, a hub id not in the offline cache (:func:`check_source`), and a
     folder holding no model are each one error naming ``key``."""
-    from rolemrc.models.loading import check_source
-
     if value is None:
         return
     path = Path(value).expanduser()

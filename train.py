@@ -28,10 +28,12 @@ register()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
     from rolemrc.config import check_train_config
+    from rolemrc.models.paths import check_model_paths
 
     # bad input: one "error: ..." line, exit 1 (one job of a sweep: recorded, the sweep goes on)
     with entry_point():
         check_train_config(cfg)  # before the slow imports: a key no run can satisfy is refused at once
+        check_model_paths(cfg.model)  # and a model.path that names no model
         from rolemrc.run.train import run
 
         one_copy_of_lightning_logs()  # Lightning's log lines printed once (now that it is imported)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,16 @@ BAD = [
     (["model.attn_implementation=flash"], r"model.attn_implementation must be one of"),
     (["model.kernels=triton"], r"model.kernels must be one of none, liger"),
     (["model.quantization.load_in_4bit=true"], r"load_in_4bit=true \(QLoRA\) needs model.peft.enabled=true"),
+    # numbers no run can use: refused before the data is built (a batch of 0 divided by zero at the first step)
+    (["data.batch_size=0"], r"^data.batch_size must be >= 1 \(items per micro-batch\), got 0$"),
+    (["trainer.max_steps=-5"], r"^trainer.max_steps must be -1 \(no limit: trainer.max_epochs decides\) or >= 0, got -5$"),
+    (["data.max_length=0"], r"^data.max_length must be >= 2 \(tokens per row; the first token of a row is never trained"),
+    (["data.max_length=1"], r"^data.max_length must be >= 2 "),
+    (["objective=dpo", "data.max_length=1"], r"^data.max_length must be >= 2 "),
+    (["optim.lr=0"], r"^optim.lr must be > 0, got 0"),
+    (["trainer.accumulate_grad_batches=0"], r"^trainer.accumulate_grad_batches must be >= 1, got 0$"),
+    (["data.val_fraction=1.0"], r"^data.val_fraction must be in \[0, 1\), got 1.0$"),
+    (["objective=dpo", "data.max_prompt_length=0"], r"^data.max_prompt_length must be >= 1, got 0$"),
 ]
 
 
@@ -204,3 +215,143 @@ def test_every_shipped_config_has_only_known_keys(config_name: str, overrides: l
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         check_known_keys(compose(config_name, overrides=overrides))
+
+
+# ---------------------------------------------------------------- Hydra's own errors, one line each
+
+HYDRA_ERRORS = [
+    ("train", ["trainer.max_step=5"], "trainer.max_step is not a config key (TrainerConfig); did you mean trainer.max_steps?"),
+    ("train", ["objective=dpo", "objective.bata=0.2"],
+     "objective.bata is not a config key (DPOObjectiveConfig); did you mean objective.beta?"),
+    ("train", ["objective.beta=0.2"], "objective.beta is not a config key (SFTObjectiveConfig); its keys: name, "
+     "logprob_chunk_size; beta is a key of objective=dpo|simpo|orpo|kto|grpo"),
+    ("train", ["objective=dpp"],
+     "objective=dpp is not an option of objective; did you mean objective=dpo? (options: dpo, grpo, kto, orpo, sft, simpo)"),
+    ("train", ["data.batch_size=abc"], "data.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("evaluate", ["limt=4"], "limt is not a config key (EvaluateConfig); did you mean limit?"),
+]
+
+
+@pytest.mark.parametrize("config_name,overrides,line", HYDRA_ERRORS, ids=[" ".join(o) for _, o, _ in HYDRA_ERRORS])
+def test_hydras_errors_become_one_line_naming_the_nearest_key(config_name: str, overrides: list[str], line: str) -> None:
+    """A misspelt key gets the nearest known key, not Hydra's advice to add it with + (which the
+    schema then refuses); a misspelt group option the nearest option, the ``*_schema`` entries left out."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from rolemrc.hydra_errors import one_line
+    from tests.conftest import CONF
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"), pytest.raises(HydraException) as err:
+        compose(config_name, overrides=overrides)
+    assert one_line(err.value) == line
+
+
+@pytest.mark.parametrize("args,line", [
+    (["trainer.max_step=5"], "error: trainer.max_step is not a config key (TrainerConfig); did you mean trainer.max_steps?"),
+    (["-m", "hydra/launcher=slurm", "trainer.max_steps=1"],
+     "error: hydra/launcher=slurm submits each job of the sweep with SLURM, which this machine does not have (no srun on "
+     "PATH): run the command on a SLURM login node, or run the sweep here with hydra/launcher=local (or without a "
+     "hydra/launcher override: one job after another)"),
+    (["data.batch_size=0"], "error: data.batch_size must be >= 1 (items per micro-batch), got 0"),
+    (["model.path={empty}"], "error: model.path={empty}: the folder has no model files (no config.json, and it is no "
+     "adapter export, run folder or checkpoint of rolemrc's): point model.path at a model export (a run's export/ "
+     "folder), a run folder, a checkpoint or a hub id"),
+], ids=["misspelt key", "slurm launcher without slurm", "batch of 0", "empty model folder"])
+def test_train_py_says_it_in_one_line_before_any_work(tmp_path, args: list[str], line: str) -> None:
+    """Through the entry script, with HYDRA_FULL_ERROR=1 as slurm/train.sbatch sets it: exit 1,
+    the one ``error:`` line, no traceback, no data read and no job started."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1",
+           "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "srun").exists())}
+    args = [a.format(empty=empty) for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [line.format(empty=empty)], proc.stderr[-2000:]
+    assert not list((tmp_path / "run").glob("data_report_*.json")) and not (tmp_path / "sweep" / "0").exists()
+
+
+def test_evaluate_py_names_a_misspelt_key_in_one_line(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "limt=4", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"},
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: limt is not a config key (EvaluateConfig); did you mean limit?"]
+
+
+def test_a_gpu_recipe_without_a_gpu_is_refused_before_the_sizing(train_cfg, monkeypatch) -> None:
+    """``trainer=gpu`` (every GPU recipe) where Lightning finds no CUDA device: one error naming
+    the key and the overrides that train on the CPU, before the memory sizing (a simulated step
+    of an 8B model), the data and the model."""
+    import lightning.fabric.accelerators.cuda
+    import lightning.fabric.accelerators.mps
+
+    import rolemrc.run.train
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the accelerator was checked")
+
+    monkeypatch.setattr(lightning.fabric.accelerators.cuda, "num_cuda_devices", lambda: 0)
+    monkeypatch.setattr(lightning.fabric.accelerators.mps.MPSAccelerator, "is_available", staticmethod(lambda: False))
+    for name in ("resolve_checkpointing", "log_estimate", "build_datamodule", "build_model"):
+        monkeypatch.setattr(rolemrc.run.train, name, no_work)
+    with pytest.raises(ConfigError, match=r"^trainer.accelerator=gpu but this machine has no GPU that torch can use "
+                                          r"\(no CUDA device found\): run it on a GPU node .*, or train on the CPU with "
+                                          r"trainer.accelerator=cpu trainer.devices=1 strategy=single$"):
+        rolemrc.run.train.setup(train_cfg("trainer=gpu", "strategy=fsdp", "trainer.devices=4"))
+
+
+def test_a_model_folder_is_checked_for_its_files_before_the_slow_imports(tmp_path) -> None:
+    """``model.path`` (or ``model.tokenizer``) naming a folder without a model's (tokenizer's)
+    files, or whose config names its own code while ``model.trust_remote_code`` is off: one error
+    each (transformers would say "install sentencepiece or tiktoken", or refuse the code only after
+    the memory estimate failed on the config's missing sizes). train.py checks it before importing
+    torch (rolemrc.models.paths imports neither torch nor transformers)."""
+    from omegaconf import OmegaConf
+
+    from rolemrc.errors import InputNotFound, ModelSourceError
+    from rolemrc.sizing.formula import arch_of
+    from rolemrc.models.paths import check_model_paths
+
+    def model(path, tokenizer=None, trust=False):
+        return OmegaConf.create({"path": str(path), "tokenizer": tokenizer and str(tokenizer), "trust_remote_code": trust,
+                                 "init": {}})
+
+    empty, custom, run = tmp_path / "empty", tmp_path / "custom", tmp_path / "run"
+    for folder in (empty, custom, run / ".hydra"):
+        folder.mkdir(parents=True)
+    (custom / "config.json").write_text('{"model_type": "mine", "auto_map": {"AutoModelForCausalLM": "mine.Model"}}')
+    (run / ".hydra" / "config.yaml").write_text("{}")
+    with pytest.raises(InputNotFound, match=rf"^model.path={empty}: the folder has no model files \(no config.json"):
+        check_model_paths(model(empty))
+    with pytest.raises(ModelSourceError, match=rf"^model.path={custom}: its config names custom code \(auto_map\) that "
+                                               r"transformers would have to run, refused: .* model.trust_remote_code=true$"):
+        check_model_paths(model(custom))
+    with pytest.raises(InputNotFound, match=rf"^model.path={custom}: the folder has a model but no tokenizer files "
+                                            r"\(tokenizer.json, .*\): set model.tokenizer="):
+        check_model_paths(model(custom, trust=True))
+    with pytest.raises(InputNotFound, match=rf"^model.tokenizer={empty}: the folder has no tokenizer files"):
+        check_model_paths(model(custom, tokenizer=empty, trust=True))
+    check_model_paths(model(run))  # a run folder of ours: its export or checkpoint is found later
+    assert arch_of(model(custom, trust=True)) is None  # no sizes to estimate from: no estimate, no TypeError
+
+
+def test_remote_code_is_refused_before_the_memory_estimate(train_cfg, monkeypatch, tmp_path) -> None:
+    import rolemrc.run.train
+    from rolemrc.errors import ModelSourceError
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the memory estimate ran before the model's config was checked")
+
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "config.json").write_text('{"model_type": "mine", "auto_map": {"AutoConfig": "mine.Config"}}')
+    for name in ("resolve_checkpointing", "log_estimate", "build_datamodule", "build_model"):
+        monkeypatch.setattr(rolemrc.run.train, name, no_work)
+    with pytest.raises(ModelSourceError, match=r"its config names custom code \(auto_map\)"):
+        rolemrc.run.train.setup(train_cfg(f"model.path={custom}", "model.gradient_checkpointing=auto"))

@@ -99,3 +99,15 @@ def test_benchmarks_offline_name_the_missing_data_set_before_any_model_loads(tmp
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: benchmarks: task gsm8k: its data set cannot be loaded"), last
     assert "parameters" not in done.stdout + done.stderr
+
+
+def test_train_sbatch_outside_a_slurm_job_is_one_line(tmp_path: Path) -> None:
+    """``bash slurm/train.sbatch ...`` on a machine (no SLURM job): what to run instead, not bash's
+    ``SLURM_SUBMIT_DIR: unbound variable``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "trainer.max_steps=1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: train.sbatch runs inside a SLURM job: submit it with sbatch (sbatch slurm/train.sbatch <overrides>); "
+        "to train on this machine: python train.py <overrides>"]

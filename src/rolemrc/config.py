@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf, open_dict
 from rolemrc import asset
 from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
 from rolemrc.errors import ConfigError
+from rolemrc.hydra_errors import SCHEMA_SUFFIX, install as _hydra_errors_in_one_line, live_options
 
 
 @dataclass
@@ -733,6 +734,7 @@ def check_train_config(cfg: Any) -> None:
         raise ConfigError(f"objective.{unknown[0]} is not a key of objective={cfg.objective.name} "
                           f"({schema.__name__}); {hint}")
     check_known_keys(cfg)  # +data.max_len=10, +trainer.max_step=5: refused before anything loads
+    check_numbers(cfg)
     check_data_dir(cfg.data)
     check_choices(cfg)
     run_check = getattr(typed(cfg.objective), "check_run", None)  # an objective's rules across groups
@@ -754,12 +756,47 @@ def check_data_dir(data: Any) -> None:
                               "data.dir=<folder holding sft.jsonl, pairs.jsonl, test.jsonl>")
 
 
+# key -> (the test a value must pass, what the message says it must be); None passes (Lightning's default)
+NUMBER_RULES: dict[str, tuple[Any, str]] = {
+    "data.batch_size": (lambda v: v >= 1, ">= 1 (items per micro-batch)"),
+    # a row's first token is never a target: one token leaves nothing to train on
+    "data.max_length": (lambda v: v >= 2, ">= 2 (tokens per row; the first token of a row is never trained on; "
+                        "the recipes use 1024-4096)"),
+    "data.max_prompt_length": (lambda v: v >= 1, ">= 1"),
+    "data.val_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "data.num_workers": (lambda v: v >= 0, ">= 0"),
+    "trainer.max_steps": (lambda v: v >= -1, "-1 (no limit: trainer.max_epochs decides) or >= 0"),
+    "trainer.max_epochs": (lambda v: v >= -1, "-1 (no limit) or >= 0"),
+    "trainer.accumulate_grad_batches": (lambda v: v >= 1, ">= 1"),
+    "trainer.num_nodes": (lambda v: v >= 1, ">= 1"),
+    "trainer.log_every_n_steps": (lambda v: v >= 1, ">= 1"),
+    "trainer.gradient_clip_val": (lambda v: v >= 0, ">= 0 (or null: no clipping)"),
+    "optim.lr": (lambda v: v > 0, "> 0"),
+    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optim.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "objective.logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def check_numbers(cfg: Any) -> None:
+    """Numbers no run can use (:data:`NUMBER_RULES`), refused naming the key before anything loads:
+    ``data.batch_size=0`` would otherwise train until its first batch divides by zero,
+    ``trainer.max_steps=-5`` be refused by Lightning after the data is built."""
+    for key, (ok, must) in NUMBER_RULES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not ok(value):
+            raise ConfigError(f"{key} must be {must}, got {value}")
+
+
 def check_pair_lengths(max_length: int, max_prompt_length: int) -> None:
     """Preference rows need room for a response after the (left-cut) prompt."""
     if not 0 < max_prompt_length < max_length:
-        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} "
-                         "(and positive): a pair row is the prompt, cut to max_prompt_length, plus a response "
-                         "cut to fit max_length")
+        raise ConfigError(f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} "
+                          "(and positive): a pair row is the prompt, cut to max_prompt_length, plus a response "
+                          "cut to fit max_length")
 
 
 # Enum-like keys of the training config and the values they take (checked by check_choices; an
@@ -810,7 +847,6 @@ def _asset_unless_path(path: Optional[str], name: str) -> Optional[str]:
 # message) but not live, so `--cfg job` leaves them out unless a value was given.
 DEPRECATED_KEYS = (*(f"trainer.{k}" for k in MOVED_TO_RUNTIME), "strategy.activation_checkpointing",
                    "export.safe_serialization")
-SCHEMA_SUFFIX = "_schema"  # a group option that only types the group's files (objective/<name>_schema)
 
 
 def without_unset_deprecated(cfg: Any) -> Any:
@@ -850,7 +886,7 @@ def _hydra_shows_live_options() -> None:
         found = options(self, group_name, *args, **kwargs)
         if group_name.split("/")[0] == "hydra":
             return found
-        return [o for o in found if not (o.endswith(SCHEMA_SUFFIX) and o[: -len(SCHEMA_SUFFIX)] in found)]
+        return live_options(found)
 
     get_sanitized_cfg._rolemrc = True  # type: ignore[attr-defined]
     Hydra.get_sanitized_cfg = get_sanitized_cfg  # type: ignore[method-assign]
@@ -870,9 +906,19 @@ def objective_choice(cfg: Any) -> Optional[str]:
     return str(choice) if choice is not None else None
 
 
+def _objectives_with_key(node: str, key: str) -> Optional[str]:
+    """``objective.beta`` on ``objective=sft``: the objectives whose schema has the key."""
+    if node != "objective":
+        return None
+    others = [name for name, o in OBJECTIVES.items() if key in {f.name for f in fields(o.schema)}]
+    return f"{key} is a key of objective={'|'.join(others)}" if others else None
+
+
 def register() -> None:
-    """Register schemas and the ``${asset:...}`` resolvers (idempotent)."""
+    """Register schemas and the ``${asset:...}`` resolvers (idempotent); Hydra's own errors (a
+    misspelt key or option) print as one ``error:`` line (:mod:`rolemrc.hydra_errors`)."""
     _hydra_shows_live_options()
+    _hydra_errors_in_one_line(_objectives_with_key)
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("asset_unless_path"):

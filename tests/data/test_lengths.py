@@ -52,3 +52,20 @@ def test_config_check_reports_it_without_training() -> None:
                           "data.max_length=1000"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "data.max_prompt_length=2000 must be below data.max_length=1000" in " ".join(out.stderr.split())
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["in memory", "store"])
+def test_data_that_leaves_nothing_to_train_on_stops_naming_the_length(chat: ChatFormat, tmp_path, cache: bool) -> None:
+    """Rows cut to nothing trainable (the config refuses data.max_length=1; a datamodule built
+    without the config check gets it): one error naming data.max_length, never a run training on
+    nothing (train/loss 0 and an export)."""
+    from omegaconf import OmegaConf
+
+    from rolemrc.data.datamodule import ChatDataModule
+    from rolemrc.data.schemas import DataError
+
+    cfg = OmegaConf.create({"sft": [{"path": asset("sample/sft.jsonl")}], "val_fraction": 0.0, "max_length": 1,
+                            "max_prompt_length": 1, "batch_size": 2, "cache": cache, "cache_dir": str(tmp_path / "c")})
+    with pytest.raises(DataError, match=r"^no sft example left to train on: all \d+ had no token left to train on after "
+                                        r"truncation to data.max_length=1 \(e.g. .*sft.jsonl:1.*\): raise data.max_length"):
+        ChatDataModule(cfg, "sft", chat).setup()

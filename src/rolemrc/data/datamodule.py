@@ -28,8 +28,8 @@ from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
                                   epoch_batches_under_limit, repeated_batches)
-from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, encoded_rows_key_parts, open_or_build,
-                                open_or_build_encoded_rows)
+from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, encoded_rows_key_parts, nothing_to_train,
+                                open_or_build, open_or_build_encoded_rows)
 from rolemrc.data.schemas import Conversation, DataError, Pair, PromptItem, Unpaired
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
 
@@ -85,7 +85,7 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
             bad.add(ex.origin, enc)
             continue
         truncated += enc.truncated
-        if enc.n_trained == 0:
+        if enc.n_predicted == 0:  # a trained token only at position 0 (never a target) trains nothing either
             empty.append(ex.origin)
             continue
         tokens += len(enc.input_ids)
@@ -306,6 +306,8 @@ class ChatDataModule(L.LightningDataModule):
         for line in _report_lines(self.report):
             log.info(line)
         self._log_reports(self.report["train"], self.report["val"])
+        if not len(self.train_rows):
+            raise DataError(nothing_to_train(self.kind, self.report["train"], self.cfg))
         if not self.report["val"] and self.cfg.val_fraction > 0 and not getattr(self.cfg, f"{self.kind}_val"):
             log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
                         self.cfg.val_fraction, sum(self.report["sources"].values()), self.kind)
@@ -338,7 +340,7 @@ class ChatDataModule(L.LightningDataModule):
         train_rows, train_report = self._encode(train)
         val_rows, val_report = self._encode(val) if val else ([], {})
         if not train_rows:
-            raise DataError(f"no {self.kind} example left to train on after encoding: {train_report}")
+            raise DataError(nothing_to_train(self.kind, train_report, self.cfg))
         if holdout > 0 and not val:
             log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
                         holdout, sum(read_report.kept.values()), self.kind)

@@ -279,7 +279,7 @@ def _sft_row(enc: Any) -> tuple:
     """(no trained token, truncated, ids, loss mask, shifted trained tokens, trained tokens)."""
     ids = np.asarray(enc.input_ids, dtype=np.int32)
     mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
-    return (not mask.any(), int(enc.truncated), ids.tobytes(), mask.astype(np.uint8).tobytes(), int(mask[1:].sum()),
+    return (not mask[1:].any(), int(enc.truncated), ids.tobytes(), mask.astype(np.uint8).tobytes(), int(mask[1:].sum()),
             int(mask.sum()))
 
 
@@ -288,6 +288,25 @@ def _pair_row(enc: Any) -> tuple:
     flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
     return (not enc.chosen_ids or not enc.rejected_ids, flags, np.asarray(enc.prompt_ids, np.int32).tobytes(),
             np.asarray(enc.chosen_ids, np.int32).tobytes(), np.asarray(enc.rejected_ids, np.int32).tobytes())
+
+
+def nothing_to_train(kind: str, report: dict, cfg: Any) -> str:
+    """Why no ``kind`` row is left to train on after encoding (``report``: the train split's mask
+    report), naming the key to change: every row cut by ``data.max_length`` to no token the loss
+    sees (a row's first token is never predicted), every row unrenderable."""
+    dropped = int(report.get("dropped_no_trainable_token") or 0)
+    unrenderable = int(report.get("dropped_template_error") or 0)
+    shown = f" (e.g. {', '.join(report['dropped_examples'][:3])})" if report.get("dropped_examples") else ""
+    if dropped:
+        lengths = f"data.max_length={cfg.max_length}"
+        if kind in ("pairs", "unpaired"):
+            lengths += f" with data.max_prompt_length={cfg.max_prompt_length}"
+        return (f"no {kind} example left to train on: all {dropped} had no token left to train on after truncation "
+                f"to {lengths}{shown}: raise data.max_length (the recipes: 1024-4096)")
+    if unrenderable:
+        return (f"no {kind} example left to train on: the chat template could not render any of them "
+                f"({unrenderable} dropped with data.on_error=skip: {report.get('template_errors', [])[:1]})")
+    return f"no {kind} example left to train on after encoding: {json.dumps(report)}"
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -596,7 +615,7 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     train_rows, train_report, train_totals = b.stage(train_units)
     val_rows, val_report, val_totals = b.stage(val_units) if val_units else (np.zeros(0, np.int32), {}, None)
     if not len(train_rows):
-        raise DataError(f"no {spec.kind} example left to train on after encoding: {train_report}")
+        raise DataError(nothing_to_train(spec.kind, train_report, spec))
     report: dict[str, Any] = {"sources": read_report.kept, "skipped": read_report.skipped,
                               "skipped_examples": read_report.examples, "train": train_report, "val": val_report}
     packing: dict[str, Any] = {}

@@ -57,6 +57,11 @@ class EncodedConversation:
     def n_trained(self) -> int:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
+    @property
+    def n_predicted(self) -> int:
+        """Trained tokens the loss sees: a row's first token has no token before it to predict it from."""
+        return sum(label != IGNORE_INDEX for label in self.labels[1:])
+
 
 @dataclass
 class EncodedPair:

@@ -15,22 +15,13 @@ from torch import nn
 
 from rolemrc.config import plain
 from rolemrc.data.templates import load_template
-from rolemrc.errors import InputNotFound, ModelSourceError
+from rolemrc.errors import ModelSourceError
 from rolemrc.models import family
 from rolemrc.models.kernels import apply_kernels, check_kernels
 from rolemrc.models.logprob_head import install_logprob_head
+from rolemrc.models.paths import check_model_paths, check_source, hub_offline, offline_hint, remote_code_refused
 
 log = logging.getLogger(__name__)
-
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def _offline_hint(key: str, source: str) -> str:
-    return (" rolemrc reads the hub only with HF_HUB_OFFLINE=0 set, and it is not in the local cache: "
-            f"rerun with HF_HUB_OFFLINE=0 to download it, download it where there is network "
-            f"(`hf download {source}`), or point {key} at a local folder.")
 
 
 @contextmanager
@@ -40,38 +31,12 @@ def _naming(key: str, source: str) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        hint = _offline_hint(key, source) if _hub_offline() else ""
+        hint = offline_hint(key, source) if hub_offline() else ""
         raise ModelSourceError(f"{key}={source}: cannot load it ({str(err).splitlines()[0]}).{hint}") from err
     except ValueError as err:  # transformers' refusal to run a model's own code (an auto_map in its config)
         if "trust_remote_code" not in str(err):
             raise
-        raise ModelSourceError(f"{key}={source}: its config names custom code (auto_map) that transformers would "
-                               "have to run, refused: read that code, and only if you trust it set "
-                               "model.trust_remote_code=true") from None
-
-
-# What names a file (a training checkpoint, loose weights), not a folder or a hub repository.
-_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
-
-
-def check_source(value: str | None, key: str) -> None:
-    """A local folder that does not exist is named as such (transformers' own error would talk
-    about repository ids). A hub id is ``owner/name``; anything else is taken as local. With the
-    hub switched off, a hub id whose files are not in the local cache is refused here, before
-    anything slow runs (transformers would find out only when loading)."""
-    if value is None or Path(value).expanduser().exists():
-        return
-    if Path(value).suffix in _FILE_SUFFIXES:  # a checkpoint or weights file, never a hub id
-        raise InputNotFound(f"{key}={value}: no such file")
-    if value.startswith((".", "/", "~")) or value.count("/") > 1:
-        raise InputNotFound(f"{key}={value}: no such folder (a hub id is written owner/name)")
-    if _hub_offline():
-        from huggingface_hub import try_to_load_from_cache
-
-        wanted = "tokenizer_config.json" if key.endswith("tokenizer") else "config.json"
-        if not isinstance(try_to_load_from_cache(value, wanted), str):
-            raise ModelSourceError(f"{key}={value}: cannot load it (no {wanted} of it in the local hub cache)."
-                                   + _offline_hint(key, value))
+        raise ModelSourceError(remote_code_refused(key, source)) from None
 
 
 def check_model_cfg(cfg: Any) -> None:
@@ -80,8 +45,7 @@ def check_model_cfg(cfg: Any) -> None:
         raise ValueError("model.quantization.load_in_4bit=true trains only adapters: set model.peft.enabled=true")
     if cfg.quantization.load_in_4bit and cfg.path is None:
         raise ValueError("4-bit quantization needs pretrained weights (model.path)")
-    check_source(cfg.path, "model.path")
-    check_source(cfg.tokenizer, "model.tokenizer")
+    check_model_paths(cfg)
     if getattr(cfg, "kernels", "none") != "none":
         check_kernels(cfg.kernels)
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rolemrc.parts import build_chat, build_model
 from rolemrc.data.readers import read_examples
 from rolemrc.data.templates import ChatFormat
-from rolemrc.models.loading import check_source
+from rolemrc.models.paths import check_source
 from rolemrc.models.source import resolve_model_sources
 from rolemrc.probing.capture import check_site
 from rolemrc.tasks import balanced_subset

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rolemrc.errors import ModelSourceError
-from rolemrc.models.loading import check_source
+from rolemrc.models.paths import check_source
 from rolemrc.rewards.text import completion_texts
 
 

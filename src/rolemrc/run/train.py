@@ -101,6 +101,28 @@ def check_files(cfg: DictConfig) -> None:
             raise ConfigError(f"export.dir={cfg.export.dir}: {err}") from None
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """``trainer.accelerator=gpu`` (the GPU recipes, ``trainer=gpu``) on a machine where torch sees
+    no GPU, refused before the memory sizing, the data and the model (Lightning would refuse it
+    when the trainer is built, after them)."""
+    from lightning.fabric.accelerators.cuda import num_cuda_devices  # Lightning's own test (fork-safe)
+    from lightning.fabric.accelerators.mps import MPSAccelerator
+
+    accelerator = str(cfg.trainer.accelerator).lower()
+    if accelerator not in ("gpu", "cuda") or num_cuda_devices() > 0:
+        return
+    if accelerator == "gpu" and MPSAccelerator.is_available():  # Lightning's "gpu" on Apple silicon
+        return
+    cpu = "trainer.accelerator=cpu"
+    if cfg.strategy.name != "single" or str(cfg.trainer.devices) != "1":
+        cpu += " trainer.devices=1 strategy=single"
+    if str(cfg.trainer.precision).startswith("16"):  # fp16 autocast is a GPU feature; bf16 runs on CPUs
+        cpu += " trainer.precision=32-true"
+    raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no GPU that torch can use "
+                      f"(no CUDA device found): run it on a GPU node (e.g. sbatch slurm/train.sbatch "
+                      f"...), or train on the CPU with {cpu}")
+
+
 REFERENCE_TABLES = "ref_logps-*.safetensors"  # rolemrc.modules.reference.PrecomputedReference.cache_path
 
 
@@ -155,6 +177,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
     check_train_config(cfg)
     check_model_cfg(cfg.model)
     check_files(cfg)
+    check_accelerator(cfg)  # a GPU recipe on a machine without one: before the memory sizing and the data
     cfg, _ = resolve_model_sources(cfg)  # model.path=<a checkpoint or run of ours>: start from its weights
     matmul = runtime_value(cfg, "matmul_precision")
     if matmul:

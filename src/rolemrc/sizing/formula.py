@@ -70,8 +70,8 @@ def arch_of(model_cfg: Any) -> Arch | None:
         spec = KNOWN[model_cfg.path]
     elif (Path(model_cfg.path) / "config.json").exists():
         spec = json.loads((Path(model_cfg.path) / "config.json").read_text())
-    if not spec:
-        return None
+    if not spec or not all(isinstance(spec.get(k), int) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
+        return None  # no sizes to read (a custom architecture's config): no estimate
     shape = memory_shape({"vocab_size": 32000, **spec})
     return Arch(shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
                 shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"],

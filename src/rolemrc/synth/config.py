@@ -296,6 +296,9 @@ def register() -> None:
     defaults), so every key exists at compose time and CLI overrides are type-checked."""
     from hydra.core.config_store import ConfigStore
 
+    from rolemrc.hydra_errors import install
+
+    install()  # Hydra's own errors (a misspelt key or option) as one "error:" line
     ConfigStore.instance().store(name="synthesize_schema", node=SynthConfig)
 
 

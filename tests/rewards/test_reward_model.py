@@ -100,5 +100,9 @@ def test_bad_specs_name_the_key(rm_dir, spec, error, match):
 
 def test_a_folder_that_is_no_classifier_is_named(tmp_path):
     AutoTokenizer.from_pretrained(asset_path("tokenizers/tiny-llama3")).save_pretrained(tmp_path)
+    with pytest.raises(OSError, match=r"^rewards.rm.path=.*: the folder has no model files \(no config.json\): point "
+                                      r"rewards.rm.path at a model's folder or a hub id$"):
+        build_rewards({"rm": {"type": "reward_model", "path": str(tmp_path)}})
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a config, no weights
     with pytest.raises(OSError, match=r"rewards.rm.path=.*cannot load it as a sequence-classification model"):
         build_rewards({"rm": {"type": "reward_model", "path": str(tmp_path)}})

@@ -52,6 +52,10 @@ _FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# Keys that may also name a run folder, checkpoint or adapter export (rolemrc.models.source.resolve_model_sources).
+ROLEMRC_SOURCE_KEYS = ("model.path", "compare.path")
+
+
 def is_rolemrc_source(folder: Path) -> bool:
     """A folder :func:`rolemrc.models.source.hf_model_path` turns into a model: an adapter export,
     a run folder or a sharded training checkpoint."""
@@ -73,9 +77,11 @@ def folder_problem(folder: Path, key: str) -> str | None:
                 "a model export or a tokenizer's folder")
     if (folder / "config.json").is_file() or is_rolemrc_source(folder):
         return None
-    return (f"{key}={folder}: the folder has no model files (no config.json, and it is no adapter export, run folder "
-            f"or checkpoint of rolemrc's): point {key} at a model export (a run's export/ folder), a run folder, a "
-            "checkpoint or a hub id")
+    if key in ROLEMRC_SOURCE_KEYS:
+        return (f"{key}={folder}: the folder has no model files (no config.json, and it is no adapter export, run "
+                f"folder or checkpoint of rolemrc's): point {key} at a model export (a run's export/ folder), a run "
+                "folder, a checkpoint or a hub id")
+    return f"{key}={folder}: the folder has no model files (no config.json): point {key} at a model's folder or a hub id"
 
 
 def check_source(value: str | None, key: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.errors import ConfigError
-
+from rolemrc.hydra_errors import install as install_hydra_errors
 from rolemrc.synth.roleplay_config import ContextInstructConfig, RoleGPTConfig
 
 # The RoleMRC chain, in order; each stage reads the ones before it.
@@ -296,9 +296,7 @@ def register() -> None:
     defaults), so every key exists at compose time and CLI overrides are type-checked."""
     from hydra.core.config_store import ConfigStore
 
-    from rolemrc.hydra_errors import install
-
-    install()  # Hydra's own errors (a misspelt key or option) as one "error:" line
+    install_hydra_errors()  # Hydra's own errors (a misspelt key or option) as one "error:" line
     ConfigStore.instance().store(name="synthesize_schema", node=SynthConfig)
 
 

@@ -259,20 +259,30 @@ def test_hydras_errors_become_one_line_naming_the_nearest_key(config_name: str, 
     (["model.path={empty}"], "error: model.path={empty}: the folder has no model files (no config.json, and it is no "
      "adapter export, run folder or checkpoint of rolemrc's): point model.path at a model export (a run's export/ "
      "folder), a run folder, a checkpoint or a hub id"),
-], ids=["misspelt key", "slurm launcher without slurm", "batch of 0", "empty model folder"])
+    (["trainer.max_steps=-5"], "error: trainer.max_steps must be -1 (no limit: trainer.max_epochs decides) or >= 0, "
+     "got -5"),
+    (["data.max_length=1"], "error: data.max_length must be >= 2 (tokens per row; the first token of a row is never "
+     "trained on; the recipes use 1024-4096), got 1"),
+    (["model.path={custom}", "model.gradient_checkpointing=auto"],
+     "error: model.path={custom}: its config names custom code (auto_map) that transformers would have to run, "
+     "refused: read that code, and only if you trust it set model.trust_remote_code=true"),
+], ids=["misspelt key", "slurm launcher without slurm", "batch of 0", "empty model folder", "max_steps -5",
+        "max_length 1", "auto_map without sizes"])
 def test_train_py_says_it_in_one_line_before_any_work(tmp_path, args: list[str], line: str) -> None:
     """Through the entry script, with HYDRA_FULL_ERROR=1 as slurm/train.sbatch sets it: exit 1,
     the one ``error:`` line, no traceback, no data read and no job started."""
-    empty = tmp_path / "empty"
+    empty, custom = tmp_path / "empty", tmp_path / "custom"
     empty.mkdir()
+    custom.mkdir()  # a config naming its own code, without the sizes the memory estimate reads
+    (custom / "config.json").write_text('{"model_type": "mine", "auto_map": {"AutoModelForCausalLM": "mine.Model"}}')
     env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1",
            "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "srun").exists())}
-    args = [a.format(empty=empty) for a in args]
+    args = [a.format(empty=empty, custom=custom) for a in args]
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [line.format(empty=empty)], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [line.format(empty=empty, custom=custom)], proc.stderr[-2000:]
     assert not list((tmp_path / "run").glob("data_report_*.json")) and not (tmp_path / "sweep" / "0").exists()
 
 
@@ -355,3 +365,29 @@ def test_remote_code_is_refused_before_the_memory_estimate(train_cfg, monkeypatc
         monkeypatch.setattr(rolemrc.run.train, name, no_work)
     with pytest.raises(ModelSourceError, match=r"its config names custom code \(auto_map\)"):
         rolemrc.run.train.setup(train_cfg(f"model.path={custom}", "model.gradient_checkpointing=auto"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_recipe_on_a_machine_without_one_is_one_line_through_train_py(tmp_path) -> None:
+    """The paper's DPO recipe (trainer=gpu, FSDP on 4 devices, gradient_checkpointing=auto) on a
+    CPU machine: the one line with the overrides that train on the CPU, before the memory sizing
+    (no estimate logged) and the data (no data report)."""
+    import shutil
+
+    from rolemrc import asset
+
+    model = tmp_path / "qwen"
+    model.mkdir()
+    shutil.copy(asset("architectures/qwen2.5-7b/config.json"), model)
+    for f in Path(asset("tokenizers/tiny-chatml")).iterdir():
+        shutil.copy(f, model)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=rolemrc_qwen_dpo", f"model.path={model}",
+                           "data=sample", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: trainer.accelerator=gpu but this machine has no GPU that torch can use (no CUDA device "
+                      "found): run it on a GPU node (e.g. sbatch slurm/train.sbatch ...), or train on the CPU with "
+                      "trainer.accelerator=cpu trainer.devices=1 strategy=single"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "memory estimate" not in proc.stdout + proc.stderr
+    assert not list((tmp_path / "run").glob("data_report_*.json"))

@@ -1,13 +1,15 @@
 """Evaluate a model on RoleMRC: greedy generation, reference metrics, five-dimension LLM judge.
 
-    python evaluate.py                                         # tiny random model, sample data, CPU
-    python evaluate.py model.path=outputs/train/<time>/export judge=hf limit=6
-    python evaluate.py model=llama model.path=<export> data=rolemrc_test generation.backend=vllm \\
+    python evaluate.py metrics.bertscore.model=minilm          # tiny random model, sample data, CPU, offline
+    python evaluate.py model.path=outputs/train/<time>/export judge=hf limit=6 metrics.bertscore.model=minilm
+    HF_HUB_OFFLINE=0 python evaluate.py model=llama model.path=<export> data=rolemrc_test generation.backend=vllm \\
         judge=openai judge.model=gpt-4-turbo metrics.bertscore.model=roberta-large   # paper setting
     python evaluate.py out_dir=outputs/evaluate/<time>         # resume an interrupted run
     (or rerun the same command: it continues the newest folder of the same config)
     python evaluate.py --cfg job                               # print the resolved config
 
+BERTScore's default is the paper's roberta-large, not shipped: HF_HUB_OFFLINE=0 downloads it once;
+metrics.bertscore.model=minilm scores offline (not comparable with the paper's numbers).
 Writes <out_dir>/{generations.jsonl, metrics.json, judge.jsonl, summary.md} and prints the
 summary's path.
 """

@@ -301,6 +301,9 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     top_entropy_quantile: float = 1.0  # rho: the policy term on the top-rho tokens by entropy only (1: all)
     off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences drifted past it (None: off)
     scale_rewards: str = "group"  # group | batch | none
+    # sum_then_normalize (TRL's default) | normalize_then_sum (GDPO: each reward normalised in its group, summed,
+    # then normalised over the step's completions; scale_rewards then plays no part)
+    multi_objective_aggregation: str = "sum_then_normalize"
     num_generations: int = 8  # completions per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -315,10 +318,16 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
 
     def __post_init__(self) -> None:
-        from rolemrc.objectives.grpo import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, SCALE_REWARDS
+        from rolemrc.objectives.grpo import (
+            GRPO_LOSS_TYPES,
+            IMPORTANCE_SAMPLING_LEVELS,
+            MULTI_OBJECTIVE_AGGREGATIONS,
+            SCALE_REWARDS,
+        )
 
         one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
         one_of("objective.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        one_of("objective.multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"objective.{key} must be > 0 (the sapo gate divides by it), got {getattr(self, key)}")

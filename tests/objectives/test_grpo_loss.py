@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemrc.objectives.grpo import group_advantages, grpo_loss
+from rolemrc.objectives.grpo import group_advantages, grpo_loss, normalized_sum_advantages
 
 F64 = torch.float64
 
@@ -167,3 +167,21 @@ def test_cispo_sapo_luspo_by_hand():
     assert sapo.loss.item() == pytest.approx((4 / 2.0 * sig + 4 / 2.0 * 0.5) / 2)
     luspo = grpo_loss(logps, adv, mask, old_per_token_logps=old, loss_type="luspo", epsilon=0.2)
     assert luspo.loss.item() == pytest.approx(-(1.2 + 1.0))  # one sequence: its token sum
+
+
+def test_normalize_then_sum_by_hand():
+    """Two groups of two, rewards a = (1, 0 | 1, 1) and b = (0, 10 | 0, 20): normalised in their groups
+    a -> (+c, -c | 0, 0), b -> (-c, +c | -c, +c) with c = (1/2)/(sqrt(1/2) + 1e-4) and (5 or 10)/(std + 1e-4),
+    each ~0.707... per unit: the sums (0, 0 | -c', +c') then divided by their batch std."""
+    per = torch.tensor([[1.0, 0.0], [0.0, 10.0], [1.0, 0.0], [1.0, 20.0]], dtype=F64)
+    c_a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    c_b1 = 5.0 / (5.0 * math.sqrt(2) + 1e-4)
+    c_b2 = 10.0 / (10.0 * math.sqrt(2) + 1e-4)
+    sums = torch.tensor([c_a - c_b1, -c_a + c_b1, -c_b2, c_b2], dtype=F64)
+    expected = (sums - sums.mean()) / (sums.std() + 1e-4)
+    out = normalized_sum_advantages(per, torch.ones(2, dtype=F64), 2)
+    torch.testing.assert_close(out.advantages, expected)
+    # a reward's scale no longer matters (up to the 1e-4 in the denominators): b x 100, nearly the same
+    torch.testing.assert_close(normalized_sum_advantages(per * torch.tensor([1.0, 100.0], dtype=F64),
+                                                         torch.ones(2, dtype=F64), 2).advantages, expected,
+                               atol=1e-4, rtol=1e-3)

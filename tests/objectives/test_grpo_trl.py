@@ -24,7 +24,13 @@ from trl import GRPOConfig  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
 
-from rolemrc.objectives.grpo import group_advantages, grpo_loss, high_entropy_mask, off_policy_mask  # noqa: E402
+from rolemrc.objectives.grpo import (  # noqa: E402
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    normalized_sum_advantages,
+    off_policy_mask,
+)
 
 assert trl.__version__ == "1.16.0", "these tests restate TRL 1.16.0's lines; re-read them for another version"
 
@@ -282,6 +288,38 @@ def trl_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: s
     if scale_rewards != "none":
         adv = adv / (std + 1e-4)
     return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def trl_normalize_then_sum(per_reward: torch.Tensor, weights: torch.Tensor, num_generations: int):
+    """TRL 1.16.0 grpo_trainer.py 2784-2796 (multi_objective_aggregation="normalize_then_sum"), restated."""
+    k = per_reward.shape[1]
+    unscorable = torch.isnan(per_reward).all(dim=1)
+    grouped = per_reward.view(-1, num_generations, k)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, k)
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    std = trl_nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("num_generations", [2, 4])
+def test_normalize_then_sum_advantages_equal_trl(num_generations):
+    """GDPO's aggregation: two rewards on different scales, one reward missing on some completions,
+    one completion no reward scores, one group where a reward does not vary."""
+    g = torch.Generator().manual_seed(num_generations)
+    per = torch.stack([torch.rand(8, generator=g, dtype=F64), 10 * torch.rand(8, generator=g, dtype=F64)], dim=1)
+    per[1, 1] = per[6, 0] = float("nan")
+    per[5] = float("nan")
+    per[:num_generations, 0] = 0.5
+    weights = torch.tensor([1.0, 0.3], dtype=F64)
+    adv, zero = trl_normalize_then_sum(per, weights, num_generations)
+    ours = normalized_sum_advantages(per, weights, num_generations)
+    torch.testing.assert_close(ours.advantages, adv)
+    assert torch.equal(ours.is_std_zero, zero)
+    assert ours.advantages[5] == 0 and torch.isfinite(ours.advantages).all()
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none", True, False])

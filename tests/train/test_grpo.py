@@ -65,14 +65,21 @@ def by_hand_logps(module: Any, batch: dict, new_ids: torch.Tensor) -> dict[str, 
                                                skip_special_tokens=True)
     prompts = [p for p in batch["prompts"] for _ in range(g)]
     rewards = torch.tensor(vowel_reward(prompts=prompts, completions=texts), dtype=torch.float64)
+    per_reward = rewards.unsqueeze(1)
     if "verifier" in o.rewards:  # the default verifier reward, None where a prompt has no rule
         rules = [r for r in batch["columns"]["rule"] for _ in range(g)]
         from rolemrc.rewards import VerifierReward
 
         ver = VerifierReward("all")(prompts=prompts, completions=texts, rule=rules)
-        rewards = torch.stack([rewards, torch.tensor([float("nan") if v is None else v for v in ver],
-                                                     dtype=torch.float64)]).nansum(0)
-    adv = group_advantages(rewards, g, o.scale_rewards).advantages.float()
+        per_reward = torch.stack([rewards, torch.tensor([float("nan") if v is None else v for v in ver],
+                                                        dtype=torch.float64)], dim=1)
+        rewards = per_reward.nansum(1)
+    if o.multi_objective_aggregation == "normalize_then_sum":  # TRL's lines, restated
+        from tests.objectives.test_grpo_trl import trl_normalize_then_sum
+
+        adv = trl_normalize_then_sum(per_reward, torch.ones(per_reward.shape[1], dtype=torch.float64), g)[0].float()
+    else:
+        adv = group_advantages(rewards, g, o.scale_rewards).advantages.float()
     prompt_ids = batch["prompt_ids"].repeat_interleave(g, 0)
     prompt_mask = batch["prompt_mask"].repeat_interleave(g, 0)
     ids = torch.cat([prompt_ids, new_ids], 1)
@@ -139,7 +146,8 @@ BETA = ["objective.beta=0.04", "objective.temperature=0.7"]
                                     "objective.importance_sampling_level=sequence"],
                                    ["objective.loss_type=cispo", "objective.epsilon_high=1.1", "objective.num_iterations=2",
                                     "objective.top_entropy_quantile=0.5", "objective.off_policy_mask_threshold=0.01"],
-                                   ["objective.loss_type=sapo", "objective.num_iterations=2", *BETA]])
+                                   ["objective.loss_type=sapo", "objective.num_iterations=2", *BETA],
+                                   ["objective.multi_objective_aggregation=normalize_then_sum"]])
 def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
     """The step's loss, gradient and loss metrics equal TRL's ``_compute_loss`` of the same rollouts
     (log-probs from the model's plain logits); with num_iterations=2 also on the reuse step, after
@@ -311,6 +319,8 @@ def test_config_errors_name_the_key_before_anything_loads(train_cfg) -> None:
                                ([*GRPO, "objective.off_policy_mask_threshold=0"],
                                 "objective.off_policy_mask_threshold must be > 0"),
                                ([*GRPO, "objective.sapo_temperature_neg=0"], "objective.sapo_temperature_neg must be > 0"),
+                               ([*GRPO, "objective.multi_objective_aggregation=sum"],
+                                "objective.multi_objective_aggregation must be one of"),
                                ([*GRPO, "objective.scale_rewards=rank"], "objective.scale_rewards must be one of"),
                                ([*GRPO, "objective.beta=0.1", "objective.reference=adapter"],
                                 "objective.reference=adapter needs a LoRA model")):

@@ -64,7 +64,14 @@ from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, grpo_loss, high_entropy_mask, nanstd
+from rolemrc.objectives.grpo import (
+    GroupAdvantages,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    nanstd,
+    normalized_sum_advantages,
+)
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
 
@@ -349,7 +356,7 @@ class GRPOModule(PolicyModule):
         scores = self.rewards(prompts, texts, columns)
         # float64: identical rewards give a std of exactly 0 (float32 sums leave ~1e-8, which
         # frac_reward_zero_std would not count as zero); the advantages are cast to float32 after
-        adv = self._advantages(scores.rewards.to(new_ids.device))
+        adv = self._advantages(scores.rewards.to(new_ids.device), scores.per_reward.to(new_ids.device), scores.names)
         lengths = completion_mask.sum(dim=1)
         loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if o.mask_truncated_completions \
             else completion_mask
@@ -372,22 +379,39 @@ class GRPOModule(PolicyModule):
         })
         return batch
 
-    def _advantages(self, rewards: torch.Tensor) -> GroupAdvantages:
-        """:func:`group_advantages` of this rank's rewards ``[N]`` (whole groups). ``scale_rewards=batch``
-        divides by the std over the step's completions on EVERY rank, as TRL, which gathers its
-        generation batch's rewards from all processes, normalises them and keeps its slice (group
-        means and stds need no other rank: a group is never split across ranks here)."""
+    def _advantages(self, rewards: torch.Tensor, per_reward: torch.Tensor | None = None,
+                    names: list[str] | None = None) -> GroupAdvantages:
+        """:func:`group_advantages` of this rank's rewards ``[N]`` (whole groups), or with
+        ``multi_objective_aggregation=normalize_then_sum`` :func:`normalized_sum_advantages` of its
+        per-reward scores ``[N, K]`` (``names``: their rewards, for the weights). ``scale_rewards=batch``
+        and ``normalize_then_sum`` normalise over the step's completions on EVERY rank, as TRL, which
+        gathers its generation batch's rewards from all processes, normalises them and keeps its
+        slice (group means and stds need no other rank: a group is never split across ranks here)."""
         o = self.objective
         world = self.trainer.world_size if self._trainer is not None else 1
-        if world == 1 or str(o.scale_rewards) != "batch":
-            return group_advantages(rewards, o.num_generations, o.scale_rewards)
+        by_reward = o.multi_objective_aggregation == "normalize_then_sum"
+        if by_reward:
+            if per_reward is None or names is None:
+                raise ValueError("multi_objective_aggregation=normalize_then_sum needs each reward's scores")
+            weights = torch.tensor([self.rewards.weights[name] for name in names], dtype=torch.float64)
+            values = per_reward
+        else:
+            values = rewards
+
+        def advantages(x: torch.Tensor) -> GroupAdvantages:
+            if by_reward:
+                return normalized_sum_advantages(x, weights.to(x.device), o.num_generations)
+            return group_advantages(x, o.num_generations, o.scale_rewards)
+
+        if world == 1 or (str(o.scale_rewards) != "batch" and not by_reward):
+            return advantages(values)
         import torch.distributed as dist
 
         parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, rewards.cpu())
+        dist.all_gather_object(parts, values.cpu())
         start = sum(len(p) for p in parts[:self.trainer.global_rank])
-        adv = group_advantages(torch.cat(parts).to(rewards.device), o.num_generations, o.scale_rewards)
-        mine = slice(start, start + len(rewards))
+        adv = advantages(torch.cat(parts).to(values.device))
+        mine = slice(start, start + len(values))
         return GroupAdvantages(adv.advantages[mine], adv.std[mine], adv.is_std_zero[mine])
 
     # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------

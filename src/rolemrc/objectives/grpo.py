@@ -7,6 +7,8 @@ Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objec
   by the group's std (``"group"``, the default), the whole batch's std (``"batch"``) or by nothing
   (``"none"``, Dr. GRPO), with ``+ 1e-4`` in the denominator. NaN rewards (a completion no reward
   could score) are left out of the means and stds and get advantage 0, never a made-up reward.
+  That is ``multi_objective_aggregation="sum_then_normalize"`` (TRL's default: the weighted sum of
+  the rewards, normalised); :func:`normalized_sum_advantages` is ``"normalize_then_sum"`` (GDPO).
 * :func:`grpo_loss`: per-token log-probs ``[B, T]`` of the completions under the policy being
   trained, under the policy that sampled them (``old``; ``None`` when each batch is used once,
   ``num_iterations=1``: the detached current ones, ratio 1 with the policy gradient intact) and
@@ -52,13 +54,14 @@ from torch import Tensor
 GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+MULTI_OBJECTIVE_AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 ADVANTAGE_EPS = 1e-4  # TRL 1.16's constant in the advantages' denominator
 
-__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "SCALE_REWARDS", "GRPOLossType",
-           "GRPOOutput", "GroupAdvantages", "ScaleRewards", "group_advantages", "grpo_loss", "high_entropy_mask",
-           "nanstd", "off_policy_mask", "vespo_weights"]
+__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "MULTI_OBJECTIVE_AGGREGATIONS",
+           "SCALE_REWARDS", "GRPOLossType", "GRPOOutput", "GroupAdvantages", "ScaleRewards", "group_advantages",
+           "grpo_loss", "high_entropy_mask", "nanstd", "normalized_sum_advantages", "off_policy_mask", "vespo_weights"]
 
 
 class GroupAdvantages(NamedTuple):
@@ -126,6 +129,31 @@ def group_advantages(rewards: Tensor, num_generations: int,
         advantages = advantages / (std + ADVANTAGE_EPS)
     return GroupAdvantages(torch.nan_to_num(advantages, nan=0.0), std,
                            torch.isclose(std, torch.zeros_like(std)))
+
+
+def normalized_sum_advantages(per_reward: Tensor, weights: Tensor, num_generations: int) -> GroupAdvantages:
+    """``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each reward ``per_reward[:, k]``
+    ``[N, K]`` normalised within its group (minus the group's mean, divided by its std ``+ 1e-4``,
+    NaN entries left out), the weighted sum over the rewards (NaN where no reward applies: advantage
+    0), then normalised over the whole batch (minus its mean, divided by its std ``+ 1e-4``);
+    ``scale_rewards`` plays no part. ``std``/``is_std_zero``: the batch std's. Pass the whole
+    generation batch (every rank's completions): the last step is a batch statistic."""
+    if per_reward.dim() != 2 or weights.shape != (per_reward.shape[1],):
+        raise ValueError(f"per_reward must be [N, K] and weights [K], got {tuple(per_reward.shape)} and "
+                         f"{tuple(weights.shape)}")
+    n, k = per_reward.shape
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(f"{n} rewards do not split into groups of num_generations={num_generations}")
+    grouped = per_reward.view(-1, num_generations, k)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean)
+    normalised = ((grouped - mean) / (std + ADVANTAGE_EPS)).view(n, k)
+    rewards = (normalised * weights.to(normalised.dtype)).nansum(dim=1)
+    rewards[torch.isnan(per_reward).all(dim=1)] = float("nan")
+    batch_std = nanstd(rewards).expand_as(rewards) if n > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (batch_std + ADVANTAGE_EPS)
+    return GroupAdvantages(torch.nan_to_num(advantages, nan=0.0), batch_std,
+                           torch.isclose(batch_std, torch.zeros_like(batch_std)))
 
 
 def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, top_entropy_quantile: float,

@@ -312,7 +312,7 @@ def test_checks_come_in_order_of_relevance_before_any_slow_work(export: Path, tm
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(InputNotFound, match="model.path=.*empty: the folder holds no model"):
+    with pytest.raises(InputNotFound, match="model.path=.*empty: the folder has no model files"):
         run(compose_eval(f"model.path={empty}", f"out_dir={tmp_path / 'a'}"))
 
     def resolved_too_early(*args: Any, **kwargs: Any) -> Any:

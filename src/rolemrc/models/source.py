@@ -90,23 +90,11 @@ def hf_model_path(path: str | None) -> str | None:
     return str(out)
 
 
-# What marks a folder ``model.path`` can name: an HF model, an adapter-only LoRA export, a run
-# folder of ours, a sharded (DCP) checkpoint.
-_MODEL_MARKERS = ("config.json", "adapter_config.json", ".hydra/config.yaml", ".metadata")
-
-
 def check_model_path(value: str | None, key: str = "model.path") -> None:
     """Cheap, before any other check of a run: ``value`` names something a model loads from. A
-    missing file or folder, a hub id not in the offline cache (:func:`check_source`), and a
-    folder holding no model are each one error naming ``key``."""
-    if value is None:
-        return
-    path = Path(value).expanduser()
-    if not path.exists():
-        check_source(value, key)
-    elif path.is_dir() and not any((path / marker).is_file() for marker in _MODEL_MARKERS):
-        raise InputNotFound(f"{key}={value}: the folder holds no model (no config.json): name an export, a run "
-                            "folder, a checkpoint, an adapter export or a hub id")
+    missing file or folder, a hub id not in the offline cache, and a folder holding no model are
+    each one error naming ``key`` (:func:`rolemrc.models.paths.check_source`)."""
+    check_source(value, key)
 
 
 def resolve_model_sources(cfg: Any, *more: str) -> tuple[Any, dict[str, str]]:

@@ -102,6 +102,7 @@ def _fenced_block(page: Path, heading: str) -> list[str]:
     """The command lines of the first ```bash block under ``heading`` (continuations joined,
     comments dropped)."""
     text = page.read_text(encoding="utf-8")
+    assert heading in text, f"{page.name} has no {heading!r} section (its bash block is what this test runs)"
     section = text[text.index(heading):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = []

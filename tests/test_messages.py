@@ -46,11 +46,19 @@ def test_the_run_summary_counts_steps_in_english(steps: int, words: str) -> None
 
 
 def test_the_run_summary_names_what_the_objective_validates() -> None:
-    """GRPO validates the reward of greedy replies, not a loss: the summary line says that figure
-    rather than "no validation data"; with neither, it says there was none."""
+    """GRPO validates the reward of sampled completions, not a loss: the summary line says that figure,
+    what it is the mean of, and the last step's train/reward beside it, rather than "no validation
+    data"; with neither, it says there was none."""
     text = summary_text({"steps": 2, "run_dir": "/r", "export": None, "val_loss": None,
-                         "val_metrics": {"val/reward": 0.25, "val/rewards/verifier/mean": 0.25}})
-    assert "val/reward 0.2500, val/rewards/verifier/mean 0.2500" in text and "no validation data" not in text
+                         "val_metrics": {"val/completions/mean_length": 6.0, "val/reward": 0.25,
+                                         "val/rewards/verifier/mean": 0.25},
+                         "train_reward": 0.125, "notes": {"val/reward": "4 validation prompts x 8 completions",
+                                                          "train/reward": "last step"}})
+    assert ("train/reward 0.1250 (last step), val/reward 0.2500 (4 validation prompts x 8 completions), "
+            in text) and "no validation data" not in text and "mean_length" not in text
+    text = summary_text({"steps": 2, "run_dir": "/r", "export": None, "val_loss": None,
+                         "val_metrics": {"val/a": 0.25, "val/b": 0.5}})
+    assert "val/a 0.2500, val/b 0.5000" in text
     assert "val/loss n/a (no validation data)" in summary_text({"steps": 2, "run_dir": "/r", "export": None})
     assert "val/loss 1.5000" in summary_text({"steps": 2, "run_dir": "/r", "export": None, "val_loss": 1.5,
                                               "val_metrics": {"val/reward": 0.25}})

@@ -305,6 +305,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     # then normalised over the step's completions; scale_rewards then plays no part)
     multi_objective_aggregation: str = "sum_then_normalize"
     num_generations: int = 8  # completions per prompt (G)
+    num_generations_eval: Optional[int] = None  # completions sampled per validation prompt (None: num_generations)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -354,6 +355,9 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if self.num_generations < 2:
             raise ConfigError(f"objective.num_generations must be >= 2 (a group needs two completions to compare), "
                               f"got {self.num_generations}")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ConfigError(f"objective.num_generations_eval must be >= 1 (completions sampled per validation "
+                              f"prompt; null: num_generations), got {self.num_generations_eval}")
         if not self.temperature > 0:
             raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -68,11 +68,12 @@ def test_bad_records_name_file_line_and_field(tmp_path: Path) -> None:
         {**good, "prompt": USER + [{"role": "assistant", "content": "x"}]},
         {**good, "completion": [{"role": "user", "content": "a"}]},
         "{not json",
+        {**good, "label": None},
     ])
     with pytest.raises(DataError) as err:
         read_examples([{"path": str(path)}], "unpaired")
     msg = str(err.value)
-    assert "10 invalid unpaired record(s)" in msg
+    assert "11 invalid unpaired record(s)" in msg
     assert f"{path}:2: missing field 'label'" in msg
     assert f"{path}:3: field 'label' must be true (desirable) or false (undesirable), got int 1" in msg
     assert f"{path}:4: field 'label' must be true (desirable) or false (undesirable), got str 'true'" in msg
@@ -83,8 +84,9 @@ def test_bad_records_name_file_line_and_field(tmp_path: Path) -> None:
     assert f"{path}:9: prompt: last message must be user, got assistant" in msg
     assert f"{path}:10: field 'completion' must be one assistant message, got 1 message(s) (user)" in msg
     assert f"{path}:11: invalid JSON" in msg
+    assert f"{path}:12: field 'label' is null; it must be true (desirable) or false (undesirable)" in msg
     items, report = read_examples([{"path": str(path)}], "unpaired", on_error="skip")
-    assert len(items) == 1 and report.skipped[str(path)] == 10
+    assert len(items) == 1 and report.skipped[str(path)] == 11
 
 
 def test_encoding_is_a_pair_sides_encoding(tmp_path: Path) -> None:

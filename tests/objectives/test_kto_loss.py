@@ -69,3 +69,10 @@ def test_weight_advice_follows_the_papers_range() -> None:
     assert msg is not None and "desirable_weight in [8.0, 10.64]" in msg and "undesirable_weight in [0.09, 0.12]" in msg
     assert weight_advice(10, 80, 9.0, 1.0) is None and weight_advice(10, 80, 1.0, 0.1) is None
     assert weight_advice(80, 10, 1.0, 1.0) is not None and weight_advice(75, 100, 1.33, 1.0) is None
+    # one label only: no weight balances a missing label; said, with what to do (not a range of weights)
+    for d, u, lacks in ((27, 0, '"label": false'), (0, 5, '"label": true')):
+        for weights in ((1.0, 1.0), (0.045, 1.0), (1.0, 0.0)):
+            msg = weight_advice(d, u, *weights)
+            assert msg is not None and "no objective.desirable_weight / undesirable_weight can balance" in msg
+            assert f"{d} desirable and {u} undesirable" in msg and lacks in msg and "EITHER" not in msg
+    assert "objective=sft" in weight_advice(27, 0, 1.0, 1.0) and weight_advice(0, 0, 1.0, 1.0) is None

@@ -19,3 +19,10 @@ def seen_columns(*, prompts: Any, completions: list[str], **columns: Any) -> lis
 
 
 seen_columns.calls = []  # type: ignore[attr-defined]
+
+
+def bad_reward(*, prompts: Any, completions: list[Any], returns: str = "infinite", **columns: Any) -> Any:
+    """A broken reward: ``returns`` = ``infinite`` (+inf for every completion), ``short`` (no values),
+    ``text`` (a string per completion)."""
+    return {"infinite": [float("inf")] * len(completions), "short": [],
+            "text": ["high"] * len(completions)}[returns]

@@ -37,9 +37,19 @@ def test_verdicts_become_rewards_per_task_dimension_and_come_from_the_cache_agai
 def test_a_server_down_stops_the_step_instead_of_scoring_zero(tmp_path, api_key_env):
     with JudgeServer(api_key=api_key_env[1]) as server:
         reward = JudgeReward(_judge_cfg(server, api_key_env[0]), cache_dir=tmp_path)
-        with pytest.raises(JudgeRewardError, match=r"1 of 2 judgements have no verdict \({'failed': 1}\)"):
+        with pytest.raises(JudgeRewardError, match=r"1 of 2 judgements have no verdict \(1 failed\)") as err:
             reward(prompts=[PROMPT] * 2, completions=["OK [[good]]", "OK [[down]]"], task=[NI_TASK] * 2)
         assert server.fault_counts["unavailable"] == 2  # the judge client retried (max_attempts=2) before failing
+        assert "on_failure=wait asks again" in str(err.value) and "wait(s)" not in str(err.value)
+        # an answer without a verdict: said once, in one line, with the reward's key
+        rewards = build_rewards({"critic": {"type": "judge", "judge": _judge_cfg(server, api_key_env[0])}},
+                                cache_dir=tmp_path)
+        with pytest.raises(JudgeRewardError) as err:
+            rewards([PROMPT], ["OK [[garbage]]"], {"task": [NI_TASK]})
+    msg = str(err.value)
+    assert msg == ("rewards.critic: 1 of 1 judgements have no verdict (1 unparseable): rejected: no_verdict: the "
+                   "answer holds no verdict. The step is not scored; rewards.critic.on_failure=wait asks again for "
+                   "the missing ones, skip leaves them unscored")
 
 
 def test_wait_asks_again_only_for_the_missing_verdicts(tmp_path, api_key_env):

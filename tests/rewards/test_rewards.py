@@ -78,11 +78,35 @@ def test_bad_specs_name_the_key(spec, match):
 
 
 def test_a_reward_returning_garbage_is_refused():
-    rs = RewardSet({"bad": lambda **kw: ["high"]})
-    with pytest.raises(TypeError, match="reward 'bad' returned 'high' for completion 0"):
-        rs([PROMPT], ["x"])
-    with pytest.raises(ValueError, match="returned 2 values for 1 completions"):
-        RewardSet({"bad": lambda **kw: [1.0, 1.0]})([PROMPT], ["x"])
+    """Anything but one finite number (or None / NaN: does not apply) per completion stops with one
+    line naming the reward, its callable and what it returned; numpy / torch numbers are numbers."""
+    import numpy as np
+
+    from rolemrc.rewards import RewardValueError
+
+    def run(fn, n=1):
+        return RewardSet({"bad": fn})([PROMPT] * n, ["x"] * n)
+
+    for fn, match in [
+        (lambda **kw: ["high"], r"reward 'bad' \(tests.rewards.test_rewards.*<lambda>\) returned 'high' \(str\) "
+                                r"for completion 0 of 1; expected a float, or None"),
+        (lambda **kw: [1.0, 1.0], r"returned 2 values for 1 completions; expected a list of 1 values"),
+        (lambda **kw: "0.5", r"returned '0.5' \(str\); expected a list of 1 values"),
+        (lambda **kw: 0.5, r"returned 0.5 \(float\); expected a list"),
+        (lambda **kw: None, r"returned None \(NoneType\); expected a list"),
+        (lambda **kw: [float("inf")], r"returned inf for completion 0 of 1: a reward must be finite"),
+        (lambda **kw: [0.0, -math.inf], r"returned -inf for completion 1 of 2: a reward must be finite"),
+    ]:
+        with pytest.raises(RewardValueError, match=match):
+            run(fn, 2 if "of 2" in match else 1)
+    named = build_rewards({"odd": {"_target_": "tests.rewards.helpers.bad_reward", "returns": "short"}})
+    with pytest.raises(RewardValueError, match=r"reward 'odd' \(tests.rewards.helpers.bad_reward\) returned 0 values "
+                                               r"for 2 completions"):
+        named([PROMPT] * 2, ["x", "y"])
+    out = run(lambda **kw: [np.float32(0.5), None, float("nan"), torch.tensor(1.0).item(), True], 5)
+    got = out.per_reward[:, 0].tolist()
+    assert got[0] == 0.5 and math.isnan(got[1]) and math.isnan(got[2]) and got[3:] == [1.0, 1.0]
+    assert run(lambda **kw: np.array([0.25]), 1).rewards.tolist() == [0.25]  # an array, as a list
     with pytest.raises(ValueError, match="weights for unknown reward"):
         RewardSet({"a": lambda **kw: [1.0]}, {"b": 2.0})
 

@@ -364,9 +364,40 @@ CLIP_NAMES = [n for n in TRL_NAMES if n.startswith("clip_ratio/")]
     (["objective.loss_type=cispo", "objective.epsilon_high=5.0", "objective.importance_sampling_level=sequence",
       "objective.top_entropy_quantile=0.2", "objective.off_policy_mask_threshold=0.5"],
      [n for n in TRL_NAMES if n not in CLIP_NAMES] + ["cispo_clip_ratio"])])
-def test_a_short_run_logs_trl_metric_names(train_cfg, extra: list[str], names: list[str]) -> None:
+def test_a_short_run_logs_trl_metric_names(train_cfg, monkeypatch, extra: list[str], names: list[str]) -> None:
+    """TRL's names per step; validation samples as training samples (``num_generations`` completions
+    per prompt at the training temperature, not one greedy reply, whose short degenerate answers met
+    the sample's "at most n words" / "no letter y" rules: val/reward 1.0 beside a train/reward of 0.1),
+    and its val/reward is the mean reward of those completions, which the run summary names."""
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.rewards import RewardSet
+
+    phase, calls = {"now": None}, []
+    generate, score = GRPOModule.generate, RewardSet.__call__
+
+    def spy_generate(self, prompt_ids, prompt_mask, sample=True):
+        phase["now"] = "val" if self.trainer.validating and not self.trainer.sanity_checking else "train"
+        calls.append({"phase": phase["now"], "sample": sample, "rows": prompt_ids.shape[0], "rewards": None})
+        return generate(self, prompt_ids, prompt_mask, sample)
+
+    def spy_score(self, prompts, completions, columns=None):
+        out = score(self, prompts, completions, columns)
+        calls[-1]["rewards"] = out.rewards.tolist()
+        return out
+
+    monkeypatch.setattr(GRPOModule, "generate", spy_generate)
+    monkeypatch.setattr(RewardSet, "__call__", spy_score)
     out = run(train_cfg(*GRPO, "trainer.max_steps=3", "objective.beta=0.05", "data.val_fraction=0.1", *extra))
     run_dir = Path(out["run_dir"])
+    val = [c for c in calls if c["phase"] == "val"]
+    n_val = int(out["summary"]["notes"]["val/reward"].split()[0])  # "<prompts> validation prompts x 3 ..."
+    assert val and all(c["sample"] for c in calls)  # sampled, as in training
+    assert sum(c["rows"] for c in val) == n_val * 3  # num_generations completions per validation prompt
+    want = torch.tensor([r for c in val for r in c["rewards"]], dtype=torch.float64).nanmean().item()
+    assert series(run_dir, "val/reward")[-1] == pytest.approx(want, abs=1e-6)
+    assert out["summary"]["val_metrics"]["val/completions/mean_length"] <= 6
+    assert f"{n_val} validation prompts x 3 completions sampled as in training" in out["summary"]["notes"]["val/reward"]
+    assert out["summary"]["train_reward"] == pytest.approx(series(run_dir, "train/reward")[-1])
     rows = [r for r in metric_rows(run_dir) if "train/loss" in r]
     assert len(rows) == 3
     for name in names:
@@ -549,3 +580,28 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
     seq = [[{"tokens": 10.0, "weights": {"clip_ratio/high_mean": 1.0}, "metrics": {"clip_ratio/high_mean": 1.0}}],
            [{"tokens": 1.0, "weights": {"clip_ratio/high_mean": 3.0}, "metrics": {"clip_ratio/high_mean": 0.0}}]]
     assert GRPOModule._loss_metrics(seq)["clip_ratio/high_mean"] == pytest.approx(1 / 4)
+
+
+def test_a_broken_reward_stops_train_py_with_one_line(tmp_path: Path) -> None:
+    """Through the entry script: a reward returning +inf (which trained on with ``train/reward inf``
+    and exit 0) stops the run at its first rollout with one ``error:`` line naming the reward and
+    what it returned, exit 1, no traceback, no export and no run summary."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "objective=grpo", "data=sample_rl", "data.batch_size=2",
+         "objective.num_generations=2", "objective.max_completion_length=4", "trainer.max_steps=2", "logger=csv",
+         "trainer.enable_progress_bar=false", "+objective.rewards.bad._target_=tests.rewards.helpers.bad_reward",
+         "+objective.rewards.bad.returns=infinite", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: reward 'bad' (tests.rewards.helpers.bad_reward) returned inf for completion 0 of 4: a "
+                      "reward must be finite (None or NaN: does not apply to that completion)"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "export").exists() and not (run_dir / "run_summary.json").exists()

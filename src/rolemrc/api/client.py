@@ -71,6 +71,12 @@ class Rejected(ValueError):
         self.detail = detail
 
 
+def rejected_detail(e: ValueError) -> str:
+    """What a ``check`` that refused an answer said, once: ``reason: detail`` for :class:`Rejected`
+    (its message already), ``<error type>: message`` for any other ValueError."""
+    return str(e) if isinstance(e, Rejected) else f"{type(e).__name__}: {e}"
+
+
 class Fault(Exception):
     """One failed attempt, classified."""
 
@@ -289,8 +295,7 @@ class ApiClient:
             try:
                 return check(choices) if check is not None else choices
             except ValueError as e:
-                reason = e.reason if isinstance(e, Rejected) else type(e).__name__
-                raise Fault("rejected", f"{reason}: {e}") from e
+                raise Fault("rejected", rejected_detail(e)) from e
 
         return await self._request(lambda: self.client.completions.create(**body), lambda r: checked(extract(r)),
                                    None, tag, 0)
@@ -361,8 +366,7 @@ class ApiClient:
             try:
                 return raw, check(raw)
             except ValueError as e:
-                reason = e.reason if isinstance(e, Rejected) else type(e).__name__
-                last = Fault("rejected", f"{reason}: {e}", text=raw)
+                last = Fault("rejected", rejected_detail(e), text=raw)
                 self.counts["rejected"] += 1
                 raise last from e
 

@@ -7,8 +7,9 @@ asks Lightning to stop there (``trainer.should_stop``), which makes it run the v
 before leaving (when there is validation data); a step that validates anyway validates once.
 
 The figures of the end-of-run summary (:func:`rolemrc.run.train.fit` prints them and writes
-``<run>/run_summary.json``): optimizer steps, epochs, the last ``train/loss`` and ``val/loss``,
-and input tokens per second of training (validation time left out, all ranks counted). The
+``<run>/run_summary.json``): optimizer steps, epochs, the last ``train/loss`` and ``val/loss``
+(an objective without a ``val/loss``, GRPO: its ``val/*`` figures, the last step's ``train/reward``
+and the module's ``summary_notes``, saying what each reward figure is the mean of), and input tokens per second of training (validation time left out, all ranks counted). The
 figures so far go into every checkpoint (the callback's ``state_dict``), so a resumed run's
 summary counts the whole run, and a run resumed at its end (killed during its final validation
 or export: :func:`rolemrc.run.train.fit` completes them) still has its last losses.
@@ -46,6 +47,7 @@ class RunSummary(L.Callback):
             tokens = float(trainer.strategy.reduce(mine, reduce_op="sum") if trainer.world_size > 1 else mine)
         seconds = time.perf_counter() - self._t0 - self._paused if self._t0 is not None else 0.0
         return {"train_loss": self._last("train/loss"), "val_loss": self._last("val/loss"),
+                "train_reward": self._last("train/reward"),
                 "tokens": self._restored.get("tokens", 0.0) + tokens,
                 "seconds": self._restored.get("seconds", 0.0) + seconds}
 
@@ -102,5 +104,8 @@ class RunSummary(L.Callback):
             # what the objective validates when it has no val/loss (GRPO: val/reward): val/<name> -> value
             "val_metrics": {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
                             if k.startswith("val/") and k != "val/loss" and getattr(v, "numel", lambda: 1)() == 1},
+            # GRPO: the last step's train/reward beside val/reward, and what each is the mean of
+            "train_reward": self._last("train/reward"),
+            "notes": dict(getattr(pl_module, "summary_notes", None) or {}),
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 and counted else None,
         }

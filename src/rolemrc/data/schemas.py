@@ -87,11 +87,15 @@ class PromptItem:
         return {**self.extra, "task": self.task, "rule": self.rule, "reference": self.reference}
 
 
-def _field(record: Any, name: str) -> Any:
+def _field(record: Any, name: str, expected: str | None = None) -> Any:
+    """``record[name]``; a missing field names the fields there are, a null one says so (and, given
+    ``expected``, what the field must hold)."""
     if not isinstance(record, dict):
         raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
-    if name not in record or record[name] is None:
+    if name not in record:
         raise RecordError(f"missing field {name!r} (has: {', '.join(map(str, record)) or 'nothing'})")
+    if record[name] is None:
+        raise RecordError(f"field {name!r} is null" + (f"; it must be {expected}" if expected else ""))
     return record[name]
 
 
@@ -119,7 +123,8 @@ def normalise_messages(raw: Any, name: str) -> list[Message]:
             raise RecordError(f"{name}[{i}].role: unknown role {role!r} (expected System, User or Assistant)")
         content = msg.get("content")
         if content is None:
-            raise RecordError(f"{name}[{i}]: missing field 'content'")
+            raise RecordError(f"{name}[{i}]: " + ("field 'content' is null" if "content" in msg
+                                                   else "missing field 'content'"))
         messages.append({"role": role.lower(), "content": _text(content, f"{name}[{i}].content")})
     return messages
 
@@ -262,7 +267,7 @@ def parse_unpaired(record: Any) -> Unpaired:
     if "chosen" in record or "rejected" in record:
         raise RecordError("a preference pair (chosen/rejected), not an unpaired example: put pairs in data.pairs "
                           "(objective=kto splits them when data.unpaired is empty)")
-    label = _field(record, "label")
+    label = _field(record, "label", "true (desirable) or false (undesirable)")
     if not isinstance(label, bool):
         raise RecordError(f"field 'label' must be true (desirable) or false (undesirable), got "
                           f"{type(label).__name__} {label!r}")

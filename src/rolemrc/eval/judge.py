@@ -447,7 +447,8 @@ class Protocol:
     def check(self, text: str) -> int:
         v = self.parse(text)
         if v is None:
-            raise Rejected("no_verdict", f"the answer has no {self.name} verdict")
+            raise Rejected("no_verdict", "the answer holds no verdict" if self.name == "verdict"
+                           else f"the answer holds no score ({self.name} protocol)")
         return v
 
 

@@ -42,7 +42,10 @@ max_terminated_length``, and per micro-batch then averaged over the step's micro
 does) ``entropy``, ``clip_ratio/*`` (clipped loss types; ``cispo_clip_ratio`` for cispo,
 ``vespo/phi_seq_mean`` for vespo, none for sapo), ``kl`` (``beta > 0``); plus ``completion_tokens_per_s`` (sampled
 tokens per second of ``generate``). Validation (``data.prompts_val`` or the held-out
-``val_fraction``): one GREEDY completion per prompt, ``val/reward`` and ``val/rewards/<name>/mean``.
+``val_fraction``) samples as training does (``num_generations_eval`` completions per prompt, default
+``num_generations``, the same sampling settings and rewards, a fixed seed per batch), so ``val/reward``
+means what ``train/reward`` means; also ``val/reward_std``, ``val/rewards/<name>/mean`` and
+``val/completions/mean_length|clipped_ratio``. ``summary_notes`` says what each is the mean of.
 """
 
 from __future__ import annotations
@@ -205,6 +208,7 @@ class GRPOModule(PolicyModule):
         self.reuse = RolloutReuse(int(objective.num_iterations))
         self.tokens_seen = TokensSeen()
         self._val_names: list[str] = []
+        self.summary_notes: dict[str, str] = {}  # what the run summary's reward figures are means of
         self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use
 
     # ---- parts ------------------------------------------------------------------------------
@@ -651,6 +655,9 @@ class GRPOModule(PolicyModule):
             per_rank = [part for _, part in gathered]
         if stats:
             metrics = self._rollout_metrics(stats)
+            rewards = torch.cat([s["rewards"] for s in stats])
+            self.summary_notes["train/reward"] = (f"last step: {rewards.numel()} sampled completions, "
+                                                  f"{int((~torch.isnan(rewards)).sum())} scored")
             self.tokens_seen.count += int(sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in stats))
             self.reuse.metrics = dict(metrics)
         else:  # a reuse step: its rollouts' metrics again (a resumed run has them from the checkpoint)
@@ -720,17 +727,57 @@ class GRPOModule(PolicyModule):
         metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
         return metrics
 
-    # ---- validation: one greedy completion per prompt -----------------------------------------
+    # ---- validation: sampled as training samples -------------------------------------------
+    @property
+    def val_generations(self) -> int:
+        """Completions sampled per validation prompt: ``num_generations_eval``, else ``num_generations`` (TRL's)."""
+        n = getattr(self.objective, "num_generations_eval", None)
+        return int(n) if n is not None else int(self.objective.num_generations)
+
+    def _val_seed(self, index: torch.Tensor) -> int:
+        """The seed of a validation batch's sampling: the run's seed and the batch's first prompt, so every
+        validation samples with the same random numbers (one validation compares with the next), whatever
+        the rank; the training sampler's stream and the global one are left as they were."""
+        first = int(index[0]) if index.numel() else 0
+        return (torch.initial_seed() + 2_000_003 * (first + 1) + 999_983) % (2**63)
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        new_ids = self.generate(batch["prompt_ids"], batch["prompt_mask"], sample=False)
-        _, _, texts = self.completions_from(new_ids)
-        scores = self.rewards(batch["prompts"], texts, batch["columns"])
+        """``val_generations`` completions per prompt, sampled as training samples them (``temperature``,
+        ``top_p``, ``top_k``, ``max_completion_length``, the same stop tokens) and scored by the same
+        rewards, so ``val/reward`` means what ``train/reward`` means, on held-out prompts."""
+        g = self.val_generations
+        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
+        device = prompt_ids.device
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else "cpu"):
+            torch.manual_seed(self._val_seed(batch["index"]))
+            new_ids = self.generate(prompt_ids, prompt_mask, sample=True)
+        mask, truncated, texts = self.completions_from(new_ids)
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
+        scores = self.rewards(prompts, texts, columns)
         self._val_names = scores.names
-        values = torch.cat([scores.rewards.unsqueeze(1), scores.per_reward], dim=1).to(self.device)
-        self.collect_val(batch["index"], values)
+        n, k = batch["index"].shape[0], len(scores.names)
+        values = torch.cat([scores.rewards.view(n, g), scores.per_reward.reshape(n, g * k),
+                            mask.sum(dim=1).double().cpu().view(n, g), truncated.double().cpu().view(n, g)], dim=1)
+        self.collect_val(batch["index"], values.to(self.device))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {"reward": torch.nanmean(values[:, 0])}
-        for k, name in enumerate(self._val_names):
-            out[f"rewards/{name}/mean"] = torch.nanmean(values[:, k + 1])
+        """Over every validation completion (each prompt counted once): ``reward``, ``reward_std``,
+        ``rewards/<name>/mean``, ``completions/mean_length`` and ``completions/clipped_ratio``, as
+        training logs them for its rollouts; the run summary's note says what ``val/reward`` is the mean of."""
+        g, k = self.val_generations, len(self._val_names)
+        rewards = values[:, :g].reshape(-1)
+        per = values[:, g:g + g * k].reshape(-1, k)
+        lengths = values[:, g + g * k:g + g * k + g].reshape(-1)
+        truncated = values[:, g + g * k + g:].reshape(-1)
+        out = {"reward": torch.nanmean(rewards), "reward_std": nanstd(rewards)}
+        for j, name in enumerate(self._val_names):
+            out[f"rewards/{name}/mean"] = torch.nanmean(per[:, j])
+        out["completions/mean_length"] = lengths.mean()
+        out["completions/clipped_ratio"] = truncated.mean()
+        scored = int((~torch.isnan(rewards)).sum())
+        self.summary_notes["val/reward"] = (f"{values.shape[0]} validation prompts x {g} completions sampled as in "
+                                            f"training, {scored} scored")
         return out

@@ -64,7 +64,16 @@ def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
                   undesirable_weight: float) -> str | None:
     """A warning when unbalanced data meets weights outside the paper's range (its eqn 8, as TRL's
     KTOTrainer checks it): ``desirable_weight * n_D : undesirable_weight * n_U`` should lie in
-    [1, 4/3]. None when the counts are equal or either weight is in its range."""
+    [1, 4/3]. None when the counts are equal or either weight is in its range. With one label missing
+    no weight can balance it: the advice says so, and what to do instead."""
+    if n_desirable + n_undesirable and not (n_desirable and n_undesirable):
+        has, lacks, label = (("desirable", "undesirable", "false") if n_desirable
+                             else ("undesirable", "desirable", "true"))
+        return (f"the training data has {n_desirable} desirable and {n_undesirable} undesirable examples: no "
+                f"objective.desirable_weight / undesirable_weight can balance a label that is missing (the "
+                f"weights only scale the examples there are), so this run trains on "
+                f"{has} examples alone; add {lacks} examples (\"label\": {label}) to data.unpaired"
+                + (", or train on these with objective=sft" if n_desirable else ""))
     n_d, n_u = max(n_desirable, 1), max(n_undesirable, 1)
     if n_d == n_u:
         return None

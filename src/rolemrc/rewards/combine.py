@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from rolemrc.errors import UserError
 from rolemrc.objectives.grpo import nanstd
 from rolemrc.rewards.judge import JudgeReward
 from rolemrc.rewards.reward_model import RewardModelReward
@@ -26,6 +28,55 @@ class RewardFn(Protocol):
 
     def __call__(self, *, prompts: Sequence[Any], completions: Sequence[str],
                  **columns: Sequence[Any]) -> Sequence[float | None]: ...
+
+
+class RewardValueError(UserError, ValueError):
+    """A reward returned something that is not one finite number or ``None`` per completion."""
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def checked_values(name: str, got: Any, n: int, fn: Any = None) -> list[float | None]:
+    """The values reward ``name`` returned for ``n`` completions, checked: a list (tuple, array, tensor)
+    of ``n`` numbers or ``None``; a NaN is "does not apply" as ``None`` is; an infinite value, a
+    non-number, another count or no list at all is a :class:`RewardValueError` naming the reward
+    (and its callable) and what it returned."""
+    what = f"reward {name!r}" + (f" ({_callable_name(fn)})" if _callable_name(fn) else "")
+    expected = f"expected a list of {n} values, one float or None per completion"
+    if hasattr(got, "tolist") and not isinstance(got, (str, bytes)):  # a tensor or an array
+        got = got.tolist()
+    if isinstance(got, (str, bytes, dict)) or not isinstance(got, Sequence):
+        raise RewardValueError(f"{what} returned {_shown(got)} ({type(got).__name__}); {expected}")
+    if len(got) != n:
+        raise RewardValueError(f"{what} returned {len(got)} values for {n} completions; {expected}")
+    values: list[float | None] = []
+    for i, v in enumerate(got):
+        if v is None:
+            values.append(None)
+            continue
+        if not isinstance(v, numbers.Real):  # bool is one (1.0 / 0.0), as TRL reads it
+            raise RewardValueError(f"{what} returned {_shown(v)} ({type(v).__name__}) for completion {i} of {n}; "
+                                   "expected a float, or None where the reward does not apply")
+        f = float(v)
+        if math.isinf(f):
+            raise RewardValueError(f"{what} returned {f} for completion {i} of {n}: a reward must be finite "
+                                   "(None or NaN: does not apply to that completion)")
+        values.append(None if math.isnan(f) else f)
+    return values
+
+
+def _callable_name(fn: Any) -> str:
+    """``module.qualname`` of a reward callable (through ``functools.partial``), or '' for a built-in
+    reward class of rolemrc's (the reward's name says enough)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if fn is None or type(fn).__module__.startswith("rolemrc."):
+        return ""
+    target = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(fn).__name__)}"
 
 
 @dataclass
@@ -76,14 +127,10 @@ class RewardSet:
         per = torch.full((n, len(names)), float("nan"), dtype=torch.float64)
         values: dict[str, list[float | None]] = {}
         for k, name in enumerate(names):
-            got = list(self.rewards[name](prompts=list(prompts), completions=list(completions), **columns))
-            if len(got) != n:
-                raise ValueError(f"reward {name!r} returned {len(got)} values for {n} completions")
-            for i, v in enumerate(got):
-                if v is not None and not isinstance(v, (int, float)):
-                    raise TypeError(f"reward {name!r} returned {v!r} for completion {i}; expected a float or None")
+            fn = self.rewards[name]
+            got = checked_values(name, fn(prompts=list(prompts), completions=list(completions), **columns), n, fn)
             values[name] = got
-            per[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in got], dtype=torch.float64)
+            per[:, k] = torch.tensor([float("nan") if v is None else v for v in got], dtype=torch.float64)
         w = torch.tensor([self.weights[name] for name in names], dtype=torch.float64)
         unscorable = torch.isnan(per).all(dim=1)
         rewards = (per * w).nansum(dim=1)
@@ -177,5 +224,6 @@ def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Pat
                 raise ValueError(f"{where}.judge is required (a judge config, as evaluate.py's judge:)")
             rewards[name] = JudgeReward(entry["judge"], cache_dir=cache_dir, dimension=entry.get("dimension"),
                                         on_failure=entry.get("on_failure", "raise"),
-                                        wait_s=float(entry.get("wait_s", 30.0)), max_waits=entry.get("max_waits", 10))
+                                        wait_s=float(entry.get("wait_s", 30.0)), max_waits=entry.get("max_waits", 10),
+                                        where=where)
     return RewardSet(rewards, weights)

@@ -47,7 +47,8 @@ class JudgeReward:
     (``JudgeConfig``, DictConfig or mapping, as ``evaluate.py``'s ``judge:``) given to ``make_judge``."""
 
     def __init__(self, judge: Judge | Any, *, cache_dir: str | Path | None = None, dimension: str | None = None,
-                 on_failure: str = "raise", wait_s: float = 30.0, max_waits: int | None = 10) -> None:
+                 on_failure: str = "raise", wait_s: float = 30.0, max_waits: int | None = 10,
+                 where: str = "judge reward") -> None:
         if on_failure not in JUDGE_ON_FAILURE:
             raise ValueError(f"judge reward on_failure must be one of {', '.join(JUDGE_ON_FAILURE)}, got {on_failure!r}")
         self.dimension = _dimension(dimension)  # checked before a judge (maybe a model) is made
@@ -59,6 +60,7 @@ class JudgeReward:
                 raise ValueError("the judge reward needs a judge backend (hf or openai), got backend=none")
             self.judge = made
         self.on_failure, self.wait_s, self.max_waits = on_failure, wait_s, max_waits
+        self.where = where  # how errors name it: its config key (rewards.<name>)
         self.last_missing: Counter[str] = Counter()  # judgements without a verdict in the last call, by status
 
     def __call__(self, *, prompts: Sequence[Sequence[Mapping[str, Any]]], completions: Sequence[Any],
@@ -100,10 +102,14 @@ class JudgeReward:
                 return verdicts
             if self.on_failure == "raise" or (self.max_waits is not None and waits >= self.max_waits):
                 errors = sorted({v.error for v in verdicts if v.error})[:3]
+                counts = ", ".join(f"{n} {status}" for status, n in sorted(missing.items()))
+                after = f" after {waits} wait(s) of {self.wait_s:g} s" if waits else ""
+                key = f"{self.where}." if self.where.startswith("rewards.") else "rewards.<name>."
+                advice = (f"{key}on_failure=wait asks again for the missing ones, skip leaves them unscored"
+                          if self.on_failure == "raise" else f"raise {key}max_waits or wait_s, or set on_failure=skip")
                 raise JudgeRewardError(
-                    f"judge reward: {sum(missing.values())} of {len(verdicts)} judgements have no verdict "
-                    f"({dict(missing)}){'; ' + '; '.join(errors) if errors else ''} after {waits} wait(s); "
-                    "the step is not scored (rewards.<name>.on_failure: raise | wait | skip)")
+                    f"{self.where}: {sum(missing.values())} of {len(verdicts)} judgements have no verdict{after} "
+                    f"({counts}){': ' + '; '.join(errors) if errors else ''}. The step is not scored; {advice}")
             waits += 1
             log.warning("judge reward: %s judgements without a verdict; asking again in %.0f s (wait %d%s)",
                         dict(missing), self.wait_s, waits, f" of {self.max_waits}" if self.max_waits else "")

@@ -290,12 +290,20 @@ def summary_text(summary: dict[str, Any]) -> str:
 
     steps = summary.get("steps", 0)
     others = summary.get("val_metrics") or {}
+    notes = summary.get("notes") or {}
+
+    def figure(key: str, value: float) -> str:  # a reward figure with what it is the mean of
+        return f"{key} {value:.4f}" + (f" ({notes[key]})" if notes.get(key) else "")
+
     if summary.get("val_loss") is not None:
         val = f"val/loss {number('val_loss', '.4f')}"
-    elif others:  # an objective that validates something else (GRPO: the reward of greedy replies)
-        val = ", ".join(f"{k} {v:.4f}" for k, v in list(others.items())[:2])
+    elif others:  # an objective that validates something else (GRPO: the reward of sampled completions)
+        keys = ["val/reward"] if "val/reward" in others else list(others)[:2]
+        val = ", ".join(figure(k, others[k]) for k in keys)
     else:
         val = "val/loss n/a (no validation data)"
+    if summary.get("train_reward") is not None:  # GRPO: the training reward, beside the validation figure
+        val = f"{figure('train/reward', summary['train_reward'])}, {val}"
     return "\n".join([
         f"run summary: {steps} step{'' if steps == 1 else 's'}, {number('epochs', '.2f')} epochs, "
         f"train/loss {number('train_loss', '.4f')}, {val}, {number('tokens_per_s', ',.0f')} tokens/s",

@@ -75,6 +75,8 @@ def test_dotted_path_callable_gets_trls_signature():
 def test_bad_specs_name_the_key(spec, match):
     with pytest.raises(ValueError, match=match):
         build_rewards(spec)
+    with pytest.raises(ValueError, match=match.replace("rewards.x", "objective.rewards.x")):  # as GRPO names them
+        build_rewards(spec, prefix="objective.rewards")
 
 
 def test_a_reward_returning_garbage_is_refused():

@@ -244,7 +244,7 @@ class GRPOModule(PolicyModule):
         if self._rewards is None:
             root = getattr(self._trainer, "default_root_dir", None) if self._trainer is not None else None
             cache = Path(root) / "judge_cache" if root else None
-            self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=cache)
+            self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=cache, prefix="objective.rewards")
         return self._rewards
 
     def teardown(self, stage: str) -> None:

@@ -186,14 +186,16 @@ _KEYS = {"verifier": {"type", "weight", "mode"},
                           "trust_remote_code"}}
 
 
-def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Path | None = None) -> RewardSet:
+def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Path | None = None,
+                  prefix: str = "rewards") -> RewardSet:
     """A :class:`RewardSet` from ``{name: {type: verifier|judge|reward_model, weight, ...}}`` or
     ``{name: {_target_: dotted.path, weight, **kwargs}}`` (the kwargs bound to the callable).
-    Unknown keys and types are ValueErrors naming ``rewards.<name>.<key>``."""
+    Unknown keys and types are ValueErrors naming ``<prefix>.<name>.<key>`` (``objective=grpo``:
+    ``objective.rewards``), as the judge reward's errors do."""
     rewards: dict[str, Callable[..., Sequence[float | None]]] = {}
     weights: dict[str, float] = {}
     for name, raw in spec.items():
-        where = f"rewards.{name}"
+        where = f"{prefix}.{name}"
         entry = dict(raw)
         weights[name] = float(entry.get("weight", 1.0))
         if "_target_" in entry:

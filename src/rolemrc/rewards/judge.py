@@ -104,7 +104,7 @@ class JudgeReward:
                 errors = sorted({v.error for v in verdicts if v.error})[:3]
                 counts = ", ".join(f"{n} {status}" for status, n in sorted(missing.items()))
                 after = f" after {waits} wait(s) of {self.wait_s:g} s" if waits else ""
-                key = f"{self.where}." if self.where.startswith("rewards.") else "rewards.<name>."
+                key = f"{self.where}." if self.where != "judge reward" else "rewards.<name>."
                 advice = (f"{key}on_failure=wait asks again for the missing ones, skip leaves them unscored"
                           if self.on_failure == "raise" else f"raise {key}max_waits or wait_s, or set on_failure=skip")
                 raise JudgeRewardError(

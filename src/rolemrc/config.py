@@ -535,9 +535,10 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     # Deprecated aliases of runtime.<key> (not Trainer arguments): accepted so old commands and run
     # folders compose; upgrade_train_config moves a value given here to runtime.<key> and warns.
-    matmul_precision: Optional[str] = None
-    checkpoint_every_n_steps: Optional[int] = None
-    device_memory_gb: Optional[float] = None
+
+    matmul_precision: Optional[str] = None  # deprecated: use runtime.matmul_precision (a value here is moved there, with a warning)
+    checkpoint_every_n_steps: Optional[int] = None  # deprecated: use runtime.checkpoint_every_n_steps (moved there, with a warning)
+    device_memory_gb: Optional[float] = None  # deprecated: use runtime.device_memory_gb (moved there, with a warning)
 
 
 # trainer.<key> -> runtime.<key> (moved: they are rolemrc's settings, not lightning.Trainer arguments)
@@ -549,11 +550,24 @@ class RuntimeConfig:
     """rolemrc's own run settings (everything that is not a ``lightning.Trainer`` argument)."""
 
     matmul_precision: Optional[str] = "high"  # torch.set_float32_matmul_precision: TF32 on Ampere+ GPUs (paper: tf32)
-    checkpoint_every_n_steps: int = 0  # 0: a checkpoint at the end of each epoch (and of training) only
+    # checkpoints/last.ckpt is also written at the first optimizer-step boundary this many minutes after the
+    # previous save (at least 10x as long as that save took, so saving costs at most ~10% of the time);
+    # 0: off. What a kill (SIGKILL, OOM, a node lost) loses at most.
+    checkpoint_every_minutes: float = 5.0
+    checkpoint_every_n_steps: int = 0  # N > 0: also every N optimizer steps (besides epoch ends and the end of training)
     device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.sizing.formula.check_memory)
     # model.gradient_checkpointing=auto decides from a simulated step (``rolemrc.sizing.simulate``, a child process,
     # ~1-2 CPU-minutes for an 8B model); false: from the formula alone.
     simulate_memory: bool = True
+
+    def __post_init__(self) -> None:
+        minutes = self.checkpoint_every_minutes
+        if not (isinstance(minutes, (int, float)) and 0 <= minutes < float("inf")):
+            raise ConfigError(f"runtime.checkpoint_every_minutes={minutes} must be a number >= 0 (0: no checkpoints "
+                              "by time, only at epoch ends and runtime.checkpoint_every_n_steps)")
+        if self.checkpoint_every_n_steps < 0:
+            raise ConfigError(f"runtime.checkpoint_every_n_steps={self.checkpoint_every_n_steps} must be >= 0 "
+                              "(0: no checkpoints by step count)")
 
 
 @dataclass
@@ -750,6 +764,7 @@ def check_train_config(cfg: Any) -> None:
     check_numbers(cfg)
     check_data_dir(cfg.data)
     check_choices(cfg)
+    typed(cfg.runtime)  # its __post_init__ checks the checkpoint intervals
     run_check = getattr(typed(cfg.objective), "check_run", None)  # an objective's rules across groups
     if run_check is not None:
         run_check(cfg)

@@ -6,8 +6,10 @@
   the other pickles read before loading (a shard's non-tensor entries, which torch's loader
   unpickles with ``weights_only=False``, and Lightning's ``meta.pt``);
 - ``.last.ckpt.tmp<pid>`` left by a killed save is deleted at the next save (a live writer's is kept);
-- a full disk during a checkpoint save is a one-line StorageError naming the checkpoint; the
-  previous checkpoint stays whole and no temporary file is left.
+- a full disk during a checkpoint save is a one-line StorageError naming the checkpoint and the
+  command that continues; the previous checkpoint stays whole and no temporary file is left;
+- a sharded checkpoint's files must be inside its folder (links followed) and its ``.metadata``
+  may declare no tensor larger than its shards hold.
 """
 
 from __future__ import annotations
@@ -132,6 +134,60 @@ def test_the_other_pickles_of_a_sharded_checkpoint_must_be_plain(tmp_path: Path)
     assert not marker.exists()
 
 
+def test_a_sharded_checkpoint_reads_only_its_own_files_within_their_sizes(tmp_path: Path) -> None:
+    """A shard, ``meta.pt`` or ``.metadata`` that is a link to a file outside the folder is refused
+    (a link inside it is not); a ``.metadata`` declaring a tensor larger than the bytes its shards
+    hold for it (2^40 elements: a 4 TiB allocation) is refused before anything is allocated:
+    one ``error:`` line through train.py, the same error from every reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    good = dcp_folder(tmp_path / "good")
+    torch.save({"global_step": 3}, good / "meta.pt")
+    (shard,) = [p.name for p in good.glob("*.distcp")]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in (shard, "meta.pt", ".metadata"):
+        case = tmp_path / f"link{name}"
+        shutil.copytree(good, case)
+        (case / name).rename(elsewhere / name)
+        (case / name).symlink_to(elsewhere / name)
+        with pytest.raises(CheckpointError) as err:
+            check_checkpoint(case)
+        assert str(err.value).startswith(f"{case}: {name} is a link to {elsewhere / name}, outside the checkpoint "
+                                         "folder; refused"), str(err.value)
+    inside = tmp_path / "inside"  # linked within the folder: its own file
+    shutil.copytree(good, inside)
+    (inside / "meta.pt").rename(inside / "meta.pt.real")
+    (inside / "meta.pt").symlink_to("meta.pt.real")
+    assert check_checkpoint(inside) == inside
+
+    marker = tmp_path / "marker"
+    run = crafted_run(tmp_path / "big", marker)
+    big = run / "checkpoints" / "last.ckpt"
+    meta = FileSystemReader(str(good)).read_metadata()
+    meta.state_dict_metadata["state_dict.model.w"].size = torch.Size([1 << 20, 1 << 20])  # 2^40 floats
+    (big / ".metadata").write_bytes(pickle.dumps(meta))
+    want = (f"{big / '.metadata'}: entry state_dict.model.w declares a tensor of shape [1048576, 1048576] (4.0 TiB "
+            "of float32) but the shards hold ")
+    done = subprocess.run([sys.executable, "train.py", *TINY, f"model.path={run}", f"hydra.run.dir={tmp_path / 'new'}"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {want}"), done.stderr[-3000:]
+    from rolemrc.run.train import run as train
+
+    with pytest.raises(CheckpointError, match="declares a tensor of shape"):
+        train(compose_train([*TINY, "strategy=fsdp", f"ckpt_path={big}"], run_dir=tmp_path / "other"))
+    for read in (hf_model_path, read_model_state, check_checkpoint):  # evaluate.py/probe.py, export.py
+        with pytest.raises(CheckpointError) as err:
+            read(str(big))
+        assert str(err.value).startswith(want), str(err.value)
+    meta.state_dict_metadata["state_dict.model.w"].size = torch.Size([1 << 40])  # the chunk no longer fits it
+    (big / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"entry state_dict.model.w has a chunk \(offsets \[0, 0\], sizes \[8, 8\]\) "
+                                              r"outside its declared shape \[1099511627776\]"):
+        check_checkpoint(big)
+
+
 def test_a_killed_saves_temporary_file_is_removed_at_the_next_save(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -185,7 +241,8 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_error(tmp_path: Path, monke
     ckpt = run / "checkpoints" / "last.ckpt"
     assert isinstance(err.value, UserError) and len(saves) == 2
     assert str(err.value) == (f"{ckpt}: saving the checkpoint failed: no space left on the device; free space there, "
-                              "or move the run folder to a disk with room; then resume with ckpt_path=last")
+                              f"or move the run folder to a disk with room; then continue it: python train.py "
+                              f"hydra.run.dir={run} ckpt_path=last (with the folder's new path if moved)")
     monkeypatch.undo()
     assert torch.load(ckpt, weights_only=True)["global_step"] == 1
     assert not list(ckpt.parent.glob(".last.ckpt.tmp*"))

@@ -22,7 +22,7 @@ from rolemrc.fileio import atomic_open, partial_path, remove, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
-_FIX = "move the run folder to a disk with room; then resume with ckpt_path=last"
+_FIX = "move the run folder to a disk with room"  # the recipe adds the command that continues (run.train.fit)
 
 
 def _storage_fault(err: BaseException, path: Any, what: str) -> StorageError | None:

@@ -12,7 +12,11 @@ Nothing here unpickles arbitrary objects. ``.metadata`` is a plain pickle (torch
 an unpickler that builds only DCP's metadata classes, torch dtypes/layouts/``Size`` and paths,
 so a crafted one is refused before it can run anything. The small non-tensor entries a DCP
 shard holds (optimizer hyper-parameters: torch's loader reads them with ``weights_only=False``)
-and Lightning's ``meta.pt`` must load with ``weights_only=True``.
+and Lightning's ``meta.pt`` must load with ``weights_only=True``. Every file the folder's
+checkpoint reads (``.metadata``, the shards, ``meta.pt``) must be inside the folder, also once
+links are followed; and every tensor ``.metadata`` declares must fit in the bytes the shards
+hold for it (a crafted size would otherwise be allocated in full by a reader that builds its
+tensors from ``.metadata``, e.g. :func:`rolemrc.checkpointing.state.read_model_state`).
 
 Damage inside the tensor records (bytes overwritten, the file still of its right size) shows
 only when the tensors are read: :func:`reading` turns what reading raises
@@ -154,12 +158,70 @@ def _check_plain(path: Path, what: str, data: Any) -> None:
         raise CheckpointError(f"{path}: {what} is corrupt ({_first_line(err)})") from None
 
 
+def _inside(folder: Path, relative: str) -> None:
+    """``folder/relative``, followed through any links, must stay inside ``folder``."""
+    entry = folder / relative
+    if not (entry.is_symlink() or entry.exists()):
+        return  # missing: the caller names it
+    target = entry.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{folder}: {relative} is a link to {target}, outside the checkpoint folder; refused "
+                              "(a checkpoint reads only its own files: copy the file into the folder if you trust it)")
+
+
+def _human(size: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:,} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
+
+
+def _check_declared_sizes(path: Path, meta: Any) -> None:
+    """Each tensor of ``.metadata`` fits in the bytes its shard entries hold (each chunk inside the
+    tensor's declared shape): checked before anything allocates a tensor of the declared size.
+    Entries stored through transforms (compression) are only checked for shape."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored: dict[str, int] = {}
+    transformed: set[str] = set()
+    for index, item in meta.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(item.length)
+        if getattr(item, "transform_descriptors", None):
+            transformed.add(index.fqn)
+    for fqn, tensor in meta.state_dict_metadata.items():
+        if not isinstance(tensor, TensorStorageMetadata):
+            continue
+        shape = tuple(int(d) for d in tensor.size)
+        dtype = getattr(tensor.properties, "dtype", None)
+        itemsize = getattr(dtype, "itemsize", None)
+        if any(d < 0 for d in shape) or not isinstance(itemsize, int):
+            raise CheckpointError(f"{path / '.metadata'}: entry {fqn} declares an invalid tensor ({shape}, {dtype})")
+        for chunk in tensor.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                raise CheckpointError(f"{path / '.metadata'}: entry {fqn} has a chunk (offsets {list(offsets)}, sizes "
+                                      f"{list(sizes)}) outside its declared shape {list(shape)}; refused")
+        if fqn in transformed:
+            continue
+        needs = math.prod(shape) * itemsize
+        if needs > stored.get(fqn, 0):
+            raise CheckpointError(
+                f"{path / '.metadata'}: entry {fqn} declares a tensor of shape {list(shape)} ({_human(needs)} of "
+                f"{str(dtype).removeprefix('torch.')}) but the shards hold {_human(stored.get(fqn, 0))} for it; refused "
+                "(a damaged or crafted checkpoint: nothing was allocated)")
+
+
 def _check_sharded(path: Path) -> None:
     metadata = path / ".metadata"
     if not metadata.is_file():
         raise CheckpointError(f"{path}: not a complete sharded checkpoint (no .metadata; an interrupted save?)")
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    _inside(path, ".metadata")
     meta = read_metadata(path)
     needed: dict[str, int] = {}
     for item in meta.storage_data.values():
@@ -167,11 +229,13 @@ def _check_sharded(path: Path) -> None:
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
     for relative, end in sorted(needed.items()):
         shard = path / relative
+        _inside(path, relative)
         if not shard.is_file():
             raise CheckpointError(f"{path}: shard file {relative} is missing")
         size = shard.stat().st_size
         if size < end:
             raise CheckpointError(f"{shard}: truncated ({size} bytes; .metadata places data up to byte {end})")
+    _check_declared_sizes(path, meta)
     # torch's loader unpickles these entries with weights_only=False: they must be plain values
     for index, item in meta.storage_data.items():
         if not isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
@@ -184,6 +248,7 @@ def _check_sharded(path: Path) -> None:
             blob = fh.read(item.length)
         _check_plain(path / item.relative_path, f"entry {index.fqn}", io.BytesIO(blob))
     extra = path / "meta.pt"  # Lightning's non-tensor entries (lightning.fabric's _METADATA_FILENAME)
+    _inside(path, "meta.pt")
     if extra.is_file():
         _check_plain(extra, "Lightning's meta.pt", extra)
 

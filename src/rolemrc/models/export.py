@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rolemrc.checkpointing.state import read_model_state
-from rolemrc.errors import DestinationError, StorageError
+from rolemrc.errors import CheckpointError, DestinationError, StorageError
 from rolemrc.fileio import atomic_dir, atomic_write_json, cache_root, partial_path, storage_error
 from rolemrc.models.loading import load_model, load_tokenizer, unwrap
 from rolemrc.models.logprob_head import install_logprob_head, restore_linear_head
@@ -332,7 +332,13 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise ValueError(f"{origin}: weights do not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(f"{origin}: weights do not match the run's model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    shapes = [f"{k} {list(v.shape)} (the model's: {list(expected[k].shape)})" for k, v in state.items()
+              if tuple(v.shape) != tuple(expected[k].shape)]
+    if shapes:
+        raise CheckpointError(f"{origin}: weights of another shape than the run's model: {', '.join(shapes[:3])}"
+                              f"{f' and {len(shapes) - 3} more' if len(shapes) > 3 else ''}")
     cast = {k: v.to(expected[k].dtype) for k, v in state.items()}
     model.load_state_dict(cast, strict=True, assign=True)
     del cast

@@ -101,7 +101,8 @@ def import_object(spec: str) -> Any:
 def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
     """``cfg.callbacks`` instantiated. A selection without a ``ModelCheckpoint`` (``callbacks=none``)
     still checkpoints to ``<run_dir>/checkpoints/last.ckpt``, where ``ckpt_path=last`` and
-    ``export.py`` look (Lightning's own default would write into the logger's folder). Without a
+    ``export.py`` look (Lightning's own default would write into the logger's folder); the
+    checkpoints by time (``runtime.checkpoint_every_minutes``) are :class:`~rolemrc.run.state.RunState`'s. Without a
     logger (``logger=none``) the learning-rate monitor, which needs one, is left out."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -121,7 +122,7 @@ def build_callbacks(cfg: Any, has_logger: bool = True) -> list[Any]:
         dirpath = os.path.join(str(cfg.run_dir), "checkpoints")
         log.info("callbacks has no ModelCheckpoint: checkpointing to %s/last.ckpt", dirpath)
         callbacks.append(ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0,
-                                         every_n_train_steps=every or None))
+                                         every_n_train_steps=every or None, enable_version_counter=False))
     return callbacks
 
 
@@ -149,7 +150,8 @@ def build_trainer(cfg: Any) -> L.Trainer:
     strategy = build_strategy(cfg)
     plugins: list[Any] = [] if cfg.strategy.name == "fsdp" else [AtomicCheckpointIO()]
     loggers = build_loggers(cfg)
-    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)), RunState(),
+    callbacks = [*build_callbacks(cfg, has_logger=bool(loggers)),
+                 RunState(checkpoint_every_minutes=runtime_value(cfg, "checkpoint_every_minutes")),
                  RunSummary(),  # a final validation at max_steps; the end-of-run figures
                  ModelSummaryWithoutFlops()]  # Lightning's own would print "Total FLOPs: 0"
     if _one_process(cfg):

@@ -18,7 +18,9 @@ the run still finds it. ``hydra.run.dir=<run> ckpt_path=last`` on a folder holdi
 continues that run with its own saved command line (``.hydra/overrides.yaml``) under this
 command's overrides: ``hydra.run.dir=<run> ckpt_path=last trainer.max_steps=70`` is the run's
 config with ``trainer.max_steps=70`` (the model's keys may not change: its checkpoint and its
-exports are of that model). Every command this module or the recipe advises is of that form.
+exports are of that model). A run folder without a checkpoint (its first save failed, or it was
+killed before one) is continued the same way, from its start: its own config, its ``.hydra/``
+kept. Every command this module or the recipe advises is of that form.
 
 Left alone: a folder Hydra would reuse that already holds a checkpoint (a requeued SLURM job:
 ``outputs/<task_name>/<job id>``), multirun and ``--cfg``-style flags, and any ``ckpt_path``
@@ -46,7 +48,8 @@ log = logging.getLogger(__name__)
 # Keys a resumed run may change: where it runs and how it resumes, how long it trains (raising
 # trainer.max_steps continues a finished run), how often it checkpoints, the progress bar.
 IGNORED = ("run_dir", "ckpt_path", "trainer.max_steps", "trainer.enable_progress_bar",
-           "runtime.checkpoint_every_n_steps", "trainer.checkpoint_every_n_steps", "runtime.device_memory_gb")
+           "runtime.checkpoint_every_n_steps", "trainer.checkpoint_every_n_steps", "runtime.checkpoint_every_minutes",
+           "runtime.device_memory_gb")
 NEAR = 3  # a folder whose config differs in at most this many keys is named in a warning
 
 
@@ -204,9 +207,10 @@ def _compose(config_dir: str | Path, config_name: str, args: Sequence[str]) -> D
 
 
 def _continue_folder(argv: list[str], args: list[str], folder: Path, config_dir: str | Path,
-                     config_name: str) -> list[str]:
-    """``hydra.run.dir=<folder> ckpt_path=last <overrides>`` on a run folder with a checkpoint:
-    its saved command line under ``<overrides>``, its ``.hydra/`` left as it is (see the module)."""
+                     config_name: str, checkpoint: bool = True) -> list[str]:
+    """``hydra.run.dir=<folder> ckpt_path=last <overrides>`` on a run folder (``checkpoint``:
+    whether it holds one; without, it trains from the start): its saved command line under
+    ``<overrides>``, its ``.hydra/`` left as it is (see the module)."""
     rebased = rebased_overrides(folder, args)
     cfg = _compose(config_dir, config_name, rebased)
     if cfg is None or cfg.get("ckpt_path") != "last":
@@ -221,7 +225,11 @@ def _continue_folder(argv: list[str], args: list[str], folder: Path, config_dir:
                           f"(model.path={folder} starts from its weights)")
     changes = f" with {_shown(diff)}" if diff else ""
     if _launched_rank() == 0:  # ranks a launcher starts (DDP) run this again with the same command line
-        print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
+        if checkpoint:
+            print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
+        else:
+            print(f"ckpt_path=last: {folder} holds no checkpoint: training it from the start with its saved "
+                  f"config{changes}", flush=True)
     return [argv[0], *rebased, NO_HYDRA_FILES]
 
 
@@ -246,8 +254,8 @@ def continue_run_argv(argv: Sequence[str], config_dir: str | Path, config_name: 
     named = [o for o in overrides if o.key_or_group == "hydra.run.dir"]
     if named:  # the user named the folder
         folder = Path(str(named[-1].value()))
-        if (folder / ".hydra" / "config.yaml").is_file() and _find(folder) is not None:
-            return _continue_folder(argv, args, folder, config_dir, config_name)
+        if (folder / ".hydra" / "config.yaml").is_file():  # a run folder: its own config, never the defaults
+            return _continue_folder(argv, args, folder, config_dir, config_name, checkpoint=_find(folder) is not None)
         return argv
     cfg = _compose(config_dir, config_name, args)
     if cfg is None or cfg.get("ckpt_path") != "last":

@@ -7,6 +7,12 @@ saved and restored here through Lightning's public hooks (:class:`RunState`, a c
   short** reopened, and **a checkpoint at the end of training**;
 - **an interruption**: Ctrl-C (SIGINT) or SIGTERM writes ``last.ckpt`` at the next step boundary
   and stops with :class:`RunInterrupted` (the recipe prints the command that continues);
+- **a checkpoint by time** (``runtime.checkpoint_every_minutes``): ``last.ckpt`` written at the
+  first step boundary that long after the previous save, so a kill no signal announces (SIGKILL,
+  the OOM killer, a lost node) loses minutes of training, not an epoch; every rank takes the same
+  decision (one all-reduce per step, shared with the interruption's);
+- **one name per checkpoint**: every save of ``last.ckpt`` goes to that name, never to
+  Lightning's versioned ``last-v1.ckpt`` (which ``ckpt_path=last`` does not read);
 - **the state of the run's other parts**: each object the LightningModule lists in its
   ``run_state_parts()`` (``state_dict()`` -> top-level checkpoint entries, ``load_state_dict(checkpoint)``):
   the DPO reference's precomputed log-prob tables (:mod:`rolemrc.modules.reference` computes them
@@ -36,6 +42,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -196,12 +203,45 @@ class RunInterrupted(Exception):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _last_of(callback: ModelCheckpoint) -> str:
+    """The path a ``save_last`` ModelCheckpoint names ``last.ckpt``, as Lightning itself spells it."""
+    try:
+        return callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
+    except Exception:  # a CHECKPOINT_NAME_LAST with metric placeholders: the plain name
+        return os.path.join(str(callback.dirpath), f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}")
+
+
+def _last_savers(trainer: L.Trainer) -> list[ModelCheckpoint]:
+    return [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.save_last and c.dirpath]
+
+
 def last_checkpoint_path(trainer: L.Trainer) -> str:
     """Where ``last.ckpt`` goes: the ``save_last`` ModelCheckpoint's (``build_callbacks`` always adds one)."""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
-            return f"{callback.dirpath}/{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    for callback in _last_savers(trainer):
+        return _last_of(callback)
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
+def keep_last_checkpoint_names(trainer: L.Trainer) -> None:
+    """Each ``save_last`` ModelCheckpoint treats its ``last.ckpt`` as its own: Lightning writes
+    ``last-v1.ckpt`` beside a ``last.ckpt`` it does not know it wrote (one saved by an interruption,
+    by another process of the same run, or in the folder before it was moved), and ``ckpt_path=last``
+    reads ``last.ckpt`` only. ``last_model_path`` is the callback's public record of that file."""
+    for callback in _last_savers(trainer):
+        callback.last_model_path = _last_of(callback)
+
+
+def any_rank(trainer: L.Trainer, *flags: bool) -> list[bool]:
+    """Each of ``flags``, true on every rank when it is true on any: one all-reduce for them all
+    (none in a one-process run), so every rank takes the same decision."""
+    if trainer.world_size <= 1:
+        return [bool(f) for f in flags]
+    counts = torch.tensor([int(bool(f)) for f in flags], device=trainer.strategy.root_device)
+    counts = trainer.strategy.reduce(counts, reduce_op="sum")
+    return [bool(c) for c in counts.tolist()]
+
+
+SAVE_COST_FACTOR = 10  # a checkpoint by time waits at least this many times as long as the previous save took
 
 
 class RunState(L.Callback):
@@ -213,13 +253,23 @@ class RunState(L.Callback):
     (``every_n_train_steps`` saves on those steps only: a run of 10 steps checkpointed every 4
     would end with step 8's). Every rank runs it: the save is collective under FSDP.
 
+    ``checkpoint_every_minutes`` > 0: ``last.ckpt`` is also saved at the first optimizer-step
+    boundary that many minutes after the previous save (any save: an epoch end's too), and at
+    least :data:`SAVE_COST_FACTOR` times as long after it as the previous save of this callback
+    took (a slow save, an 8B model's optimizer state, is not repeated so often that saving
+    dominates). Each rank looks at its own clock; the ranks save when any of them finds it due
+    (:func:`any_rank`), so they all save at the same step.
+
     Ctrl-C (SIGINT) and SIGTERM while training only set a flag (a second one acts as usual, at
     once): at the next optimizer-step boundary every rank saves ``last.ckpt`` and training stops
     with :class:`RunInterrupted` once that step's row is logged (before a validation or the next
     batch). Saving in the handler could meet another rank inside a
     collective (see :class:`rolemrc.run.requeue.SlurmRequeue`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_every_minutes: float = 0.0) -> None:
+        self.every_s = float(checkpoint_every_minutes) * 60.0
+        self._last_save = time.monotonic()  # the previous save's time (or training's start)
+        self._save_took = 0.0  # how long this callback's previous save took
         self._saved_step = -1
         self._rng_to_restore: dict[str, Any] | None = None
         self._signum: int | None = None
@@ -255,19 +305,39 @@ class RunState(L.Callback):
             signal.signal(signum, handler)
         self._handlers = {}
 
+    def _save_due(self) -> bool:
+        """This rank's clock says a checkpoint by time is due."""
+        if self.every_s <= 0:
+            return False
+        return time.monotonic() - self._last_save >= max(self.every_s, SAVE_COST_FACTOR * self._save_took)
+
+    def _save_last(self, trainer: L.Trainer, path: str) -> None:
+        """Save ``last.ckpt`` at ``path``, recorded as every ``save_last`` callback's own first
+        (the record is part of what is saved), and time the save."""
+        for callback in _last_savers(trainer):
+            if _last_of(callback) == path:
+                callback.last_model_path = path
+        started = time.monotonic()
+        trainer.save_checkpoint(path, weights_only=False)
+        self._save_took = time.monotonic() - started
+        self._last_save = time.monotonic()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not bool(batch["step_end"]):  # mid-accumulation: a partial step's gradients are in no checkpoint
             return
-        if not trainer.strategy.reduce_boolean_decision(self._signum is not None, all=False):
+        signalled, due = any_rank(trainer, self._signum is not None, self._save_due())
+        if not (signalled or due):
             return
-        signum = trainer.strategy.broadcast(self._signum or signal.SIGTERM, src=0)
         path = last_checkpoint_path(trainer)
         if trainer.global_step != self._saved_step:
-            trainer.save_checkpoint(path, weights_only=False)
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last:
-                callback.last_model_path = path
+            self._save_last(trainer, path)
+            if not signalled:
+                log.info("step %d: checkpoint %s (runtime.checkpoint_every_minutes=%g; the save took %.1f s)",
+                         trainer.global_step, path, self.every_s / 60, self._save_took)
+        if not signalled:
+            return
+        signum = trainer.strategy.broadcast(self._signum or signal.SIGTERM, src=0)
         # Stopped at the next hook: Lightning logs this step's row after this one (a resume
         # starts after it), and a validation due now is left to the resume, which redoes it
         self._interrupted = RunInterrupted(int(signum), trainer.global_step, path)
@@ -292,6 +362,7 @@ class RunState(L.Callback):
         if any(getattr(part, "per_rank", False) for part in run_state_parts(pl_module)):
             checkpoint[PER_RANK_KEY] = gather_per_rank(own, trainer.world_size)
         self._saved_step = trainer.global_step
+        self._last_save = time.monotonic()  # any save (an epoch end's too) restarts the clock
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         # callbacks see the checkpoint before Lightning restores its loops
@@ -312,6 +383,8 @@ class RunState(L.Callback):
         lr_from_schedule(trainer)
         self._redoing_validation = redo_validation_of_restored_step(trainer)
         self._rank = trainer.global_rank
+        keep_last_checkpoint_names(trainer)  # after the callbacks' state was restored from the checkpoint
+        self._last_save = time.monotonic()
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._signum = None
             for signum in STOP_SIGNALS:
@@ -322,9 +395,7 @@ class RunState(L.Callback):
         self._restore_handlers()  # what follows (the export) is interrupted as usual; a resume redoes it
         if trainer.global_step == self._saved_step or trainer.global_step == 0:
             return
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
-                path = f"{callback.dirpath}/{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-                log.info("end of training at step %d: checkpoint %s", trainer.global_step, path)
-                trainer.save_checkpoint(path, weights_only=False)
-                callback.last_model_path = path
+        for callback in _last_savers(trainer):
+            path = _last_of(callback)
+            log.info("end of training at step %d: checkpoint %s", trainer.global_step, path)
+            self._save_last(trainer, path)

@@ -26,7 +26,7 @@ from rolemrc.config import OBJECTIVES, check_train_config, source_group
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.readers import local_files, source_config
 from rolemrc.data.templates import ChatFormat
-from rolemrc.errors import ConfigError, DestinationError, InputNotFound
+from rolemrc.errors import ConfigError, DestinationError, InputNotFound, StorageError
 from rolemrc.fileio import atomic_write_json, partial_path
 from rolemrc.models.export import check_replaceable, export_pretrained, export_state
 from rolemrc.models.loading import check_model_cfg
@@ -216,6 +216,9 @@ def fit(run: TrainRun) -> dict[str, Any]:
         if trainer.is_global_zero:
             print(f"{stop}; to continue: {continue_command(cfg.run_dir)}", file=sys.stderr, flush=True)
         raise SystemExit(128 + stop.signum) from None
+    except StorageError as err:  # a full disk while saving a checkpoint: the command that continues, once there is room
+        raise StorageError(f"{err}; then continue it: {continue_command(cfg.run_dir)} (with the folder's new path "
+                           "if moved)") from None
     summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)
     if summary is not None and not summary.figures:  # resumed at its end: Lightning trained nothing and
         # ended no training (killed during the final validation or the export): finish what is missing

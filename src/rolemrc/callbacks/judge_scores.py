@@ -51,7 +51,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from rolemrc.config import JudgeConfig, plain
-from rolemrc.eval.generation import greedy_generate_ids, item_id, stop_token_ids
+from rolemrc.eval.generation import item_id
+from rolemrc.rollout.hf import greedy_generate_ids, stop_token_ids
 from rolemrc.eval.judge import (
     STATUSES,
     DimensionSummary,
@@ -108,24 +109,6 @@ def test_sources(explicit: Any, trainer: L.Trainer) -> tuple[list[dict[str, Any]
     if data is None or not getattr(data, "test", None):
         raise ValueError("no test sources: give the callback `test: [{path: ...}]` (the run's data config has no test)")
     return [plain(source) for source in data.test], on_error  # DataConfig: SourceConfig items
-
-
-class SyncedGenerate:
-    """The model, with ``synced_gpus=True`` in every ``generate`` call (FSDP2: ranks must run the
-    same number of forwards; transformers only detects FSDP-wrapped top-level modules itself)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.model.parameters()
-
-    def generate(self, **kwargs: Any) -> torch.Tensor:
-        return self.model.generate(**kwargs, synced_gpus=True)
 
 
 @contextmanager
@@ -259,8 +242,8 @@ class JudgeScores(L.Callback):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         with generation_mode(trainer, model):
             new_ids = greedy_generate_ids(
-                SyncedGenerate(model) if everywhere else model, self._prompts,
-                batch_size=self.batch_size, max_new_tokens=self.max_new_tokens, pad_id=pad_id, stop_ids=self._stops,
+                model, self._prompts, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens, pad_id=pad_id,
+                stop_ids=self._stops, synced_gpus=True if everywhere else None,
             )
         replies = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in new_ids]
         if everywhere and is_live(self.judge):
@@ -305,8 +288,8 @@ class JudgeScores(L.Callback):
         model = pl_module.model
         # The weights change every round: the step in the model id keeps answers apart, and no
         # cache is kept (under FSDP a cache hit on one rank would skip forwards the others run).
-        backend = HFBackend(SyncedGenerate(model) if everywhere else model, self._chat.tokenizer,
-                            model_id=f"model in training, step {step}", max_new_tokens=self.judge.max_tokens)
+        backend = HFBackend(model, self._chat.tokenizer, model_id=f"model in training, step {step}",
+                            max_new_tokens=self.judge.max_tokens, synced_gpus=True if everywhere else None)
         with generation_mode(trainer, model):
             return Judge(backend, cache_dir=None, show_reference=self.judge.show_reference).judge(jitems)
 

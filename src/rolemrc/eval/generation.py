@@ -46,6 +46,9 @@ from rolemrc.eval.judge import uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import count_parameters, load_model
 from rolemrc.probing.restraint import load_restraint
+from rolemrc.rollout.engine import Sampling
+from rolemrc.rollout.hf import greedy_generate_ids, stop_token_ids
+from rolemrc.rollout.vllm import build_llm, llm_generate, require_vllm
 
 if TYPE_CHECKING:
     from rolemrc.data.schemas import TestItem
@@ -191,94 +194,7 @@ def check_settings(out_dir: str | Path, settings: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-# ---------------------------------------------------------------- hf backend
-
-
-def stop_token_ids(tokenizer: Any, eot: str | None) -> list[int]:
-    """eos plus the chat template's end-of-turn token: a base model fine-tuned on chat data
-    ends its turn with ``<|eot_id|>``/``<|im_end|>`` while its eos may be another token."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if eot:
-        eot_ids = tokenizer(eot, add_special_tokens=False)["input_ids"]
-        if len(eot_ids) == 1:
-            ids.append(int(eot_ids[0]))
-        else:
-            log.warning("end-of-turn marker %r is %d tokens, not one: generation stops at eos only", eot, len(eot_ids))
-    if not ids:
-        raise ValueError("the tokenizer has neither an eos token nor a one-token end-of-turn marker to stop at")
-    return sorted(set(ids))
-
-
-def greedy_generate_ids(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    batch_size: int,
-    max_new_tokens: int,
-    pad_id: int,
-    stop_ids: Sequence[int],
-    progress: bool = False,
-    on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
-) -> list[list[int]]:
-    """Greedy new tokens for each prompt (in input order), each cut after its first stop token.
-
-    Batches are taken from the prompts sorted longest first and left-padded. ``on_batch``
-    receives ``(prompt indices, new token ids)`` as each batch finishes.
-    """
-    import torch
-    from tqdm.auto import tqdm
-
-    if batch_size < 1:
-        raise ValueError(f"generation.batch_size must be >= 1, got {batch_size}")
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
-    stops = set(int(s) for s in stop_ids)
-    out: list[list[int] | None] = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="generate", unit="item", disable=not progress)
-    try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            width = max(len(prompts[i]) for i in idx)
-            input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-            attention = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids = list(prompts[i])
-                if not ids:
-                    raise ValueError("empty prompt: nothing to generate from")
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                attention[row, width - len(ids) :] = 1
-            with torch.inference_mode():
-                result = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention.to(device),
-                    do_sample=False,
-                    # Plain greedy even if the checkpoint's generation_config asks for sampling
-                    # or a repetition penalty (as vLLM's SamplingParams(temperature=0) does).
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                    repetition_penalty=1.0,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=sorted(stops),
-                    pad_token_id=pad_id,
-                    use_cache=True,
-                )
-            new = result[:, width:].tolist()
-            batch_out: list[list[int]] = []
-            for row, i in enumerate(idx):
-                ids = new[row]
-                cut = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
-                out[i] = ids[:cut]
-                batch_out.append(ids[:cut])
-            if on_batch is not None:
-                on_batch(idx, batch_out)
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    assert all(ids is not None for ids in out)
-    return out  # type: ignore[return-value]
+# ---------------------------------------------------------------- hf backend (rolemrc.rollout.hf)
 
 
 def generate_hf(
@@ -337,15 +253,6 @@ def generate_hf(
 # ---------------------------------------------------------------- vllm backend
 
 
-def require_vllm() -> Any:
-    """The vllm module, or an ImportError that says how to get it."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(VLLM_MISSING) from err
-    return vllm
-
-
 def generate_vllm(
     model_path: str,
     tokenizer_path: str | None,
@@ -363,7 +270,7 @@ def generate_vllm(
     vLLM schedules all prompts itself, so unfinished items are sent in one call and written
     when it returns; a kill loses that call's work, not earlier runs'.
     """
-    vllm = require_vllm()
+    vllm = require_vllm(VLLM_MISSING, ImportError)
     store = GenerationStore(Path(out_dir) / "generations.jsonl")
     done = store.load()
     todo = [it for it in items if it.id not in done]
@@ -374,20 +281,9 @@ def generate_vllm(
                 f"{len(too_long)} prompt(s) reach generation.max_model_len={max_model_len} tokens "
                 f"(first: {too_long[0]}); raise generation.max_model_len"
             )
-        llm = vllm.LLM(
-            model=model_path,
-            tokenizer=tokenizer_path or model_path,
-            max_model_len=max_model_len,
-            seed=seed,
-            **dict(llm_kwargs or {}),
-        )
-        params = vllm.SamplingParams(
-            temperature=0,
-            max_tokens=max_new_tokens,
-            stop_token_ids=list(stop_ids),
-            skip_special_tokens=True,
-        )
-        outputs = llm.generate([{"prompt_token_ids": list(it.prompt_ids)} for it in todo], params)
+        llm = build_llm(vllm, model=model_path, tokenizer=tokenizer_path, max_model_len=max_model_len, seed=seed,
+                        **dict(llm_kwargs or {}))
+        outputs = llm_generate(vllm, llm, [it.prompt_ids for it in todo], Sampling(max_new_tokens), stop_ids)
         gens = []
         for it, res in zip(todo, outputs, strict=True):
             comp = res.outputs[0]
@@ -824,7 +720,7 @@ class VLLMGeneration(_Local):
     loads_model = False
 
     def check(self, cfg: Any) -> None:
-        require_vllm()
+        require_vllm(VLLM_MISSING, ImportError)
         if cfg.model.path is None:
             raise ConfigError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
         if cfg.restraint:

@@ -49,6 +49,8 @@ from rolemrc.api import (
 )
 from rolemrc.config import JudgeConfig
 from rolemrc.errors import UserError
+from rolemrc.rollout.engine import Sampling
+from rolemrc.rollout.hf import new_ids, pad_id_of
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
 
 log = logging.getLogger(__name__)
@@ -839,9 +841,10 @@ class HFBackend:
         raise ValueError(f"{where}.backend=hf with {where}.model=null needs the evaluated model; set {where}.model")
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, max_new_tokens: int = 256,
-                 protocol: str = "verdict") -> None:
+                 protocol: str = "verdict", synced_gpus: bool | None = None) -> None:
         self.protocol = protocol_of(protocol)
         self.model = model
+        self.synced_gpus = synced_gpus  # FSDP2: every rank runs as many decoding steps (rolemrc.rollout.hf)
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_new_tokens = max_new_tokens
@@ -885,20 +888,12 @@ class HFBackend:
 
     def generate(self, messages: list[Message]) -> str:
         """The model's greedy answer to one chat prompt."""
-        import torch
-
         enc = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
         enc = {k: v.to(self.model.device) for k, v in enc.items()}
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id
-        with torch.no_grad():
-            ids = self.model.generate(
-                **enc, do_sample=False, max_new_tokens=self.max_new_tokens, pad_token_id=pad, use_cache=True
-            )
-        new = ids[0, enc["input_ids"].shape[1] :]
+        new = new_ids(self.model, enc["input_ids"], enc["attention_mask"], Sampling(self.max_new_tokens),
+                      pad_id=pad_id_of(self.tokenizer), synced_gpus=self.synced_gpus)[0]
         return self.tokenizer.decode(new, skip_special_tokens=True)
 
 

@@ -22,7 +22,7 @@ from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
     GenerationStore, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
-    load_eval_model, model_label, prepare_generation, require_vllm,  # noqa: F401 - require_vllm re-exported
+    load_eval_model, model_label, prepare_generation,
 )
 from rolemrc.eval.judge import (
     JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, make_judge, uses_evaluated_model,

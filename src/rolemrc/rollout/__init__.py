@@ -1,13 +1,17 @@
-"""Rollout engines for ``objective=grpo`` besides transformers ``generate`` (``objective.rollout=hf``,
-in ``rolemrc.modules.grpo``): ``objective.rollout=vllm`` samples with vLLM, from a server
-(:class:`~rolemrc.rollout.vllm.ServerEngine`) or colocated in the trainer's process
-(:class:`~rolemrc.rollout.vllm.ColocateEngine`), the policy's weights synced before every rollout
-(``weights.py``: full tensors under HF names, LoRA merged or as an adapter).
+"""The generation layer: every engine that continues token ids, and the one protocol they follow
+(:class:`~rolemrc.rollout.engine.Engine`: ``sync(model, step)``, ``generate(prompts, n, seeds,
+sampling)``, ``close()``; :class:`~rolemrc.rollout.engine.Sampling`: greedy or sampled).
 
-An engine has ``sync(model, step)`` (every rank calls it before the step's rollout), ``generate(prompts,
-n, seeds)`` (``n`` completions per prompt, token ids, each prompt's next to each other; ``seeds`` from
-the run's sampling RNG, one per prompt) and ``close()``; :func:`padded` lays its rows out as
-``generate``'s ``[N, C]`` tensor.
+- ``hf`` (``hf.py``): transformers ``generate`` in this process, the only call of it in rolemrc
+  (GRPO's rollouts and validation, evaluation's ``hf`` backend, the local judge, the judge-scores
+  callback, the memory simulation's rollout phase).
+- ``server`` and ``colocate`` (``vllm.py``): vLLM, from an OpenAI-compatible server or ``vllm.LLM``
+  in this process (built there only, also for evaluation's ``vllm`` backend), the policy's weights
+  synced before every rollout (``weights.py``: full tensors under HF names, LoRA merged or as an adapter).
+
+GRPO picks its engine by name from :data:`ENGINES` (:func:`engine_name`: ``objective.rollout``, and
+``objective.vllm.mode`` for vLLM); each class's ``build(objective, **kwargs)`` takes what it needs of
+``kwargs``. :func:`padded` lays rows out as ``generate``'s ``[N, C]`` tensor.
 """
 
 from __future__ import annotations
@@ -17,19 +21,25 @@ from typing import Any
 
 import torch
 
+from rolemrc.rollout.engine import Engine, Sampling
+from rolemrc.rollout.hf import HFEngine
 from rolemrc.rollout.vllm import ColocateEngine, RolloutError, ServerEngine
 
-__all__ = ["ColocateEngine", "RolloutError", "ServerEngine", "make_engine", "padded"]
+__all__ = ["ENGINES", "ColocateEngine", "Engine", "HFEngine", "RolloutError", "Sampling", "ServerEngine",
+           "engine_name", "make_engine", "padded"]
+
+# engine name -> its class (``build(objective, **kwargs)``)
+ENGINES: dict[str, Any] = {"hf": HFEngine, "server": ServerEngine, "colocate": ColocateEngine}
 
 
-def make_engine(objective: Any, **kwargs: Any) -> Any:
-    """The engine ``objective.vllm.mode`` names; ``kwargs``: those its class takes."""
-    mode = objective.vllm.mode
-    if mode == "server":
-        keys = ("stop_ids", "vocab", "rank", "broadcast", "run_dir")
-        return ServerEngine(objective, **{k: kwargs[k] for k in keys if k in kwargs})
-    keys = ("model_path", "tokenizer_path", "stop_ids", "max_model_len", "seed", "world_size")
-    return ColocateEngine(objective, **{k: kwargs[k] for k in keys if k in kwargs})
+def engine_name(objective: Any) -> str:
+    """``objective.rollout`` (``hf``), or vLLM's ``objective.vllm.mode`` (``server``, ``colocate``)."""
+    return objective.vllm.mode if objective.rollout == "vllm" else objective.rollout
+
+
+def make_engine(objective: Any, **kwargs: Any) -> Engine:
+    """The engine :func:`engine_name` names; ``kwargs``: those its class takes (the others are ignored)."""
+    return ENGINES[engine_name(objective)].build(objective, **kwargs)
 
 
 def padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> torch.Tensor:

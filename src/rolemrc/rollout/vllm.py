@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from rolemrc.errors import UserError
+from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.weights import adapter_weights, merged_weights, save_adapter
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,6 @@ class RolloutError(UserError, RuntimeError):
 
 
 Broadcast = Callable[[Any], Any]  # rank 0's object, handed to every rank (identity on one process)
-
-
-def sampling_fields(o: Any) -> dict[str, Any]:
-    """The sampling keys of ``objective`` as vLLM's SamplingParams / completions fields."""
-    return {"temperature": float(o.temperature), "top_p": float(o.top_p),
-            "top_k": int(o.top_k) if int(o.top_k) > 0 else -1, "max_tokens": int(o.max_completion_length)}
 
 
 def check_rows(rows: list[list[int]], *, n: int, max_tokens: int, stop_ids: Sequence[int], vocab: int) -> None:
@@ -95,6 +90,11 @@ class ServerEngine:
         self.model_name: str | None = None  # what completion requests name: the adapter of this step
         self.counts: Counter[str] = Counter()
         self.syncs = 0
+
+    @classmethod
+    def build(cls, objective: Any, **kwargs: Any) -> "ServerEngine":
+        keys = ("stop_ids", "vocab", "rank", "broadcast", "run_dir")
+        return cls(objective, **{k: kwargs[k] for k in keys if k in kwargs})
 
     # ---- sync --------------------------------------------------------------------------------
     def sync(self, model: nn.Module, step: int) -> None:
@@ -140,16 +140,20 @@ class ServerEngine:
             await client.close()
 
     # ---- generate ----------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int] | None,
+                 sampling: Sampling | None = None) -> list[list[int]]:
         """``n`` completions per prompt (token ids, each prompt's next to each other), from the adapter
         synced last."""
         if self.model_name is None:
             raise RuntimeError("ServerEngine.generate before sync: the server's weights would be stale")
-        return self._run(self._generate(prompts, n, seeds))
+        seeds = seeds if seeds is not None else [0] * len(prompts)
+        return self._run(self._generate(prompts, n, seeds, sampling or Sampling.of(self.objective)))
 
-    async def _generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]) -> list[list[int]]:
-        o, client = self.objective, self._client()
-        fields = sampling_fields(o)
+    async def _generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int],
+                        sampling: Sampling) -> list[list[int]]:
+        client = self._client()
+        fields = sampling.vllm()
+        fields.setdefault("top_k", -1)
         top_k = fields.pop("top_k")
 
         def check(choices: list[dict[str, Any]]) -> list[list[int]]:
@@ -199,13 +203,30 @@ class ServerEngine:
             self.loaded = None
 
 
-def require_vllm() -> Any:
-    """The vllm module, or a :class:`RolloutError` that says how to get it."""
+def require_vllm(missing: str = VLLM_EXTRA_MISSING, error: type[Exception] = RolloutError) -> Any:
+    """The vllm module, or ``error(missing)`` (what to do to get it) where it is not installed."""
     try:
         import vllm
     except ImportError as err:
-        raise RolloutError(VLLM_EXTRA_MISSING) from err
+        raise error(missing) from err
     return vllm
+
+
+def build_llm(vllm: Any, *, model: str, tokenizer: str | None, max_model_len: int, seed: int, **kwargs: Any) -> Any:
+    """``vllm.LLM`` of ``model`` (the one place rolemrc builds it); ``kwargs``: its other arguments."""
+    return vllm.LLM(model=model, tokenizer=tokenizer or model, max_model_len=max_model_len, seed=seed, **kwargs)
+
+
+def llm_generate(vllm: Any, llm: Any, prompts: Sequence[Sequence[int]], sampling: Sampling, stop_ids: Sequence[int],
+                 *, n: int | None = None, seeds: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+    """vLLM's outputs for the prompts (token ids), one ``SamplingParams`` per prompt with its seed
+    and ``n`` where seeds are given, one for all otherwise; ``kwargs``: ``LLM.generate``'s others."""
+    fields = dict(stop_token_ids=list(stop_ids), skip_special_tokens=True, **sampling.vllm())
+    if seeds is None:
+        params: Any = vllm.SamplingParams(**fields)
+    else:
+        params = [vllm.SamplingParams(n=n, seed=int(s), **fields) for s in seeds]
+    return llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, **kwargs)
 
 
 class ColocateEngine:
@@ -220,17 +241,22 @@ class ColocateEngine:
         v = objective.vllm
         # the engine in this process, so load_weights reaches its model without copying the weights elsewhere
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        kwargs: dict[str, Any] = dict(model=model_path, tokenizer=tokenizer_path or model_path, seed=int(seed),
-                                      gpu_memory_utilization=float(v.gpu_memory_utilization),
-                                      max_model_len=int(v.max_model_len or max_model_len), dtype=v.dtype,
+        kwargs: dict[str, Any] = dict(gpu_memory_utilization=float(v.gpu_memory_utilization), dtype=v.dtype,
                                       enable_sleep_mode=bool(v.enable_sleep_mode))
         if world_size > 1:  # one engine per rank, inside the trainer's process group (as torchrun launches it)
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(dict(v.llm_kwargs))
         self.vllm, self.objective, self.stop_ids = vllm, objective, list(stop_ids)
-        self.llm = vllm.LLM(**kwargs)
+        self.sampling = Sampling.of(objective)
+        self.llm = build_llm(vllm, model=model_path, tokenizer=tokenizer_path, seed=int(seed),
+                             max_model_len=int(v.max_model_len or max_model_len), **kwargs)
         self.sleeping = False
         self.syncs = 0
+
+    @classmethod
+    def build(cls, objective: Any, **kwargs: Any) -> "ColocateEngine":
+        keys = ("model_path", "tokenizer_path", "stop_ids", "max_model_len", "seed", "world_size")
+        return cls(objective, **{k: kwargs[k] for k in keys if k in kwargs})
 
     def sync(self, model: nn.Module, step: int) -> None:
         """The policy's full weights (LoRA merged, shards gathered) loaded into the engine's model."""
@@ -246,11 +272,10 @@ class ColocateEngine:
         self.llm.reset_prefix_cache()  # cached KV of the old weights would leak into the new rollout
         self.syncs += 1
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int]) -> list[list[int]]:
-        fields = sampling_fields(self.objective)
-        params = [self.vllm.SamplingParams(n=n, seed=int(s), stop_token_ids=self.stop_ids, skip_special_tokens=True,
-                                           **fields) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, use_tqdm=False)
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int] | None,
+                 sampling: Sampling | None = None) -> list[list[int]]:
+        outs = llm_generate(self.vllm, self.llm, prompts, sampling or self.sampling, self.stop_ids, n=n,
+                            seeds=seeds if seeds is not None else [0] * len(prompts), use_tqdm=False)
         rows = [list(c.token_ids) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
         if self.objective.vllm.enable_sleep_mode:  # the KV cache and weights freed for the training step
             self.llm.sleep(level=2)

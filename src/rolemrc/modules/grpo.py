@@ -61,7 +61,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.eval.generation import stop_token_ids
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
@@ -77,6 +76,8 @@ from rolemrc.objectives.grpo import (
 )
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
+from rolemrc.rollout import HFEngine, Sampling, make_engine, padded
+from rolemrc.rollout.hf import pad_id_of, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -261,20 +262,15 @@ class GRPOModule(PolicyModule):
         return (torch.initial_seed() + 1_000_003 * (rank + 1)) % (2**63)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
-        """New token ids ``[N, C]`` after each (left-padded) prompt row, padded after the stop token."""
-        o, tok = self.objective, self.chat.tokenizer
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k) if sample else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        """New token ids ``[N, C]`` after each (left-padded) prompt row, padded after the stop token
+        (``rolemrc.rollout.hf``: sampled with the objective's settings, or greedy)."""
         # FSDP2: every rank's forward gathers the shards with the others', so every rank runs the same
         # number of decoding steps (until the last rank's completions end: transformers' synced_gpus)
         synced = self.device_mesh is not None and self._trainer is not None and self.trainer.world_size > 1
-        with torch.no_grad(), eval_mode(self.model):
-            return self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=o.max_completion_length,
-                eos_token_id=self.stop_ids, pad_token_id=pad_id, use_cache=True, repetition_penalty=1.0,
-                synced_gpus=synced, **sampling,
-            )[:, prompt_ids.shape[1]:]
+        engine = HFEngine(stop_ids=self.stop_ids, pad_id=pad_id_of(self.chat.tokenizer),
+                          sampling=Sampling.of(self.objective), synced_gpus=synced)
+        engine.sync(self.model, 0)
+        return engine.generate_ids(prompt_ids, prompt_mask, None if sample else engine.sampling.greedy())
 
     @property
     def stop_ids(self) -> list[int]:
@@ -299,7 +295,7 @@ class GRPOModule(PolicyModule):
         ``attention_mask``, ``labels`` (the completion tokens; -100 elsewhere), ``position_ids``,
         ``advantages`` ``[N]`` and the statistics logged at the step's end. Returns ``batch``."""
         o = self.objective
-        if o.rollout == "vllm":  # objective.vllm: a server or colocated engine (rolemrc.rollout)
+        if o.rollout != "hf":  # another engine of rolemrc.rollout.ENGINES (vLLM: objective.vllm, server or colocated)
             new_ids, seconds = self._engine_rollout(batch)
             return self.score(batch, new_ids, seconds)
         g = o.num_generations
@@ -312,11 +308,9 @@ class GRPOModule(PolicyModule):
         return self.score(batch, new_ids, seconds)
 
     def _engine_rollout(self, batch: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        """``objective.rollout=vllm``: the policy's weights synced into the engine, then ``num_generations``
+        """``objective.rollout`` other than ``hf``: the policy's weights synced into the engine, then ``num_generations``
         completions per prompt, one seed per prompt drawn from the sampling RNG (so a resumed run asks for
         what the uninterrupted one asks for). Returns the ``[B x G, C]`` new ids and the seconds sampling took."""
-        from rolemrc.rollout import padded
-
         engine, device = self.rollout_engine, batch["prompt_ids"].device
         engine.sync(self.model, int(self.global_step) if self._trainer is not None else 0)
         with self.sampling_rng.fork(device, self._sampling_seed()):
@@ -325,15 +319,12 @@ class GRPOModule(PolicyModule):
         start = time.perf_counter()
         rows = engine.generate(prompts, self.objective.num_generations, seeds)
         seconds = time.perf_counter() - start
-        tok = self.chat.tokenizer
-        return padded(rows, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, device), seconds
+        return padded(rows, pad_id_of(self.chat.tokenizer), device), seconds
 
     @property
     def rollout_engine(self) -> Any:
-        """The vLLM engine of ``objective.vllm`` (built at first use; ``rolemrc.rollout.make_engine``)."""
+        """The engine ``objective.rollout`` names (built at first use; ``rolemrc.rollout.make_engine``)."""
         if self._engine is None:
-            from rolemrc.rollout import make_engine
-
             trainer = self._trainer
             multi = trainer is not None and trainer.world_size > 1
             data = getattr(getattr(trainer, "datamodule", None), "cfg", None) if trainer is not None else None
@@ -439,8 +430,7 @@ class GRPOModule(PolicyModule):
             return None
         n = batch_size * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
         return {"sequences": n, "prompt": int(cfg.data.max_prompt_length), "completion": int(o.max_completion_length),
-                "sampling": dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                                 repetition_penalty=1.0)}
+                "sampling": Sampling.of(o)}
 
     @staticmethod
     def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

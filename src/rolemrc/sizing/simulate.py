@@ -49,7 +49,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ from rolemrc.models.precision import cast_trainable
 from rolemrc.models.sharding import shard_model
 from rolemrc.modules.reference import Reference
 from rolemrc.objectives.logprobs import IGNORE_INDEX
+from rolemrc.rollout.hf import hf_generate
 from rolemrc.sizing.result import GIB, HEADROOM, Simulation, SimulationUnavailable, step_peak
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,7 @@ def kv_cache_bytes(model_config: Any, sequences: int, tokens: int, dtype: torch.
 
 def _rollout_phase(module: Any, spec: dict[str, Any], precision: str, known: _KnownMasks | None) -> dict[str, Any]:
     """An objective's rollout (its ``memory_rollout`` spec: ``sequences`` rows of ``prompt`` tokens,
-    ``completion`` new tokens, ``generate`` keyword arguments), as transformers ``generate`` runs it
+    ``completion`` new tokens, ``sampling``: a :class:`rolemrc.rollout.Sampling`), as transformers ``generate`` runs it
     (eval mode, no gradient, the run's autocast, KV cache), at the two steps where its memory
     peaks: the prefill (the prompts' forward and their cache) and the last decoding step (the cache
     of ``prompt + completion - 2`` positions grown by one, the step's logits and sampling); the
@@ -401,10 +402,9 @@ def _rollout_phase(module: Any, spec: dict[str, Any], precision: str, known: _Kn
     def run(length: int, cache: Any = None) -> Any:
         ids = torch.full((n, length), tok, dtype=torch.long)
         try:
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                            max_new_tokens=1, eos_token_id=eos, pad_token_id=pad, use_cache=True,
-                            return_dict_in_generate=True,
-                            stopping_criteria=StoppingCriteriaList([_budget(length + 1, known)]), **spec["sampling"])
+            return hf_generate(model, ids, torch.ones_like(ids), replace(spec["sampling"], max_new_tokens=1),
+                               pad_id=pad, stop_ids=eos, past_key_values=cache, return_dict_in_generate=True,
+                               stopping_criteria=StoppingCriteriaList([_budget(length + 1, known)]))
         finally:
             if known is not None:
                 known.stop = False

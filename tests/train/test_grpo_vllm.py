@@ -308,3 +308,27 @@ def test_colocate_without_vllm_says_how_to_get_it(monkeypatch) -> None:
     o = GRPOObjectiveConfig(rollout="vllm", vllm=GRPOVLLMConfig(mode="colocate"))
     with pytest.raises(RolloutError, match=r"no `rolemrc\[vllm\]` extra.*pip install -e \. --no-deps.*mode=server"):
         ColocateEngine(o, model_path="x", tokenizer_path=None, stop_ids=[0], max_model_len=8, seed=0)
+
+
+def test_every_engine_follows_the_protocol_and_the_hf_engine_continues_prompt_ids() -> None:
+    """The engines of rolemrc.rollout.ENGINES are Engines; the HF one's ``generate(prompts, n, seeds,
+    sampling)`` gives each prompt's ``n`` continuations next to each other, cut after the stop token,
+    the greedy ones equal to evaluation's batched greedy decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rolemrc.rollout import ENGINES, Engine, HFEngine, Sampling
+    from rolemrc.rollout.hf import greedy_generate_ids
+
+    assert set(ENGINES) == {"hf", "server", "colocate"} and all(issubclass(c, Engine) for c in ENGINES.values())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    engine = HFEngine(stop_ids=[3], pad_id=0, sampling=Sampling(6, sample=True, temperature=1.0))
+    engine.sync(model, step=0)
+    prompts = [[5, 6, 7], [9, 10]]
+    greedy = engine.generate(prompts, 2, None, Sampling(6))
+    want = greedy_generate_ids(model, prompts, batch_size=2, max_new_tokens=6, pad_id=0, stop_ids=[3])
+    assert greedy == [want[0], want[0], want[1], want[1]]
+    sampled = engine.generate(prompts, 3, [11, 12])
+    assert len(sampled) == 6 and sampled == engine.generate(prompts, 3, [11, 12])  # the seed fixes the draw
+    assert all(len(r) == 6 or r[-1] == 3 for r in sampled)

@@ -1059,6 +1059,21 @@ class JudgeConfig:
 
 
 @dataclass
+class PairwiseConfig:
+    """Pairwise judging (``pairwise:`` of ``evaluate.py``; rolemrc.eval.pairwise): the evaluated
+    model's replies (A) against other models' replies on the same items, both orders asked."""
+
+    # model B's replies: a JSON-lines replies file (rows as generation.path's), or a list of files,
+    # each one opponent; None: no pairwise judging (the judge scores the five dimensions)
+    against: Any = None
+    reply_field: str = "reply"  # the field of the opponents' rows holding the reply
+    # a text file with the prompt ({conversation} {reply_1} {reply_2}, optional {reference} {task});
+    # None: rolemrc's own (rolemrc/assets/judge/pairwise.txt)
+    template: Optional[str] = None
+    on_missing: str = "error"  # error | skip: items an opponent has no reply for (skip: left out, counted)
+
+
+@dataclass
 class EvaluateConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -1074,6 +1089,7 @@ class EvaluateConfig:
     task_name: str = "evaluate"
     benchmarks: Optional[BenchmarksConfig] = None  # conf/benchmarks: lm-evaluation-harness (rolemrc.eval.general)
     compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
+    pairwise: PairwiseConfig = field(default_factory=PairwiseConfig)  # judge A vs B (rolemrc.eval.pairwise)
 
 
 def register_evaluate(cs: ConfigStore) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig
 
 from rolemrc.config import check_data_dir
+from rolemrc.errors import ConfigError
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
@@ -24,6 +25,7 @@ from rolemrc.eval.generation import (
     GenerationStore, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
     load_eval_model, model_label, prepare_generation,
 )
+from rolemrc.eval import pairwise
 from rolemrc.eval.judge import (
     JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, make_judge, uses_evaluated_model,
 )
@@ -125,7 +127,11 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
     check_data_dir(cfg.data)  # data=local without data.dir: named before anything loads
-    if wants_suites(cfg):  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
+    compare_pairs = pairwise.enabled(cfg)
+    if wants_suites(cfg):
+        if compare_pairs:
+            raise ConfigError("pairwise.against compares replies to test items (data=sample, rolemrc_test, local); "
+                              f"data={cfg.data.name} is scored by its own benchmark suite: drop pairwise.against")  # RoleBench / CharacterLLM / lm-eval benchmarks: their own report
         return run_suites(cfg)
 
 
@@ -139,6 +145,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         check_source(cfg.model.tokenizer, "model.tokenizer")
     check_backend(cfg)
     check_judge(judge_config(cfg.judge))
+    if compare_pairs:
+        pairwise.check(cfg)  # a judge, B's replies files, the prompt template
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -182,7 +190,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     judge_stats = None
     judge_model = None
     judge_protocol = None
-    if judge_backend(cfg.judge) is not None and judged:
+    pairs = None
+    if compare_pairs:  # the judge compares A with B instead of scoring the five dimensions
+        with build_judge(cfg, model, tokenizer) as judge:
+            pairs = pairwise.judge_pairs(cfg, judge, items, replies, ids)
+    elif judge_backend(cfg.judge) is not None and judged:
         jitems = judge_items([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
         with build_judge(cfg, model, tokenizer) as judge:
             judge_model = judge.backend.model_id
@@ -212,6 +224,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         meta["replies_missing"] = meta_missing
     if judge_protocol:
         meta["judge_protocol"] = judge_protocol
+    if pairs is not None:
+        meta["judge_model"] = pairs["judge_model"]
+        meta["judge_mode"] = f"pairwise, A = {model_label(cfg)} vs B = {', '.join(pairs['opponents'])} (both orders)"
     if verifier:
         meta["rule_verifier"] = f"{sum(verifier.values())}/{len(verifier)} replies obey their NI rule"
     statuses = {}
@@ -239,14 +254,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         },
         "rule_verifier": verifier,
     }
-    paths = write_report(out_dir, metrics=metrics, verdicts=verdicts, agreement=agree, meta=meta, extra=extra)
+    sections: list[str] = []
+    if pairs is not None:
+        extra["pairwise"] = {k: v for k, v in pairs.items() if k != "pairs"}
+        sections.append(pairwise.render(pairs, model_label(cfg)))
+    paths = write_report(out_dir, metrics=metrics, verdicts=verdicts, agreement=agree, meta=meta, extra=extra,
+                         sections=sections)
+    if pairs is not None:
+        paths["pairwise.jsonl"] = pairwise.write_pairs(out_dir, pairs)
 
     table = aggregate(verdicts) if verdicts is not None else None
     columns = ["id", "task", "question", "reply", "reference"]
     rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
-    log_to_loggers(build_loggers(cfg) if cfg.logger else [], _scalars(metrics, table), rows, columns)
+    scalars = _scalars(metrics, table)
+    if pairs is not None:
+        scalars.update(pairwise.scalars(pairs))
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, rows, columns)
 
-    print_console(paths["summary.md"], metrics=metrics, judge=table)
+    print_console(paths["summary.md"], metrics=metrics, judge=table, sections=sections)
+    if pairs is not None and pairs.get("missing"):
+        # Promised comparisons are missing: never exit 0; what was decided is in the report.
+        raise JudgeIncomplete(f"{pairs['missing']}; the report in {out_dir} holds what was obtained; rerun the same "
+                              "command to ask only for the rest")
     if verdicts is not None and judge_stats is not None:
         missing = judge_stats.missing(verdicts, final_unparseable=not getattr(judge.backend, "retries_unparseable", True))
         if missing:
@@ -263,5 +292,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "judge_stats": judge_stats,
         "metrics": metrics,
         "verdicts": verdicts,
+        "pairwise": pairs,
         "ids": ids,
     }

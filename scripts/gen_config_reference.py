@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
 import inspect
 import io
 import re
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # this checkout's schemas, whatever is installed
 
 from rolemrc import config as train_config  # noqa: E402
+from rolemrc.registry import registries  # noqa: E402
 from rolemrc.synth import config as synth_config  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
@@ -57,6 +59,22 @@ SCRIPTS = (
     Script("probe.py", "probe", train_config.ProbeConfig, "probe"),
     Script("synthesize.py", "synthesize", synth_config.SynthConfig, "synthesize"),
 )
+# Keys whose value names an entry of a registry (rolemrc.registry): the names listed beside them,
+# and every registry in the page's last section.
+REGISTRY_MODULES = ("rolemrc.rewards", "rolemrc.eval.generation", "rolemrc.eval.judge", "rolemrc.eval.suites",
+                    "rolemrc.models.family")
+NAMED_BY = {"objective.rewards": ("objective.rewards.<name>.type", "a reward's `type`"),
+            "generation.backend": ("generation.backend", "registered"),
+            "judge.backend": ("judge.backend", "registered")}
+
+
+def all_registries() -> dict[str, Any]:
+    """Every registry of the project (importing the modules that fill them), by config key."""
+    for module in REGISTRY_MODULES:
+        importlib.import_module(module)
+    return registries()
+
+
 LONG = 60  # a composed value longer than this is not written out: `--cfg job` prints it
 
 
@@ -349,6 +367,10 @@ def render_section(script: Script, s: Section, by_schema: dict[type, tuple[str, 
                 target, where = by_schema[nested]
                 link = "below" if where == script.name else f"as for {where}"
                 text = (text + " " if text else "") + f"Keys: [{link}](#{target})."
+        if key in NAMED_BY:
+            reg_key, what = NAMED_BY[key]
+            text = (text.rstrip(".") + ". " if text else "") + f"{what[0].upper()}{what[1:]}: " + ", ".join(
+                f"`{n}`" for n in all_registries()[reg_key]) + " ([extension points](#extension-points))."
         default = ("(tables below)" if key in script.choices else
                    default_of(f, lookup(tree, key), script.name, nested_schema(hints[f.name])[0] is not None))
         lines.append(f"| `{key}` | `{cell(d.annotation)}` | {cell(default)} | {cell(text)} |")
@@ -387,6 +409,12 @@ def render() -> str:
                 f"{script.schema.__qualname__}`. Defaults: what `python {script.name}` runs with.", ""]
         for s in secs:
             out += render_section(script, s, by_schema)
+    out += ["## Extension points {#extension-points}", "",
+            "Each is a `rolemrc.registry.Registry`: one `register(name, factory, doc=...)` call adds an entry",
+            "(docs/architecture.md, \"Adding things\"); a name no entry has is refused with the known names.", ""]
+    for key, reg in sorted(all_registries().items()):
+        out += [f"### `{key}`", "", reg.doc[:1].upper() + reg.doc[1:] + ":", "",
+                *(f"- `{n}`: {reg.describe(n).rstrip('.')}" for n in reg), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

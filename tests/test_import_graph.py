@@ -310,7 +310,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
                                        "rolemrc.config", "rolemrc.config_suites", "rolemrc.tasks", "rolemrc.rng",
                                        "rolemrc.errors", "rolemrc.loggers", "rolemrc.entry", "rolemrc.sweep",
-                                       "rolemrc.warnings", "rolemrc.hydra_errors"]),
+                                       "rolemrc.warnings", "rolemrc.hydra_errors", "rolemrc.registry"]),
 ]
 
 

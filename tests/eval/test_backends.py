@@ -47,7 +47,7 @@ def test_a_backend_without_a_local_model_refuses_what_needs_one() -> None:
 
 
 def test_judge_backends_come_from_the_registry() -> None:
-    assert JUDGE_BACKENDS == {"none": None, "hf": HFBackend, "openai": OpenAIBackend}
+    assert dict(JUDGE_BACKENDS.items()) == {"none": None, "hf": HFBackend, "openai": OpenAIBackend}
     assert judge_backend(JudgeConfig(backend="none")) is None
     assert uses_evaluated_model(JudgeConfig(backend="hf", model=None))
     assert not uses_evaluated_model(JudgeConfig(backend="hf", model="some/judge"))

@@ -46,6 +46,7 @@ from rolemrc.eval.judge import uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import count_parameters, load_model
 from rolemrc.probing.restraint import load_restraint
+from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import greedy_generate_ids, stop_token_ids
 from rolemrc.rollout.vllm import build_llm, llm_generate, require_vllm
@@ -791,19 +792,15 @@ class FileGeneration(_Remote):
         return _normalised(cfg, file_replies(cfg.generation, items, ids, out_dir, replies))
 
 
-GENERATION_BACKENDS: dict[str, GenerationBackend] = {
-    b.name: b for b in (HFGeneration(), VLLMGeneration(), OpenAIGeneration(), FileGeneration())
-}
+GENERATION_BACKENDS: Registry[GenerationBackend] = Registry("generation.backend", doc="how evaluated replies are made")
+for _b in (HFGeneration(), VLLMGeneration(), OpenAIGeneration(), FileGeneration()):
+    GENERATION_BACKENDS.register(_b.name, _b)
 
 
 def generation_backend(cfg: Any) -> GenerationBackend:
     """The backend object ``cfg.generation.backend`` names; a :class:`ConfigError` listing the
     known names for any other."""
-    name = cfg.generation.backend
-    try:
-        return GENERATION_BACKENDS[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"generation.backend must be one of {', '.join(GENERATION_BACKENDS)}, got {name!r}") from None
+    return GENERATION_BACKENDS.get(cfg.generation.backend)
 
 
 def model_label(cfg: Any) -> str:

@@ -49,6 +49,7 @@ from rolemrc.api import (
 )
 from rolemrc.config import JudgeConfig
 from rolemrc.errors import UserError
+from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import new_ids, pad_id_of
 from rolemrc.tasks import Dimension, dimensions_of, expectation_of
@@ -901,18 +902,17 @@ class HFBackend:
 
 # judge.backend -> the class that judges (None: no judge). Each has ``check_config(cfg, where)``,
 # ``check_env(cfg, where)``, ``build(cfg, ...)``, ``asks_again`` and ``judges_evaluated_model``.
-JUDGE_BACKENDS: dict[str, type[OpenAIBackend] | type[HFBackend] | None] = {
-    "none": None, "hf": HFBackend, "openai": OpenAIBackend,
-}
+JUDGE_BACKENDS: Registry[type[OpenAIBackend] | type[HFBackend] | None] = Registry(
+    "judge.backend", error=ValueError, doc="who judges replies")
+JUDGE_BACKENDS.register("none", None, doc="no judge")
+JUDGE_BACKENDS.register("hf", HFBackend, doc="a transformers model in this process")
+JUDGE_BACKENDS.register("openai", OpenAIBackend, doc="any OpenAI-compatible endpoint (rolemrc.api)")
 
 
-def judge_backend(cfg: Any) -> type[OpenAIBackend] | type[HFBackend] | None:
+def judge_backend(cfg: Any, where: str = "judge") -> type[OpenAIBackend] | type[HFBackend] | None:
     """The backend class ``cfg.backend`` names (None for ``none``); a ValueError for a name not in
     :data:`JUDGE_BACKENDS`."""
-    try:
-        return JUDGE_BACKENDS[cfg.backend]
-    except (KeyError, TypeError):
-        raise ValueError(f"judge.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {cfg.backend!r}") from None
+    return JUDGE_BACKENDS.get(cfg.backend, where=f"{where}.backend")
 
 
 def uses_evaluated_model(cfg: Any) -> bool:
@@ -941,10 +941,8 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
             raise ValueError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
                              f"known: {', '.join(sorted(names))}")
         out = JudgeConfig(**raw)
-    if out.backend not in JUDGE_BACKENDS:
-        raise ValueError(f"{where}.backend must be one of {', '.join(JUDGE_BACKENDS)}, got {out.backend!r}")
+    cls = judge_backend(out, where)
     protocol_of(out.protocol, where, templates=out.templates)  # the templates file validated here
-    cls = JUDGE_BACKENDS[out.backend]
     if cls is not None:
         cls.check_config(out, where)
     return out

@@ -19,9 +19,10 @@ import copy
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.config_suites import check_suite_keys
@@ -36,15 +37,68 @@ from rolemrc.eval.generation import (
 from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
 from rolemrc.models.source import resolve_model_sources
+from rolemrc.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Suite:
+    """A benchmark evaluate.py runs when the config key ``key`` is set: ``module`` has
+    ``evaluate(cfg, ctx)``, ``render(result)`` and ``scalars(result)``; a result's ``missing`` (a
+    sentence) marks it incomplete. ``check(cfg, backend)`` refuses what cannot run before
+    anything slow; ``meta(cfg, resolved)`` adds report fields; ``finish(result, out_dir)`` runs
+    after the report is printed and returns an error to raise (or None)."""
+
+    key: str
+    module: Any
+    check: Callable[[Any, Any], None] = lambda cfg, backend: None
+    meta: Callable[[Any, dict[str, str]], dict[str, Any]] = lambda cfg, resolved: {"data": cfg.data.name}
+    finish: Callable[[dict[str, Any], Path], Exception | None] = lambda res, out_dir: None
+
+    def wanted(self, cfg: Any) -> bool:
+        return OmegaConf.select(cfg, self.key, default=None) is not None
+
+
+SUITES: Registry[Suite] = Registry("suite", doc="benchmark suites evaluate.py runs, in this order, when their key is set")
+
+
+def _characterllm_check(cfg: Any, backend: Any) -> None:
+    if not backend.generates:
+        raise ConfigError("CharacterLLM's multi-turn sessions are generated turn by turn from the model's own "
+                          "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
+    check_scorer(cfg)  # the judge's backend, model and key, before anything slow
+
+
+def _characterllm_finish(res: dict[str, Any], out_dir: Path) -> Exception | None:
+    if res.get("warning"):
+        print(res["warning"], file=sys.stderr, flush=True)
+    if res.get("unscored"):  # every answer final and without a score: never exit 0 on a table of n/a
+        return characterllm.NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
+    return None
+
+
+def _general_check(cfg: Any, backend: Any) -> None:
+    if not backend.local:
+        raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
+                          f"generation.backend={backend.name}")
+
+
+def _general_meta(cfg: Any, resolved: dict[str, str]) -> dict[str, Any]:
+    return {"benchmarks": cfg.benchmarks.name, "compare": cfg.compare.path,
+            **({"compare_checkpoint": resolved["compare.path"]} if "compare.path" in resolved else {})}
+
+
+SUITES.register("rolebench", Suite("data.rolebench", rolebench), doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
+SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check,
+                                      finish=_characterllm_finish), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
+SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
+                doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")
+
+
 def wants_suites(cfg: Any) -> bool:
-    """True when the config asks for RoleBench, CharacterLLM or lm-eval benchmarks."""
-    data = cfg.data
-    return bool(data.get("rolebench") is not None or data.get("characterllm") is not None
-                or cfg.get("benchmarks") is not None)
+    """True when the config asks for any registered suite (RoleBench, CharacterLLM, lm-eval benchmarks)."""
+    return any(suite.wanted(cfg) for _, suite in SUITES.items())
 
 
 class ModelContext:
@@ -115,57 +169,31 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
 
     backend = generation_backend(cfg)
+    suites = {name: suite for name, suite in SUITES.items() if suite.wanted(cfg)}
+    resolved: dict[str, str] = {}
     if backend.local:
         cfg, resolved = resolve_model_sources(cfg, "compare.path")
-    else:
-        resolved = {}
-        if cfg.get("benchmarks") is not None:
-            raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
-                              f"generation.backend={backend.name}")
-        if not backend.generates and cfg.data.get("characterllm") is not None:
-            raise ConfigError("CharacterLLM's multi-turn sessions are generated turn by turn from the model's own "
-                              "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
+    for suite in suites.values():
+        suite.check(cfg, backend)
     check_backend(cfg)
-    if cfg.data.get("characterllm") is not None:
-        check_scorer(cfg)  # the judge's backend, model and key, before anything slow
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = ModelContext(cfg)
     doc: dict[str, Any] = {}
     sections: list[str] = []
     scalars: dict[str, float] = {}
-    incomplete: list[str] = []
-
-    if cfg.data.get("rolebench") is not None:
-        res = rolebench.evaluate(cfg, ctx)
-        doc["rolebench"] = res
-        sections.append(rolebench.render(res))
-        scalars.update(rolebench.scalars(res))
-    if cfg.data.get("characterllm") is not None:
-        res = characterllm.evaluate(cfg, ctx)
-        doc["characterllm"] = res
-        sections.append(characterllm.render(res))
-        scalars.update(characterllm.scalars(res))
-        if res.get("missing"):
-            incomplete.append(res["missing"])
-    if cfg.get("benchmarks") is not None:
-        res = general.evaluate(cfg, ctx)
-        doc["general"] = res
-        sections.append(general.render(res))
-        scalars.update(general.scalars(res))
-
     meta: dict[str, Any] = {
-        "name": f"{model_label(cfg)} on {', '.join(k for k in ('rolebench', 'characterllm', 'general') if k in doc)}",
+        "name": f"{model_label(cfg)} on {', '.join(suites)}",
         "model": model_label(cfg),
         **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
-        **({"data": cfg.data.name} if "rolebench" in doc or "characterllm" in doc else {}),
-        "generation": generation_label(cfg),
     }
-    if cfg.get("benchmarks") is not None:
-        meta["benchmarks"] = cfg.benchmarks.name
-        meta["compare"] = cfg.compare.path
-        if "compare.path" in resolved:
-            meta["compare_checkpoint"] = resolved["compare.path"]
+    for name, suite in suites.items():
+        res = suite.module.evaluate(cfg, ctx)
+        doc[name] = res
+        sections.append(suite.module.render(res))
+        scalars.update(suite.module.scalars(res))
+        meta.update(suite.meta(cfg, resolved))
+    meta["generation"] = generation_label(cfg)
     doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut,
                      "replies_missing": ctx.missing, "generation_requests": ctx.requests}
     if ctx.replies_file is not None:  # rows matched to no item of any benchmark read
@@ -175,13 +203,12 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
                    ["metric", "value"])
 
     print_console(paths["summary.md"], sections=sections)
-    cl = doc.get("characterllm") or {}
-    if cl.get("warning"):
-        print(cl["warning"], file=sys.stderr, flush=True)
+    errors = [e for name, suite in suites.items() if (e := suite.finish(doc[name], out_dir)) is not None]
+    incomplete = [doc[name]["missing"] for name in suites if doc[name].get("missing")]
     if incomplete:
         raise JudgeIncomplete("; ".join(incomplete) + f"; the report in {out_dir} holds what was obtained; rerun the "
                               "same command to ask only for the rest")
-    if cl.get("unscored"):  # every answer final and without a score: never exit 0 on a table of n/a
-        raise characterllm.NoScores(f"{cl['unscored']}; the report in {out_dir} holds the answers")
+    if errors:
+        raise errors[0]
     return {"out_dir": str(out_dir), "paths": {k: str(p) for k, p in paths.items()}, "results": doc,
             "scalars": scalars}

@@ -2,7 +2,8 @@
 
 Sharding (FSDP2 units), probing (activation-capture sites), kernels (Liger's patch), the memory
 estimate (the architecture's shape) and the log-prob head all ask here rather than walking a
-model themselves. A family transformers already knows needs one entry in :data:`FAMILIES` (or
+model themselves. A family transformers already knows needs one entry in :data:`FAMILIES`
+(``FAMILIES.register(model_type, Family(...))``, or
 none: the defaults fit every decoder-only LM of transformers 5 whose layers sit at
 ``get_decoder().layers`` with ``self_attn`` and ``mlp`` blocks and a final ``norm``).
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from rolemrc.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -28,12 +31,12 @@ class Family:
     liger_patch: str | None = None  # liger_kernel.transformers function patching RMSNorm/RoPE/SwiGLU
 
 
-FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", liger_patch="apply_liger_kernel_to_llama"),
-    "qwen2": Family("qwen2", liger_patch="apply_liger_kernel_to_qwen2"),
-    "qwen3": Family("qwen3", liger_patch="apply_liger_kernel_to_qwen3"),
-    "mistral": Family("mistral", liger_patch="apply_liger_kernel_to_mistral"),
-}
+FAMILIES: Registry[Family] = Registry("model_type", doc="model families by transformers model_type; others get the defaults")
+for _f in (Family("llama", liger_patch="apply_liger_kernel_to_llama"),
+           Family("qwen2", liger_patch="apply_liger_kernel_to_qwen2"),
+           Family("qwen3", liger_patch="apply_liger_kernel_to_qwen3"),
+           Family("mistral", liger_patch="apply_liger_kernel_to_mistral")):
+    FAMILIES.register(_f.model_type, _f, doc=f"liger: {_f.liger_patch}")
 
 # Activation-capture sites of a decoder layer (rolemrc.probing): the submodule whose forward output
 # is the activation, by Family attribute; "residual" is the layer's own output.

@@ -17,12 +17,13 @@ infinite value, a string, another count) stops with :class:`RewardValueError` na
 ``judge`` (:class:`JudgeReward`): the five-dimension judge through ``rolemrc.eval.judge.make_judge``.
 ``reward_model`` (:class:`RewardModelReward`): a local HF sequence-classification model's logit for
 the conversation rendered with its chat template (TRL's reward-model scoring).
-Any callable by dotted path (``_target_``). :class:`RewardSet` weights and sums them and returns
+Any callable by dotted path (``_target_``); a new ``type`` is one ``REWARD_KINDS.register`` entry
+(a factory whose keyword parameters are its keys). :class:`RewardSet` weights and sums them and returns
 the per-reward values and TRL's metric names; :func:`disagreement_rate` is the judge-vs-verifier
 reward-hacking alarm. ``objective=grpo`` (:mod:`rolemrc.modules.grpo`) builds its rewards here.
 """
 
-from rolemrc.rewards.combine import (RewardFn, RewardScores, RewardSet, RewardValueError, build_rewards,
+from rolemrc.rewards.combine import (REWARD_KINDS, RewardFn, RewardScores, RewardSet, RewardValueError, build_rewards,
                                      disagreement_rate, load_target)
 from rolemrc.rewards.judge import JUDGE_ON_FAILURE, JudgeReward, JudgeRewardError
 from rolemrc.rewards.reward_model import RewardModelReward
@@ -30,4 +31,4 @@ from rolemrc.rewards.text import completion_text, completion_texts
 from rolemrc.rewards.verifier import VERIFIER_MODES, VerifierReward
 
 __all__ = ["JUDGE_ON_FAILURE", "VERIFIER_MODES", "JudgeReward", "JudgeRewardError", "RewardFn", "RewardModelReward",
-           "RewardScores", "RewardSet", "RewardValueError", "VerifierReward", "build_rewards", "completion_text", "completion_texts", "disagreement_rate", "load_target"]
+           "REWARD_KINDS", "RewardScores", "RewardSet", "RewardValueError", "VerifierReward", "build_rewards", "completion_text", "completion_texts", "disagreement_rate", "load_target"]

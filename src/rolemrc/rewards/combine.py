@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from rolemrc.errors import UserError
 from rolemrc.objectives.grpo import nanstd
+from rolemrc.registry import Registry
 from rolemrc.rewards.judge import JudgeReward
 from rolemrc.rewards.reward_model import RewardModelReward
 from rolemrc.rewards.verifier import VerifierReward
@@ -180,15 +182,43 @@ def load_target(path: str, where: str = "reward") -> Callable[..., Any]:
     return obj
 
 
-_KEYS = {"verifier": {"type", "weight", "mode"},
-         "judge": {"type", "weight", "judge", "dimension", "on_failure", "wait_s", "max_waits"},
-         "reward_model": {"type", "weight", "path", "tokenizer", "batch_size", "device", "dtype", "label",
-                          "trust_remote_code"}}
+REWARD_KINDS: Registry[Callable[..., Any]] = Registry(
+    "objective.rewards.<name>.type", error=ValueError,
+    doc="a reward's type: a factory whose keyword parameters (less where, cache_dir) are the reward's keys")
+
+
+def reward_keys(factory: Callable[..., Any]) -> set[str]:
+    """The keys a reward of this kind takes: type, weight and the factory's keyword parameters."""
+    return {"type", "weight"} | {p for p in inspect.signature(factory).parameters if p not in ("where", "cache_dir")}
+
+
+@REWARD_KINDS.register("verifier", doc="the nested-rule checks of rolemrc.eval.verifiers (mode: all | fraction)")
+def _verifier(*, where: str, cache_dir: Any, mode: str = "all") -> VerifierReward:
+    return VerifierReward(mode)
+
+
+@REWARD_KINDS.register("judge", doc="the five-dimension LLM judge (judge: a judge config, as evaluate.py's)")
+def _judge(*, where: str, cache_dir: Any, judge: Any = None, dimension: str | None = None, on_failure: str = "raise",
+           wait_s: float = 30.0, max_waits: int | None = 10) -> JudgeReward:
+    if judge is None:
+        raise ValueError(f"{where}.judge is required (a judge config, as evaluate.py's judge:)")
+    return JudgeReward(judge, cache_dir=cache_dir, dimension=dimension, on_failure=on_failure,
+                       wait_s=float(wait_s), max_waits=max_waits, where=where)
+
+
+@REWARD_KINDS.register("reward_model", doc="a local sequence-classification model's logit (path: its folder)")
+def _reward_model(*, where: str, cache_dir: Any, path: str | None = None, tokenizer: str | None = None,
+                  batch_size: int = 8, device: str | None = None, dtype: str = "float32",
+                  label: int | str | None = None, trust_remote_code: bool = False) -> RewardModelReward:
+    if path is None:
+        raise ValueError(f"{where}.path is required (a sequence-classification model folder, as model.path)")
+    return RewardModelReward(path, tokenizer=tokenizer, batch_size=batch_size, device=device, dtype=dtype,
+                             label=label, trust_remote_code=bool(trust_remote_code), where=where)
 
 
 def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Path | None = None,
                   prefix: str = "rewards") -> RewardSet:
-    """A :class:`RewardSet` from ``{name: {type: verifier|judge|reward_model, weight, ...}}`` or
+    """A :class:`RewardSet` from ``{name: {type: <a REWARD_KINDS name>, weight, ...}}`` or
     ``{name: {_target_: dotted.path, weight, **kwargs}}`` (the kwargs bound to the callable).
     Unknown keys and types are ValueErrors naming ``<prefix>.<name>.<key>`` (``objective=grpo``:
     ``objective.rewards``), as the judge reward's errors do."""
@@ -205,27 +235,12 @@ def build_rewards(spec: Mapping[str, Mapping[str, Any]], *, cache_dir: str | Pat
             fn = load_target(str(entry["_target_"]), where)
             rewards[name] = functools.partial(fn, **kwargs) if kwargs else fn
             continue
-        kind = entry.get("type")
-        if kind not in _KEYS:
-            raise ValueError(f"{where}.type must be one of {', '.join(_KEYS)} (or give _target_), got {kind!r}")
-        unknown = sorted(set(entry) - _KEYS[kind])
+        factory = REWARD_KINDS.get(entry.get("type"), where=f"{where}.type", hint=" (or give _target_)")
+        known = reward_keys(factory)
+        unknown = sorted(set(entry) - known)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
-                             f"known: {', '.join(sorted(_KEYS[kind]))}")
-        if kind == "verifier":
-            rewards[name] = VerifierReward(entry.get("mode", "all"))
-        elif kind == "reward_model":
-            if entry.get("path") is None:
-                raise ValueError(f"{where}.path is required (a sequence-classification model folder, as model.path)")
-            rewards[name] = RewardModelReward(
-                entry["path"], tokenizer=entry.get("tokenizer"), batch_size=entry.get("batch_size", 8),
-                device=entry.get("device"), dtype=entry.get("dtype", "float32"), label=entry.get("label"),
-                trust_remote_code=bool(entry.get("trust_remote_code", False)), where=where)
-        else:
-            if "judge" not in entry:
-                raise ValueError(f"{where}.judge is required (a judge config, as evaluate.py's judge:)")
-            rewards[name] = JudgeReward(entry["judge"], cache_dir=cache_dir, dimension=entry.get("dimension"),
-                                        on_failure=entry.get("on_failure", "raise"),
-                                        wait_s=float(entry.get("wait_s", 30.0)), max_waits=entry.get("max_waits", 10),
-                                        where=where)
+                             f"known: {', '.join(sorted(known))}")
+        rewards[name] = factory(where=where, cache_dir=cache_dir,
+                                **{k: v for k, v in entry.items() if k not in ("type", "weight")})
     return RewardSet(rewards, weights)

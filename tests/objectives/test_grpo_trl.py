@@ -1,11 +1,14 @@
 """GRPO loss and advantages against TRL 1.16 on the same tensors, for every option.
 
 The loss: TRL's own ``GRPOTrainer._compute_loss`` is called, unbound, on a stand-in trainer whose
-forward returns the test's per-token log-probs (one process, no accumulation, no vLLM, no entropy
-mask), and its loss, gradient and logged metrics are compared with :func:`grpo_loss`.
+forward returns the test's per-token log-probs (and entropies), its attributes set from GRPOConfig's
+defaults and the test's options (one process, no accumulation, no vLLM, no entropy bonus), and its
+loss, gradient and logged metrics are compared with :func:`grpo_loss` (every loss type, token and
+sequence-level ratios, the KL term on- and off-policy, the entropy and off-policy masks).
 The advantages are computed inline in TRL's ``_generate_and_score_completions``, not a callable:
 :func:`trl_advantages` restates those lines (trl/trainer/grpo_trainer.py 2757-2797 in TRL 1.16.0,
-``multi_objective_aggregation="sum_then_normalize"``), using TRL's ``nanstd``.
+``multi_objective_aggregation="sum_then_normalize"``; :func:`trl_normalize_then_sum` its
+``normalize_then_sum`` branch), using TRL's ``nanstd``.
 """
 
 from __future__ import annotations

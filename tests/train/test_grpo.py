@@ -605,3 +605,30 @@ def test_a_broken_reward_stops_train_py_with_one_line(tmp_path: Path) -> None:
                       "reward must be finite (None or NaN: does not apply to that completion)"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "export").exists() and not (run_dir / "run_summary.json").exists()
+
+
+def test_entropy_quantile_pools_every_ranks_completion_tokens() -> None:
+    """top_entropy_quantile on two ranks: the threshold is the quantile over both ranks' completion
+    tokens (3 here, 5 there; padding and prompt positions left out), as TRL gathers them."""
+    from types import SimpleNamespace
+
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.objectives.grpo import high_entropy_mask
+
+    entropy = torch.tensor([[0.1, 0.2, 9.0], [0.3, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    other = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # the other rank's completion-token entropies
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.long:  # the sizes
+            return torch.stack([x, torch.tensor([other.numel()])])
+        theirs = torch.full_like(x, float("nan"))
+        theirs[:other.numel()] = other
+        return torch.stack([x, theirs])
+
+    me = SimpleNamespace(_trainer=object(), trainer=SimpleNamespace(world_size=2), all_gather=all_gather)
+    pooled = GRPOModule._pooled_entropies(me, entropy, mask)
+    assert sorted(v for v in pooled.tolist() if v == v) == pytest.approx([0.1, 0.2, 0.3, 1, 2, 3, 4, 5])
+    kept = high_entropy_mask(entropy, mask.long(), 0.5, pooled=pooled)  # median of the 8: 1.5 -> none here
+    assert not kept.any()
+    assert high_entropy_mask(entropy, mask.long(), 1.0, pooled=pooled).sum() == 3

@@ -55,7 +55,7 @@ def test_every_combination_composes(model: str, objective: str, data: str) -> No
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose(experiment: str) -> None:
-    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo", "kto", "grpo")) else []
+    extra = ["model.path=/ckpt/sft_export"] if experiment.endswith(("dpo", "simpo", "kto", "grpo", "rloo")) else []
     cfg = compose_train([f"experiment={experiment}", *extra])
     cfg = resolve(cfg)
     assert cfg.task_name == experiment

@@ -78,7 +78,7 @@ class ObjectiveConfig:
     (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
     fails at compose time naming ``beta``."""
 
-    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto | grpo
+    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto | grpo | rloo
     logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
 
 
@@ -406,6 +406,87 @@ class GRPOObjectiveConfig(ObjectiveConfig):
                               "{prompt: [...]} records or conversations)")
 
 
+@dataclass
+class RLOOObjectiveConfig(ObjectiveConfig):
+    """``objective=rloo``: online RL on prompts as GRPO (the same rollout, rewards, reuse and keys
+    for sampling), with REINFORCE Leave-One-Out advantages (each reward minus the mean of its
+    prompt's other completions), the KL to the reference taken out of the reward per sequence, and
+    a clipped surrogate with one importance ratio per sequence
+    (:mod:`rolemrc.objectives.rloo`). Key names and defaults are TRL 1.16 ``RLOOConfig``'s, except
+    ``max_completion_length`` (TRL: 512). ``data.batch_size`` counts prompts, as GRPO's."""
+
+    name: str = "rloo"
+    beta: float = 0.05  # KL coefficient, taken out of the reward (per sequence); 0 builds no reference
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None: epsilon
+    num_iterations: int = 1  # TRL's mu: each step's rollouts train this many optimizer steps (old log-probs)
+    normalize_advantages: bool = False  # divide the advantages by their std over the step's completions
+    reward_clip_range: Optional[list[float]] = None  # [min, max]: rewards clipped before the KL (None: off)
+    num_generations: int = 2  # completions per prompt (at least 2: the leave-one-out baseline)
+    num_generations_eval: Optional[int] = None  # completions sampled per validation prompt (None: num_generations)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_completion_length: int = 256  # TRL: 512
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
+    reference: str = "copy"  # copy | adapter (needs model.peft.enabled); built only when beta > 0
+    rewards: dict[str, Any] = field(default_factory=_default_rewards)  # as objective=grpo's
+    rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
+    vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
+
+    def __post_init__(self) -> None:
+        one_of("objective.reference", self.reference, ("copy", "adapter"))
+        one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
+        if self.beta < 0:
+            raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ConfigError(f"objective.epsilon and objective.epsilon_high must be >= 0, "
+                              f"got {self.epsilon}, {self.epsilon_high}")
+        if self.num_iterations < 1:
+            raise ConfigError(f"objective.num_iterations must be >= 1 (optimizer steps per rollout batch), "
+                              f"got {self.num_iterations}")
+        if self.num_generations < 2:
+            raise ConfigError(f"objective.num_generations must be >= 2 (the leave-one-out baseline needs another "
+                              f"completion of the prompt), got {self.num_generations}")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ConfigError(f"objective.num_generations_eval must be >= 1, got {self.num_generations_eval}")
+        clip = self.reward_clip_range
+        if clip is not None and (len(clip) != 2 or not float(clip[0]) <= float(clip[1])):
+            raise ConfigError(f"objective.reward_clip_range must be [min, max] with min <= max, or null, got {clip!r}")
+        if not self.temperature > 0:
+            raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"objective.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"objective.max_completion_length must be >= 1, got {self.max_completion_length}")
+        if not self.rewards:
+            raise ConfigError("objective.rewards is empty: name at least one reward, e.g. "
+                              "{verifier: {type: verifier}}")
+        for name, spec in self.rewards.items():
+            if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
+                raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
+                                  f"or _target_, got {spec!r}")
+
+    # the rollout's shape and the reference rule are GRPO's
+    micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
+    rollout_shape = GRPOObjectiveConfig.rollout_shape
+    needs_reference = GRPOObjectiveConfig.needs_reference
+
+    def check_run(self, cfg: Any) -> None:
+        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        if cfg.data.packing:
+            raise ConfigError("objective=rloo samples its completions: data.packing=true does not apply, "
+                              "set data.packing=false")
+        if self.rollout == "vllm":
+            as_schema(self.vllm, GRPOVLLMConfig).check_run(cfg)
+        if not cfg.data.get("prompts"):
+            raise ConfigError(f"objective=rloo samples completions for data.prompts, which data={cfg.data.get('name')} "
+                              "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "
+                              "{prompt: [...]} records or conversations)")
+
+
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:
     """Refuse ``value`` of ``key`` unless it is one of ``options`` (a ConfigError naming the key)."""
     if value not in options:
@@ -455,6 +536,7 @@ OBJECTIVES: dict[str, Objective] = {
     "orpo": Objective(ORPOObjectiveConfig, "rolemrc.modules.orpo:ORPOModule", data="pairs"),
     "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="unpaired", reference=True),
     "grpo": Objective(GRPOObjectiveConfig, "rolemrc.modules.grpo:GRPOModule", data="prompts", reference=True),
+    "rloo": Objective(RLOOObjectiveConfig, "rolemrc.modules.rloo:RLOOModule", data="prompts", reference=True),
 }
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 

@@ -190,15 +190,7 @@ class GRPOModule(PolicyModule):
         if objective.beta > 0 and reference is None:
             raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
         self.reference = reference if objective.beta > 0 else None
-        level, loss_type = objective.importance_sampling_level, objective.loss_type
-        if loss_type == "luspo" and level != "sequence":  # TRL warns of the same settings
-            log.warning("objective.loss_type=luspo is meant with objective.importance_sampling_level=sequence (LUSPO)")
-        if loss_type == "vespo" and level != "token":
-            log.warning("objective.loss_type=vespo computes its sequence weights itself: "
-                        "objective.importance_sampling_level=token is meant")
-        if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            log.warning("objective.importance_sampling_level=sequence with loss_type=%s sums per-token terms, weighting "
-                        "each sequence by its length; GSPO's setup is objective.loss_type=grpo", loss_type)
+        self._check_loss_options(objective)
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
@@ -211,6 +203,18 @@ class GRPOModule(PolicyModule):
         self._val_names: list[str] = []
         self.summary_notes: dict[str, str] = {}  # what the run summary's reward figures are means of
         self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use
+
+    def _check_loss_options(self, objective: Any) -> None:
+        """Warn of loss options meant with others (TRL warns of the same settings); RLOO has none."""
+        level, loss_type = objective.importance_sampling_level, objective.loss_type
+        if loss_type == "luspo" and level != "sequence":
+            log.warning("objective.loss_type=luspo is meant with objective.importance_sampling_level=sequence (LUSPO)")
+        if loss_type == "vespo" and level != "token":
+            log.warning("objective.loss_type=vespo computes its sequence weights itself: "
+                        "objective.importance_sampling_level=token is meant")
+        if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            log.warning("objective.importance_sampling_level=sequence with loss_type=%s sums per-token terms, weighting "
+                        "each sequence by its length; GSPO's setup is objective.loss_type=grpo", loss_type)
 
     # ---- parts ------------------------------------------------------------------------------
     @property

@@ -162,12 +162,13 @@ def last_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def grpo_cpu_hint(cfg: DictConfig) -> str:
-    """How long GRPO takes on a CPU, said when it starts: sampling dominates its steps."""
+    """How long GRPO (or RLOO) takes on a CPU, said when it starts: sampling dominates its steps."""
     o = cfg.objective
     n = int(cfg.data.batch_size) * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
-    return (f"GRPO on CPU: each step samples {n} completions of up to {o.max_completion_length} tokens before it "
-            "learns; at make demo-rl's settings (32 of 48 tokens, the tiny model) a step takes 10-20 s on 2 busy "
-            "cores, a larger model far longer")
+    name = str(o.get("name", "grpo")).upper()
+    return (f"{name} on CPU: each step samples {n} completions of up to {o.max_completion_length} tokens "
+            "before it learns; at make demo-rl's settings (32 of 48 tokens, the tiny model) a step takes 10-20 s on 2 "
+            "busy cores, a larger model far longer")
 
 
 def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
@@ -197,7 +198,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
     policy = check_policy(cfg.trainer.precision, cfg.model.dtype, full_finetune=not cfg.model.peft.enabled)
     log.info("precision: trainable weights and optimizer states %s, frozen weights %s, compute %s",
              *(str(d).removeprefix("torch.") for d in (policy.master, policy.frozen, policy.compute)))
-    if cfg.objective.name == "grpo" and isinstance(trainer.accelerator, CPUAccelerator):
+    if OBJECTIVES[cfg.objective.name].data == "prompts" and isinstance(trainer.accelerator, CPUAccelerator):
         log.info(grpo_cpu_hint(cfg))
     model = build_model(cfg.model, chat.tokenizer)
     module = build_module(cfg, model, datamodule)

@@ -18,11 +18,12 @@ from rolemrc.eval.suites import SUITES, Suite, run_suites, wants_suites
 from rolemrc.models.family import FAMILIES
 from rolemrc.registry import Registry, registries
 from rolemrc.rewards import REWARD_KINDS, build_rewards
+from rolemrc.rollout import ENGINES
 from tests.eval.test_evaluate_run import compose_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTENSION_POINTS = {"reward kinds": REWARD_KINDS, "benchmark suites": SUITES, "generation backends": GENERATION_BACKENDS,
-                    "judge backends": JUDGE_BACKENDS, "model families": FAMILIES}
+                    "judge backends": JUDGE_BACKENDS, "rollout engines": ENGINES, "model families": FAMILIES}
 
 
 def test_every_extension_point_is_a_registry() -> None:

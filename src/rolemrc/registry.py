@@ -68,6 +68,9 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         return list(self._entries.items())
 
+    def values(self) -> list[T]:
+        return list(self._entries.values())
+
     def __getitem__(self, name: str) -> T:
         return self.get(name)
 

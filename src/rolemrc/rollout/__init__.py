@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Engine, Sampling
 from rolemrc.rollout.hf import HFEngine
 from rolemrc.rollout.vllm import ColocateEngine, RolloutError, ServerEngine
@@ -29,7 +30,11 @@ __all__ = ["ENGINES", "ColocateEngine", "Engine", "HFEngine", "RolloutError", "S
            "engine_name", "make_engine", "padded"]
 
 # engine name -> its class (``build(objective, **kwargs)``)
-ENGINES: dict[str, Any] = {"hf": HFEngine, "server": ServerEngine, "colocate": ColocateEngine}
+ENGINES: Registry[Any] = Registry("rollout engine", doc="GRPO's rollout engines, by objective.rollout "
+                                  "(hf) or, for objective.rollout=vllm, objective.vllm.mode")
+ENGINES.register("hf", HFEngine, doc="transformers generate in this process")
+ENGINES.register("server", ServerEngine, doc="a vLLM OpenAI-compatible server, weights synced each step")
+ENGINES.register("colocate", ColocateEngine, doc="vllm.LLM in this process, weights loaded each step")
 
 
 def engine_name(objective: Any) -> str:
@@ -39,7 +44,7 @@ def engine_name(objective: Any) -> str:
 
 def make_engine(objective: Any, **kwargs: Any) -> Engine:
     """The engine :func:`engine_name` names; ``kwargs``: those its class takes (the others are ignored)."""
-    return ENGINES[engine_name(objective)].build(objective, **kwargs)
+    return ENGINES.get(engine_name(objective)).build(objective, **kwargs)
 
 
 def padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> torch.Tensor:

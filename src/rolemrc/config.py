@@ -78,7 +78,7 @@ class ObjectiveConfig:
     (``sft_schema``, ``dpo_schema`` in its defaults), so ``objective=sft objective.beta=0.1``
     fails at compose time naming ``beta``."""
 
-    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto | grpo | rloo
+    name: str = MISSING  # a key of OBJECTIVES: sft | dpo | simpo | orpo | kto | grpo | rloo | reward
     logprob_chunk_size: int = 1024  # rows of the lm_head computed at once
 
 
@@ -218,6 +218,33 @@ class KTOObjectiveConfig(ObjectiveConfig):
         if cfg.data.get("unpaired_val") and not cfg.data.get("unpaired"):
             raise ConfigError("data.unpaired_val is set but data.unpaired is empty: objective=kto trains on "
                               "data.unpaired when given, else on data.pairs split (validated on data.pairs_val)")
+
+
+@dataclass
+class RewardObjectiveConfig(ObjectiveConfig):
+    """``objective=reward``: a reward model (the policy's architecture with a one-score
+    sequence-classification head) trained on preference pairs with the Bradley-Terry loss, as TRL
+    1.16's RewardTrainer; its export is what GRPO's ``reward_model`` reward loads."""
+
+    name: str = "reward"
+    # c x mean((r_chosen + r_rejected)^2) added to the loss (TRL RewardConfig's center_rewards_coefficient;
+    # null: none, TRL's default; Eisenstein et al. 2023 use 0.01)
+    center_rewards_coefficient: Optional[float] = None
+    disable_dropout: bool = True  # TRL RewardConfig's disable_dropout: dropout off in the trained model
+
+    def __post_init__(self) -> None:
+        c = self.center_rewards_coefficient
+        if c is not None and not c >= 0:
+            raise ConfigError(f"objective.center_rewards_coefficient must be >= 0 or null, got {c}")
+
+    def check_run(self, cfg: Any) -> None:
+        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        if cfg.data.packing:
+            raise ConfigError("objective=reward scores each chosen and rejected sequence at its last token: "
+                              "set data.packing=false")
+        if cfg.model.quantization.load_in_4bit:
+            raise ConfigError("objective=reward does not support model.quantization.load_in_4bit (QLoRA): "
+                              "train it in full or with LoRA (model.peft.enabled=true)")
 
 
 def _default_rewards() -> dict[str, Any]:
@@ -504,10 +531,15 @@ class Objective:
     # unpaired (prompt + completion + desirable label; data.pairs split when data.unpaired is empty).
     data: str
     reference: bool = False  # its module takes a reference (``objective.reference``: copy | adapter | precomputed)
+    # The model it trains: lm (a causal LM) | score (the same architecture with a one-score
+    # sequence-classification head: AutoModelForSequenceClassification, num_labels=1)
+    head: str = "lm"
 
     def __post_init__(self) -> None:
         if self.data not in DATA_KINDS:
             raise ValueError(f"Objective.data must be one of {', '.join(DATA_KINDS)}, got {self.data!r}")
+        if self.head not in MODEL_HEADS:
+            raise ValueError(f"Objective.head must be one of {', '.join(MODEL_HEADS)}, got {self.head!r}")
 
     @property
     def pairs(self) -> bool:
@@ -516,6 +548,7 @@ class Objective:
         return self.data in ("pairs", "unpaired")
 
 
+MODEL_HEADS: tuple[str, ...] = ("lm", "score")  # rolemrc.models.loading.load_model(head=...)
 # What an objective can train on; each kind's sources are data.<kind> and data.<kind>_val.
 DATA_KINDS: tuple[str, ...] = ("sft", "pairs", "prompts", "unpaired")
 
@@ -537,7 +570,16 @@ OBJECTIVES: dict[str, Objective] = {
     "kto": Objective(KTOObjectiveConfig, "rolemrc.modules.kto:KTOModule", data="unpaired", reference=True),
     "grpo": Objective(GRPOObjectiveConfig, "rolemrc.modules.grpo:GRPOModule", data="prompts", reference=True),
     "rloo": Objective(RLOOObjectiveConfig, "rolemrc.modules.rloo:RLOOModule", data="prompts", reference=True),
+    "reward": Objective(RewardObjectiveConfig, "rolemrc.modules.reward:RewardModule", data="pairs", head="score"),
 }
+def model_head(cfg: Any) -> str:
+    """The head of the model a training config trains (its objective's registry entry: ``lm`` or
+    ``score``); ``lm`` for a config without an objective."""
+    objective = cfg.get("objective") if hasattr(cfg, "get") else getattr(cfg, "objective", None)
+    entry = OBJECTIVES.get(objective.name) if objective is not None else None
+    return entry.head if entry is not None else "lm"
+
+
 OBJECTIVE_SCHEMAS: dict[str, type[ObjectiveConfig]] = {name: o.schema for name, o in OBJECTIVES.items()}
 
 

@@ -29,11 +29,12 @@ def build_chat(model_cfg: Any) -> ChatFormat:
     return ChatFormat(load_tokenizer(model_cfg), eot=model_cfg.eot_token)
 
 
-def build_model(model_cfg: Any, tokenizer: Any) -> nn.Module:
+def build_model(model_cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     """The HF model ``model_cfg`` (a ``ModelConfig``, typed here) describes: weights or random
-    init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels."""
+    init, dtype, attention, gradient checkpointing, PEFT/QLoRA, kernels; ``head``: ``lm`` (a
+    causal LM) or ``score`` (a one-score sequence classifier, ``objective=reward``)."""
     model_cfg = typed(model_cfg)
-    model = load_model(model_cfg, tokenizer)
+    model = load_model(model_cfg, tokenizer, head=head)
     _, total = count_parameters(model)
     log.info("model %s: %s parameters", model_cfg.name, f"{total:,}")  # trainable: build_module (training only)
     return model

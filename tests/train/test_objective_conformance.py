@@ -414,3 +414,56 @@ def test_kto_kl_pairs_each_prompt_with_anothers_completion(request, data: str) -
         other = batch["input_ids"][j - 1][batch["attention_mask"][j - 1].bool() & (batch["labels"][j - 1] == IGNORE_INDEX)]
         if data == "pairs":  # unpaired data may hold two answers to one prompt side by side (as in TRL)
             assert not torch.equal(prompt, other)  # mismatched: the completion answers another prompt
+
+
+# ---------------------------------------------------------------- reward models: TRL's RewardTrainer
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, torch.Tensor]]:
+    return _build(tmp_path_factory.mktemp("reward"), "objective=reward")
+
+
+@pytest.mark.parametrize(("center", "margin"), [(None, False), (0.01, True)])
+def test_reward_model_equals_trls_reward_trainer_first_step(reward, center: float | None, margin: bool) -> None:
+    """Loss and every metric TRL's ``RewardTrainer.compute_loss`` logs (``accuracy``, ``margin``,
+    ``mean_reward``, ``min_reward``, ``max_reward``) on the same scores: its collator's layout is
+    ours (chosen rows then rejected rows, right-padded, ``margin`` per pair)."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    parts, batch = reward
+    batch = dict(batch)
+    if margin:
+        batch["margin"] = torch.tensor([0.5, 0.0, 2.0, -1.0])[: batch["index"].shape[0]]
+    loss, ours = _ours(parts.module, batch, {"center_rewards_coefficient": center})
+    module = parts.module
+    module.on_validation_epoch_start()
+    saved = module.objective.center_rewards_coefficient
+    module.objective.center_rewards_coefficient = center
+    try:
+        with torch.no_grad():
+            module.validation_step(batch, 0)
+        val = {k: float(v) for k, v in module.val_metrics(module._val_items[0][1]).items()}
+    finally:
+        module.objective.center_rewards_coefficient = saved
+
+    config = RewardConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=batch["index"].shape[0], save_strategy="no",
+                          center_rewards_coefficient=center)
+    dummy = Dataset.from_list([{"chosen": "a b", "rejected": "c"}] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = RewardTrainer(model=copy.deepcopy(module.model), args=config, train_dataset=dummy,
+                                processing_class=parts.chat.tokenizer)
+        trainer.model.train()
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        if margin:
+            inputs["margin"] = batch["margin"]
+        with torch.no_grad():
+            trl_loss = float(trainer.compute_loss(trainer.model, inputs))
+    theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert abs(loss - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    assert abs(val["loss"] - trl_loss) <= TOL * max(1.0, abs(trl_loss)), (val["loss"], trl_loss)
+    _compare(ours, theirs, ("accuracy", "margin", "mean_reward"))
+    _compare(val, theirs, ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"))
+    assert 0.0 < theirs["accuracy"] < 1.0

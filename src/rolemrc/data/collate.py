@@ -40,6 +40,7 @@ class PairCollator:
     """Chosen rows then rejected rows in one [2B, T] batch, so one forward scores both.
 
     Labels cover the response tokens only. ``index`` [B] identifies pairs (reference cache).
+    ``margin`` [B] (float32) when any pair of the batch has one (a pair without: 0, no margin).
     """
 
     def __init__(self, pad_id: int) -> None:
@@ -51,12 +52,15 @@ class PairCollator:
             for e in examples:
                 ids.append(e["prompt_ids"] + e[side])
                 labels.append([IGNORE_INDEX] * len(e["prompt_ids"]) + e[side])
-        return {
+        batch = {
             "input_ids": pad(ids, self.pad_id),
             "labels": pad(labels, IGNORE_INDEX),
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
+        if any("margin" in e for e in examples):
+            batch["margin"] = torch.tensor([float(e.get("margin", 0.0)) for e in examples], dtype=torch.float32)
+        return batch
 
 
 class UnpairedCollator:

@@ -124,6 +124,8 @@ def encode_pairs(
         prompt_tokens += len(enc.prompt_ids)
         response_tokens += len(enc.chosen_ids) + len(enc.rejected_ids)
         rows.append({"prompt_ids": enc.prompt_ids, "chosen_ids": enc.chosen_ids, "rejected_ids": enc.rejected_ids})
+        if ex.margin is not None:
+            rows[-1]["margin"] = ex.margin
     for i, row in enumerate(rows):
         row["index"] = i
     report = {

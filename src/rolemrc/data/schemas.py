@@ -7,6 +7,8 @@ Roles are normalised to lowercase (RoleMRC writes ``System``/``User``/``Assistan
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,9 @@ class Pair:
     rejected: str
     task: str | None = None
     origin: str = ""
+    # how much the chosen response should outscore the rejected one (objective=reward: the
+    # Bradley-Terry loss's per-pair margin, TRL's ``margin`` column); None: none given
+    margin: float | None = None
 
 
 @dataclass
@@ -182,7 +187,13 @@ def parse_pair(record: Any) -> Pair:
     if chosen.strip() == rejected.strip():
         raise RecordError("chosen and rejected are identical")
     task = record.get("task")
-    return Pair(prompt=prompt, chosen=chosen, rejected=rejected, task=task if isinstance(task, str) else None)
+    margin = record.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not math.isfinite(margin)):
+        raise RecordError(f"field 'margin' must be a finite number (how much chosen should outscore rejected), "
+                          f"got {margin!r}")
+    return Pair(prompt=prompt, chosen=chosen, rejected=rejected, task=task if isinstance(task, str) else None,
+                margin=None if margin is None else float(margin))
 
 
 def parse_test_item(record: Any) -> TestItem:

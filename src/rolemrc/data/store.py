@@ -270,8 +270,11 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
     encoded = encode_examples(chat, kind, [ex for _, _, _, ex in parsed], _WORK["max_length"],
                               _WORK["max_prompt_length"])
     row = _sft_row if kind == "sft" else _pair_row
-    for (k, file, line, _), enc in zip(parsed, encoded, strict=True):
-        out[k] = ("tpl", file, line, str(enc)) if isinstance(enc, TemplateRenderError) else ("ok", file, line, *row(enc))
+    for (k, file, line, ex), enc in zip(parsed, encoded, strict=True):
+        if isinstance(enc, TemplateRenderError):
+            out[k] = ("tpl", file, line, str(enc))
+        else:  # pairs: their margin (NaN: none) after the arrays
+            out[k] = ("ok", file, line, *row(enc), *((_margin(ex),) if kind == "pairs" else ()))
     return out  # type: ignore[return-value]
 
 
@@ -281,6 +284,11 @@ def _sft_row(enc: Any) -> tuple:
     mask = np.asarray(enc.labels, dtype=np.int64) != IGNORE_INDEX
     return (not mask[1:].any(), int(enc.truncated), ids.tobytes(), mask.astype(np.uint8).tobytes(), int(mask[1:].sum()),
             int(mask.sum()))
+
+
+def _margin(example: Any) -> float:
+    """A pair's margin as stored (NaN: the record gave none)."""
+    return float("nan") if example.margin is None else float(example.margin)
 
 
 def _pair_row(enc: Any) -> tuple:
@@ -367,6 +375,7 @@ class _Builder:
         self.flags: list[int] = []
         self.trained: list[int] = []  # SFT: labels after the one-position shift (the step normaliser)
         self.labelled: list[int] = []  # SFT: labels (the report's trained_tokens)
+        self.margins: list[float] = []  # pairs: each unit's margin (NaN: none)
         self.origin_file: list[int] = []
         self.origin_line: list[int] = []
         self.files: list[str] = []
@@ -392,6 +401,7 @@ class _Builder:
             self.trained.append(0)
             self.labelled.append(0)
             self.template_errors[unit] = result[3]
+            self.margins.append(float("nan"))
             for name, offs in self.offsets.items():
                 offs.append(offs[-1])
             return
@@ -409,6 +419,7 @@ class _Builder:
             for name, blob in zip(("prompt", "chosen", "rejected"), blobs):
                 self.arrays[name].append(blob)
                 self.offsets[name].append(self.arrays[name].n)
+            self.margins.append(blobs[3] if len(blobs) > 3 else float("nan"))
             self.trained.append(0)
             self.labelled.append(0)
 
@@ -612,6 +623,9 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     files: dict[str, Any] = {name: {**f.close(), "shape": [f.n]} for name, f in b.arrays.items()}
     for name, offs in b.offsets.items():
         _write_array(folder, f"{name}_offsets", np.asarray(offs, dtype=np.int64), files)
+    margins = np.asarray(b.margins, dtype=np.float64)
+    if spec.kind == "pairs" and not np.isnan(margins).all():  # written only when a record gives one
+        _write_array(folder, "margin", margins, files)
     train_rows, train_report, train_totals = b.stage(train_units)
     val_rows, val_report, val_totals = b.stage(val_units) if val_units else (np.zeros(0, np.int32), {}, None)
     if not len(train_rows):
@@ -763,6 +777,7 @@ class StoredRows(_StoredSequence):
             self._ids, self._mask, self._off = a["ids"], a["mask"], a["ids_offsets"]
         else:
             self._parts = [(n, a[n], a[f"{n}_offsets"]) for n in ("prompt", "chosen", "rejected")]
+            self._margin = a.get("margin")  # pairs' margins (NaN: none), when any record gave one
 
     def __len__(self) -> int:
         return len(self.units)
@@ -777,6 +792,8 @@ class StoredRows(_StoredSequence):
         row: dict[str, Any] = {}
         for name, arr, off in self._parts:
             row[f"{name}_ids"] = np.asarray(arr[int(off[u]):int(off[u + 1])], dtype=np.int64).tolist()
+        if self._margin is not None and not np.isnan(self._margin[u]):
+            row["margin"] = float(self._margin[u])
         row["index"] = i
         return row
 

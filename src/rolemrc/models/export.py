@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from rolemrc.checkpointing.state import read_model_state
+from rolemrc.config import model_head
 from rolemrc.errors import CheckpointError, DestinationError, StorageError
 from rolemrc.fileio import atomic_dir, atomic_write_json, cache_root, partial_path, storage_error
 from rolemrc.models.loading import load_model, load_tokenizer, unwrap
@@ -159,7 +160,8 @@ def export_dir(out: Path, kind: str, source: str | None) -> Iterator[Path]:
 
 def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge_lora: bool = True,
                       base: str | None = None, source: str | None = None) -> Path:
-    """Save ``model`` so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
+    """Save ``model`` so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it (a reward
+    model, ``objective=reward``: ``AutoModelForSequenceClassification``).
 
     LoRA models are merged into the base weights (``merge_lora``) or saved as a PEFT adapter
     whose ``adapter_config.json`` names its base model, so ``peft.AutoPeftModelForCausalLM``
@@ -327,7 +329,7 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
         _load_adapter(model, {k: v for k, v in state.items() if k in trainable or "lora_" in k}, origin)
         return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path, source=origin)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
-        model = load_model(skeleton_config(run_cfg.model), tokenizer)
+        model = load_model(skeleton_config(run_cfg.model), tokenizer, head=model_head(run_cfg))
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]

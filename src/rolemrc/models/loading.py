@@ -89,10 +89,18 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
-    """The causal LM, with LoRA/QLoRA applied and the lm_head able to return chunked log-probs."""
-    from transformers import AutoModelForCausalLM
+def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
+    """The causal LM, with LoRA/QLoRA applied and the lm_head able to return chunked log-probs;
+    ``head="score"``: the same architecture with a one-score sequence-classification head
+    (``AutoModelForSequenceClassification``, ``num_labels=1``: a reward model; from a causal LM's
+    weights the head is new, randomly initialised), LoRA keeping the head trainable (peft's
+    ``SEQ_CLS`` task saves it with the adapter)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if head not in ("lm", "score"):
+        raise ValueError(f"head must be 'lm' or 'score', got {head!r}")
+    auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    extra: dict[str, Any] = {} if head == "lm" else {"num_labels": 1}
     check_model_cfg(cfg)
     attn = resolve_attn_implementation(cfg.attn_implementation)
     dtype = _dtype(cfg.dtype)
@@ -111,7 +119,8 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
             config = AutoConfig.for_model(cfg.arch, **kwargs)
         except ValueError as err:
             raise ValueError(f"model.arch={cfg.arch!r} is not a transformers model type ({err})") from err
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        config.update(extra)
+        model = auto.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
         kwargs: dict[str, Any] = {}
         if quant:
@@ -124,10 +133,13 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
                 bnb_4bit_compute_dtype=_dtype(cfg.quantization.compute_dtype),
             )
         with _naming("model.path", cfg.path):
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code, **kwargs
+            model = auto.from_pretrained(
+                cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
+                **extra, **kwargs
             )
     model.config.use_cache = False
+    if head == "score":  # the head reads each row's last token that is not padding
+        model.config.pad_token_id = tokenizer.pad_token_id
     if quant:
         from peft import prepare_model_for_kbit_training
 
@@ -149,10 +161,11 @@ def load_model(cfg: Any, tokenizer: Any) -> nn.Module:
                 lora_alpha=cfg.peft.alpha,
                 lora_dropout=cfg.peft.dropout,
                 target_modules=plain(cfg.peft.target_modules),
-                task_type="CAUSAL_LM",
+                task_type="CAUSAL_LM" if head == "lm" else "SEQ_CLS",
             ),
         )
-    install_logprob_head(model)
+    if head == "lm":
+        install_logprob_head(model)
     if getattr(cfg, "kernels", "none") != "none":  # optional GPU kernels (rolemrc.models.kernels), imported lazily
 
         apply_kernels(model, cfg.kernels)

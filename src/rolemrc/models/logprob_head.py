@@ -75,12 +75,15 @@ class LogprobHead(nn.Module):
                                  num_sequences=num_sequences)
 
 
-def install_logprob_head(model: nn.Module) -> LogprobHead:
-    """Give ``model`` (a transformers causal LM, maybe PEFT-wrapped) a :class:`LogprobHead`."""
+def install_logprob_head(model: nn.Module) -> LogprobHead | None:
+    """Give ``model`` (a transformers causal LM, maybe PEFT-wrapped) a :class:`LogprobHead`; a
+    model without an lm_head (a sequence-classification reward model) is left as it is (None)."""
     base = family.base_model(model)
     head = family.output_head(base)
     if isinstance(head, LogprobHead):
         return head
+    if head is None and not hasattr(base, "lm_head"):  # a sequence-classification model (a reward model)
+        return None
     if type(head) is not nn.Linear:
         raise TypeError(f"unsupported lm_head type {type(head).__name__}: expected nn.Linear")
     new = LogprobHead.from_linear(head)

@@ -32,7 +32,8 @@ from rolemrc.models.export import check_replaceable, export_pretrained, export_s
 from rolemrc.models.loading import check_model_cfg
 from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
-from rolemrc.run.build import build_chat, build_datamodule, build_model, build_module, build_trainer, runtime_value
+from rolemrc.run.build import (build_chat, build_datamodule, build_model, build_module, build_trainer, objective_entry,
+                               runtime_value)
 from rolemrc.run.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
                                 run_folder_lock)
 from rolemrc.run.state import RunInterrupted, RunState
@@ -200,7 +201,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
              *(str(d).removeprefix("torch.") for d in (policy.master, policy.frozen, policy.compute)))
     if OBJECTIVES[cfg.objective.name].data == "prompts" and isinstance(trainer.accelerator, CPUAccelerator):
         log.info(grpo_cpu_hint(cfg))
-    model = build_model(cfg.model, chat.tokenizer)
+    model = build_model(cfg.model, chat.tokenizer, head=objective_entry(cfg).head)
     module = build_module(cfg, model, datamodule)
     return TrainRun(cfg, chat, datamodule, trainer, module, resolve_ckpt_path(cfg, last))
 

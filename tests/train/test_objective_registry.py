@@ -119,7 +119,7 @@ def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> Non
 def test_an_unregistered_objective_is_named(train_cfg) -> None:
     cfg = train_cfg()
     with_objective(cfg, OmegaConf.create({"name": "toy"}))
-    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'grpo', 'kto', 'orpo', 'reward', 'sft', 'simpo'\], got 'toy'"):
+    with pytest.raises(ConfigError, match=r"objective.name must be one of \['dpo', 'grpo', 'kto', 'orpo', 'reward', 'rloo', 'sft', 'simpo'\], got 'toy'"):
         check_train_config(cfg)
 
 

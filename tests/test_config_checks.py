@@ -25,6 +25,17 @@ BAD = [
     (["objective=dpo", "objective.sft_weight=-1"], r"objective.sft_weight must be >= 0"),
     (["objective=dpo", "objective.reference=cached"], r"objective.reference must be one of copy, adapter, precomputed"),
     (["objective=dpo", "objective.reference=adapter"], r"objective.reference=adapter needs a LoRA model"),
+    # TR-DPO's reference sync: only a reference copy can follow the policy
+    (["objective=dpo", "objective.sync_ref_model=true", "objective.reference=precomputed"],
+     r"^objective.sync_ref_model=true needs objective.reference=copy, got precomputed \(the precomputed"),
+    (["objective=dpo", "objective.sync_ref_model=true", "objective.reference=adapter", "model.peft.enabled=true"],
+     r"^objective.sync_ref_model=true needs objective.reference=copy, got adapter"),
+    (["objective=dpo", "objective.sync_ref_model=true", "model.peft.enabled=true"],
+     r"^objective.sync_ref_model=true with model.peft.enabled=true: a LoRA run has no separate reference"),
+    (["objective=grpo", "data.packing=false", "objective.sync_ref_model=true"],
+     r"^objective.sync_ref_model=true with objective.beta=0: no reference is used"),
+    (["objective=dpo", "objective.ref_model_mixup_alpha=1.5"], r"^objective.ref_model_mixup_alpha must be in \[0, 1\]"),
+    (["objective=grpo", "objective.ref_model_sync_steps=0"], r"^objective.ref_model_sync_steps must be >= 1"),
     (["optim.scheduler=cosin"], r"optim.scheduler must be one of cosine, linear, constant, got 'cosin'"),
     (["strategy.name=deepspeed"], r"strategy.name must be one of single, ddp, fsdp"),
     (["data.on_error=ignore"], r"data.on_error must be one of raise, skip"),
@@ -55,6 +66,8 @@ def test_bad_value_is_refused_naming_the_key(overrides: list[str], message: str)
     ["objective=dpo", "objective.loss_type=hinge", "objective.reference=precomputed"],
     ["objective=dpo", "objective.reference=adapter", "model.peft.enabled=true"],
     ["objective=dpo", "objective.label_smoothing=0.1"],
+    ["objective=dpo", "objective.sync_ref_model=true"],
+    ["objective=grpo", "data.packing=false", "objective.beta=0.04", "objective.sync_ref_model=true"],
     ["optim.scheduler=constant", "strategy=ddp", "data.on_error=skip"],
     ["model.peft.enabled=true", "model.quantization.load_in_4bit=true"],
 ])
@@ -224,9 +237,9 @@ HYDRA_ERRORS = [
     ("train", ["objective=dpo", "objective.bata=0.2"],
      "objective.bata is not a config key (DPOObjectiveConfig); did you mean objective.beta?"),
     ("train", ["objective.beta=0.2"], "objective.beta is not a config key (SFTObjectiveConfig); its keys: name, "
-     "logprob_chunk_size; beta is a key of objective=dpo|simpo|orpo|kto|grpo"),
+     "logprob_chunk_size; beta is a key of objective=dpo|simpo|orpo|kto|grpo|rloo"),
     ("train", ["objective=dpp"],
-     "objective=dpp is not an option of objective; did you mean objective=dpo? (options: dpo, grpo, kto, orpo, sft, simpo)"),
+     "objective=dpp is not an option of objective; did you mean objective=dpo? (options: dpo, grpo, kto, orpo, reward, rloo, sft, simpo)"),
     ("train", ["data.batch_size=abc"], "data.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     ("evaluate", ["limt=4"], "limt is not a config key (EvaluateConfig); did you mean limit?"),
 ]

@@ -235,8 +235,9 @@ class GRPOModule(PolicyModule):
 
     def run_state_parts(self) -> tuple[Any, ...]:
         """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts),
-        and so do rollouts still to be reused (``num_iterations > 1``) and the tokens seen (``num_tokens``)."""
-        return (self.sampling_rng, self.reuse, self.tokens_seen)
+        and so do rollouts still to be reused (``num_iterations > 1``), the tokens seen (``num_tokens``) and a
+        synced reference (``sync_ref_model``)."""
+        return (self.sampling_rng, self.reuse, self.tokens_seen) + ((self.reference,) if self.reference else ())
 
     @property
     def chat(self) -> Any:

@@ -308,7 +308,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
                          "rolemrc.synth", "rolemrc.rewards", "rolemrc.rollout"]),
     ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
-                                       "rolemrc.config", "rolemrc.config_suites", "rolemrc.tasks", "rolemrc.rng",
+                                       "rolemrc.config", "rolemrc.config_objectives", "rolemrc.config_suites",
+                                       "rolemrc.tasks", "rolemrc.rng",
                                        "rolemrc.errors", "rolemrc.loggers", "rolemrc.entry", "rolemrc.sweep",
                                        "rolemrc.warnings", "rolemrc.hydra_errors", "rolemrc.registry"]),
 ]
@@ -491,3 +492,59 @@ def test_one_generation_layer() -> None:
                      "require_vllm": {"rolemrc.rollout.vllm"}}, sites
     vllm = sorted(str(e) for e in EDGES if e.target == "vllm")
     assert all("rolemrc.rollout.vllm ->" in e for e in vllm), vllm
+
+
+# ---------------------------------------------------------------- the objective contract
+# Every hook the run, resume, the reference and sizing call on an objective's module or settings is
+# declared with its default on rolemrc.modules.base.PolicyModule (and PairModule) or
+# rolemrc.config_objectives.ObjectiveConfig: callers call it, they never ask whether it is there.
+# A probe is ``hasattr(x, ...)`` or ``getattr(x, name, default)`` (a default: "if it has one"),
+# where ``x`` is a module or an objective: a name in PROBED_NAMES, an attribute in PROBED_ATTRIBUTES
+# (``self.reference``, ``cfg.objective``), a call turning a node into settings (``typed(...)``,
+# ``objective_settings(...)``), or ``self`` in the files that define modules and objectives.
+# ``getattr(module, name)`` without a default reads a declared hook by name (the simulation's
+# ``no_grad_passes``): not a probe. Files outside CONTRACT_FILES hold other kinds of "module"
+# (attention layers, Python modules) and are not looked at.
+PROBED_NAMES = {"module", "pl_module", "objective", "reference", "entry"}
+PROBED_ATTRIBUTES = {"objective", "reference", "module"}
+SETTINGS_CALLS = {"typed", "objective_settings", "as_schema"}
+CONTRACT_FILES = ("run/", "sizing/", "modules/", "objectives/", "checkpointing/", "callbacks/", "config.py",
+                  "config_objectives.py")
+SELF_IS_CONTRACT = ("modules/", "objectives/", "config_objectives.py")
+
+
+def contract_probes(src: Path = SRC / PROJECT) -> list[str]:
+    """``file:line: call`` of every probe of a module or objective under ``src`` (see above)."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if not rel.startswith(CONTRACT_FILES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                continue
+            if not (node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)):
+                continue
+            x = node.args[0]
+            if ((isinstance(x, ast.Name) and (x.id in PROBED_NAMES or (x.id == "self" and rel.startswith(SELF_IS_CONTRACT))))
+                    or (isinstance(x, ast.Attribute) and x.attr in PROBED_ATTRIBUTES)
+                    or (isinstance(x, ast.Call) and isinstance(x.func, ast.Name) and x.func.id in SETTINGS_CALLS)):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_probe_of_a_module_or_objective_outside_the_contract() -> None:
+    probes = contract_probes()
+    assert not probes, ("hooks asked for instead of declared (declare them with a default on PolicyModule or "
+                        "ObjectiveConfig and call them):\n  " + "\n  ".join(probes))
+
+
+def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "a.py").write_text(
+        "def f(module, cfg):\n    a = getattr(module, 'memory_note', '')\n    b = hasattr(cfg.objective, 'x')\n"
+        "    c = getattr(typed(cfg.objective), 'check_run', None)\n    d = getattr(module, 'memory_note')\n"
+        "    e = getattr(cfg, 'x', None)\n", encoding="utf-8")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "b.py").write_text("def g(module):\n    return hasattr(module, 'sinks')\n", encoding="utf-8")
+    assert [p.split(":")[1] for p in contract_probes(tmp_path)] == ["2", "3", "4"]

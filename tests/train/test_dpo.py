@@ -122,7 +122,7 @@ def test_ipo_rewards_mean_what_trls_mean_and_per_token_ones_have_their_own_names
     batch = next(iter(parts.datamodule.train_dataloader()))
     b = batch["index"].shape[0]
     with torch.no_grad():
-        terms = module._pair_terms(batch, "train")
+        terms = module.pair_terms(batch, "train")
         policy, counts = module.pair_logps(module.model, batch)
         ref = module.reference_logps(batch, "train")
     trl_chosen, trl_rejected = beta * (policy[:b] - ref[:b]), beta * (policy[b:] - ref[b:])  # TRL's rewards
@@ -138,6 +138,6 @@ def test_ipo_rewards_mean_what_trls_mean_and_per_token_ones_have_their_own_names
     # Other losses log no per-token rewards, and the same rewards/* (summed log-probs).
     module.objective.loss_type = "sigmoid"
     with torch.no_grad():
-        sig = module._pair_terms(batch, "train")
+        sig = module.pair_terms(batch, "train")
     assert not any(k.startswith("rewards_per_token/") for k in sig) and "rewards_per_token/chosen" not in module.val_columns
     assert torch.allclose(sig["rewards/chosen"], terms["rewards/chosen"])

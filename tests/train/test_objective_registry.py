@@ -132,7 +132,7 @@ def test_reference_free_objectives_train_without_a_reference(train_cfg, objectiv
     run = setup(train_cfg(f"objective={objective}", "trainer.max_steps=2", "export.enabled=false",
                           "data.max_length=160", "data.max_prompt_length=96", "data.val_fraction=0.2"))
     assert run.datamodule.kind == "pairs"
-    assert not hasattr(run.module, "reference") and run.module.models_to_shard() == [run.module.model]
+    assert run.module.reference is None and run.module.models_to_shard() == [run.module.model]
     fit(run)
     for name in ("loss", *names):
         values = series(run.cfg.run_dir, f"train/{name}")

@@ -106,6 +106,6 @@ class RunSummary(L.Callback):
                             if k.startswith("val/") and k != "val/loss" and getattr(v, "numel", lambda: 1)() == 1},
             # GRPO: the last step's train/reward beside val/reward, and what each is the mean of
             "train_reward": self._last("train/reward"),
-            "notes": dict(getattr(pl_module, "summary_notes", None) or {}),
+            "notes": dict(pl_module.summary_notes),
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 and counted else None,
         }

@@ -138,10 +138,9 @@ class ThroughputMonitor(L.Callback):
         self._paused = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        model = getattr(pl_module, "model", pl_module)
         try:
-            self._coef = model_flop_coefficients(model)
-        except (AttributeError, TypeError) as err:  # not a transformers causal LM: no MFU
+            self._coef = model_flop_coefficients(pl_module.model)
+        except (AttributeError, TypeError) as err:  # not a module over a transformers causal LM: no MFU
             log.info("throughput: no model FLOPs (%s); MFU not logged", err)
             self._coef = None
         self._peak = None

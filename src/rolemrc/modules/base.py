@@ -23,6 +23,8 @@ from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head
 from rolemrc.models.precision import PrecisionPolicy, cast_trainable
 from rolemrc.models.sharding import shard_model
+from rolemrc.modules.reference import Reference
+from rolemrc.objectives.dpo import average_logps, pair_mean, preference_loss
 from rolemrc.objectives.logprobs import SequenceLogProbs, shift_labels
 
 
@@ -69,7 +71,17 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
 
 
 class PolicyModule(L.LightningModule):
-    """Holds ``self.model`` (a transformers causal LM, maybe PEFT-wrapped)."""
+    """Holds ``self.model`` (a transformers causal LM, maybe PEFT-wrapped), and declares every
+    hook the run, resume, the reference and sizing call on an objective's module, each with its
+    default here (the objective contract, docs/architecture.md): an objective overrides only what
+    it does differently; nothing outside asks a module what it has."""
+
+    # ---- the contract: attributes and hooks with their defaults ------------------------------
+    reference: Reference | None = None  # a frozen reference's log-probs (rolemrc.modules.reference), or none
+    # Methods of the step that run without gradient (the reference's passes, KTO's KL rows): the
+    # memory simulation runs each as a module call.
+    no_grad_passes: tuple[str, ...] = ()
+    memory_note: str = ""  # what of the step the memory simulation leaves out (printed with its report)
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
                  sharding: Any = None, packed_attention: str = "auto") -> None:
@@ -85,6 +97,46 @@ class PolicyModule(L.LightningModule):
         self.sharding = sharding  # the strategy node: FSDP2 unit options (used under a device mesh)
         self.packed_attention = packed_attention  # model.packed_attention: route for packed rows
         self._sharded = False
+        self._val_items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.summary_notes: dict[str, str] = {}  # run summary figure -> what it is the mean of (GRPO's rewards)
+
+    def run_state_parts(self) -> tuple[Any, ...]:
+        """Objects saved in every checkpoint and restored on resume (:class:`rolemrc.run.state.RunState`)."""
+        return () if self.reference is None else (self.reference,)
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        """The frozen reference copy (``copy`` mode), kept out of the module tree; else None."""
+        models = self.reference.models() if self.reference is not None else []
+        return models[0] if models else None
+
+    def reference_table_tag(self) -> str:
+        """What a precomputed reference table's columns depend on besides the rows (KTO: its KL pairing)."""
+        return ""
+
+    def table_logps(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        """A precomputed reference's columns of a batch: its pairs' summed log-probs, chosen then rejected."""
+        return self.sequence_logps(self.model, batch, 2 * batch["index"].shape[0]).logps
+
+    # sizing (rolemrc.sizing.simulate): an objective whose step is not the collated rows it trains on says so
+    @staticmethod
+    def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor] | None:
+        """The simulated micro-batch, laid out by the objective (GRPO's rollouts); None: the run's collator's."""
+        return None
+
+    @staticmethod
+    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any] | None:
+        """A generation phase of the step to simulate before it (GRPO's ``generate``); None: none."""
+        return None
+
+    @staticmethod
+    def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors the step keeps on the device beside its micro-batch (GRPO: its other rollouts)."""
+        return {}
+
+    def memory_mask_counts(self, batch: dict[str, torch.Tensor]) -> dict[tuple[int, ...], int]:
+        """Boolean masks of the step besides the scored labels' (shape -> true count), for the simulation."""
+        return {}
 
     # ---- forward -------------------------------------------------------------------------
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], n: int,
@@ -169,7 +221,7 @@ class PolicyModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         """Reduce the whole validation set once: gather every rank's items, count each item once
         (the sampler repeats a few to give ranks equal shares) and log :meth:`val_metrics`."""
-        items = getattr(self, "_val_items", [])
+        items = self._val_items
         if not items:
             return
         index = torch.cat([i for i, _ in items])
@@ -194,15 +246,6 @@ class PolicyModule(L.LightningModule):
             self.log("train/lr", optimizers[0].param_groups[0]["lr"], batch_size=1)
 
     # ---- optimisation --------------------------------------------------------------------
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's step, then the reference's turn (a synced copy mixes the policy in,
-        :mod:`rolemrc.modules.reference`): before any callback sees the step's end, so a checkpoint
-        taken then holds the reference as it is after the step."""
-        super().optimizer_step(*args, **kwargs)
-        reference = getattr(self, "reference", None)
-        if reference is not None:  # the step is counted once this hook returns: this is step global_step + 1
-            reference.after_optimizer_step(self.model, self.trainer.global_step + 1)
-
     def configure_optimizers(self) -> Any:
         o = self.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -233,6 +276,11 @@ class PolicyModule(L.LightningModule):
         shards each decoder layer, then the rest, casting unit by unit (see rolemrc.run.strategies)."""
         if self._sharded:
             return
+        ref = self.ref_model
+        if ref is not None:  # frozen: stored as the precision policy says (bf16-true: bf16 like the policy)
+            if next(ref.parameters()).dtype != self.policy.frozen:
+                ref.to(dtype=self.policy.frozen)
+            ref.to(self.device)
         if self.device_mesh is None:
             cast_trainable(self.model, self.policy.master)
         else:
@@ -241,4 +289,63 @@ class PolicyModule(L.LightningModule):
         self._sharded = True
 
     def models_to_shard(self) -> list[nn.Module]:
-        return [self.model]
+        """The policy, and the reference's frozen models (sharded and cast like it)."""
+        return [self.model] + (self.reference.models() if self.reference is not None else [])
+
+
+class PairModule(PolicyModule):
+    """An objective over preference pairs (DPO, SimPO, ORPO, a user's own): it gives :meth:`pair_terms`
+    and, when needed, :meth:`pair_loss`; training, validation and their per-pair metrics are here."""
+
+    pair_metrics: tuple[str, ...] = ()  # per-pair means logged as train/<name> and val/<name>
+    nll_metric = "nll_loss"  # the chosen NLL term's logged name
+    val_extra: tuple[str, ...] = ("chosen_sum", "chosen_tokens")  # columns pair_loss reads at validation
+
+    sft_weight = 0.0  # the weight of the chosen responses' token-mean NLL in pair_loss
+
+    @property
+    def val_columns(self) -> tuple[str, ...]:
+        return ("loss", *self.pair_metrics, *self.val_extra)
+
+    def pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogProbs:
+        """Summed response log-probs and token counts ``[2B]``, chosen then rejected."""
+        return self.sequence_logps(model, batch, 2 * batch["index"].shape[0])
+
+    def pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
+        """Per-pair loss terms and metrics of one micro-batch (all ``[B]``)."""
+        raise NotImplementedError
+
+    def pair_loss(self, terms: dict[str, torch.Tensor], pairs: torch.Tensor | None = None,
+                  chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, other logged terms): a micro-batch's share of its step's (``pairs``, ``chosen_tokens``:
+        the step's totals), or (None) the validation set's; default: :func:`~rolemrc.objectives.dpo.preference_loss`."""
+        tokens = terms["chosen_tokens"].sum() if chosen_tokens is None else chosen_tokens
+        loss, nll = preference_loss(terms["loss"], terms["chosen_sum"], sft_weight=self.sft_weight, num_pairs=pairs,
+                                    num_chosen_tokens=tokens)
+        return loss, ({} if nll is None else {self.nll_metric: nll})
+
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        terms = self.pair_terms(batch, "train")
+        pairs = batch["step_pairs"]
+        loss, more = self.pair_loss(terms, pairs, batch["step_chosen_tokens"])
+        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), pairs) for k in self.pair_metrics}
+        return loss, {**shares, **{f"train/{k}": v for k, v in more.items()}}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        terms = self.pair_terms(batch, "val")
+        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in self.val_columns], dim=-1))
+
+    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        cols = dict(zip(self.val_columns, values.unbind(-1)))
+        out = {k: pair_mean(cols[k]) for k in self.pair_metrics}
+        out["loss"], more = self.pair_loss(cols)
+        return {**out, **more}
+
+
+def reward_terms(out: Any, logps: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A reference-free pair loss's terms under TRL's names: ``loss``, ``rewards/*``, ``logps/*`` (average)."""
+    b = counts.shape[0] // 2
+    avg = average_logps(logps, counts).detach()
+    return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
+            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
+            "rewards/margins": out.chosen_rewards - out.rejected_rewards, "logps/chosen": avg[:b], "logps/rejected": avg[b:]}

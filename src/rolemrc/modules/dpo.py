@@ -22,48 +22,27 @@ import torch
 from torch import nn
 
 from rolemrc.models.precision import PrecisionPolicy
-from rolemrc.modules.base import PolicyModule
+from rolemrc.modules.base import PairModule
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.dpo import average_logps, dpo_loss, loss_terms, pair_mean, preference_loss, split_sft
-from rolemrc.objectives.logprobs import SequenceLogProbs
+from rolemrc.objectives.dpo import average_logps, dpo_loss, loss_terms, split_sft
 
 log = logging.getLogger(__name__)
 
 
-class DPOModule(PolicyModule):
+class DPOModule(PairModule):
     """``objective``: the dpo objective node (beta, loss_type, label_smoothing, sft_weight,
     share_prompt, logprob_chunk_size); ``reference``: where the reference log-probs come from,
     built from the initial weights before any checkpoint is restored
     (:func:`rolemrc.modules.reference.make_reference`)."""
 
+    no_grad_passes: tuple[str, ...] = ("reference_logps",)
+    nll_metric = "nll_chosen"
+    val_extra = ("chosen_sum", "chosen_tokens")
+
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
                  reference: Reference, sharding: Any = None, packed_attention: str = "auto") -> None:
         super().__init__(model, objective, optim, policy, sharding, packed_attention)
         self.reference = reference
-        self.mode = reference.mode
-
-    @property
-    def ref_model(self) -> nn.Module | None:
-        """The frozen reference copy (``copy`` mode), kept out of the module tree."""
-        models = self.reference.models()
-        return models[0] if models else None
-
-    def models_to_shard(self) -> list[nn.Module]:
-        return [self.model] + self.reference.models()
-
-    def configure_model(self) -> None:
-        ref = self.ref_model
-        if ref is not None:  # frozen: stored as the precision policy says (bf16-true: bf16 like the policy)
-            if next(ref.parameters()).dtype != self.policy.frozen:
-                ref.to(dtype=self.policy.frozen)
-            ref.to(self.device)
-        super().configure_model()
-
-    # ---- log-probs ------------------------------------------------------------------------
-    def pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogProbs:
-        """Summed response log-probs and token counts ``[2B]``, chosen then rejected
-        (packed / shared-prompt batches: pair j's chosen side is sequence j, its rejected side B + j)."""
-        return self.sequence_logps(model, batch, 2 * batch["index"].shape[0])
 
     def packs_with_context(self) -> bool:
         return bool(self.objective.share_prompt)
@@ -72,18 +51,12 @@ class DPOModule(PolicyModule):
         """Summed reference log-probs ``[2B]`` (chosen then rejected), without gradient."""
         return self.reference.logps(self, batch, stage)
 
-    # ---- reference hooks (see rolemrc.modules.reference) ------------------------------------
-    def run_state_parts(self) -> tuple[Any, ...]:
-        """The precomputed reference's tables travel with every checkpoint (saved and restored by
-        :class:`rolemrc.run.state.RunState`)."""
-        return (self.reference,)
-
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.reference.on_fit_start(self)
 
     # ---- steps -----------------------------------------------------------------------------
-    def _pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
+    def pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
         """Per-pair loss terms and metrics of one micro-batch (all ``[B]``)."""
         o = self.objective
         b = batch["index"].shape[0]
@@ -104,7 +77,8 @@ class DPOModule(PolicyModule):
         rejected = o.beta * (policy[b:] - ref[b:]).detach()
         terms = {"loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
                  "rewards/accuracies": (chosen > rejected).double(), "rewards/margins": chosen - rejected,
-                 "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_tokens": counts[:b]}
+                 "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_sum": policy[:b],
+                 "chosen_tokens": counts[:b]}
         if self._per_token:
             per_chosen = average_logps(chosen, counts[:b])
             per_rejected = average_logps(rejected, counts[b:])
@@ -125,39 +99,9 @@ class DPOModule(PolicyModule):
         return split_sft(loss_terms(o.loss_type, o.loss_weights), o.sft_weight)[1]
 
     @property
-    def pair_metrics(self) -> tuple[str, ...]:
+    def pair_metrics(self) -> tuple[str, ...]:  # type: ignore[override]
         """The per-pair means logged as train/<name>, val/<name>."""
         return _PAIR_METRICS + (_PER_TOKEN_METRICS if self._per_token else ())
-
-    @property
-    def val_columns(self) -> tuple[str, ...]:
-        return ("loss", *self.pair_metrics, "chosen_tokens")
-
-    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The step's loss (:func:`~rolemrc.objectives.dpo.preference_loss`): the mean pair loss
-        over the global batch, plus the chosen NLL weight x the chosen responses' token-mean NLL
-        over the global batch, each divided by the step's totals (pairs, chosen tokens: this
-        micro-batch's share of the step's loss); the logged metrics are per-pair means over the step."""
-        terms = self._pair_terms(batch, "train")
-        loss, nll = preference_loss(terms["loss"], terms["logps/chosen"], sft_weight=self.sft_weight,
-                                    num_pairs=batch["step_pairs"], num_chosen_tokens=batch["step_chosen_tokens"])
-        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), batch["step_pairs"]) for k in self.pair_metrics}
-        if nll is not None:
-            shares["train/nll_chosen"] = nll
-        return loss, shares
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        terms = self._pair_terms(batch, "val")
-        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in self.val_columns], dim=-1))
-
-    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        cols = dict(zip(self.val_columns, values.unbind(-1)))
-        out = {k: pair_mean(cols[k]) for k in self.pair_metrics}
-        out["loss"], nll = preference_loss(cols["loss"], cols["logps/chosen"], sft_weight=self.sft_weight,
-                                           num_chosen_tokens=cols["chosen_tokens"].sum())
-        if nll is not None:
-            out["nll_chosen"] = nll
-        return out
 
 
 # Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).

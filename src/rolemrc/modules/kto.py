@@ -196,7 +196,6 @@ class KTOModule(DPOModule):
     # the step's passes without gradient: the memory simulation runs each as a module call
     no_grad_passes = ("reference_logps", "kl_logps")
 
-    @property
     def reference_table_tag(self) -> str:
         """What a precomputed table's columns depend on besides the rows: the KL pairing's chunk."""
         if self.objective.loss_type != "kto":
@@ -218,11 +217,8 @@ class KTOModule(DPOModule):
         kl_batch = {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "attention_mask")}
         kl_batch["index"] = batch["index"]
         with torch.no_grad():
-            if self.mode == "precomputed":  # the table's KL columns, after the rows'
-                n = batch["input_ids"].shape[0]
-                # (the memory simulation's stand-in holds no table: a lookup, no forward)
-                ref = (self.reference.logps(self, batch, stage)[n:] if hasattr(self.reference, "tables")
-                       else torch.zeros(n, dtype=torch.float32, device=batch["input_ids"].device))
+            if self.reference.mode == "precomputed":  # the table's KL columns, after the rows'
+                ref = self.reference.logps(self, batch, stage)[batch["input_ids"].shape[0]:]
             else:
                 ref = self.reference.logps(self, kl_batch, stage)
             return self.pair_logps(self.model, kl_batch).logps, ref

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import torch
 
-from rolemrc.modules.base import PolicyModule
-from rolemrc.objectives.dpo import average_logps, pair_mean
+from rolemrc.modules.base import PairModule, reward_terms
+from rolemrc.objectives.dpo import pair_mean
 from rolemrc.objectives.logprobs import IGNORE_INDEX, token_nll
 from rolemrc.objectives.orpo import orpo_loss
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "log_odds_ratio", "log_odds_chosen")
 
-
-class ORPOModule(PolicyModule):
+class ORPOModule(PairModule):
     """``objective``: the orpo node (beta, nll_on_prompt, logprob_chunk_size)."""
+
+    pair_metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                    "logps/rejected", "log_odds_ratio", "log_odds_chosen")
+    val_extra = ("nll_sum", "nll_tokens")
 
     def trained_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The responses' labels, and with ``nll_on_prompt`` also every attended position of the
@@ -48,7 +49,7 @@ class ORPOModule(PolicyModule):
         log-probs ``[B]`` and token counts ``[B]``) from one forward."""
         b = batch["index"].shape[0]
         if not self.objective.nll_on_prompt:
-            logps, counts = self.sequence_logps(self.model, batch, 2 * b)
+            logps, counts = self.pair_logps(self.model, batch)
             return logps, counts, logps[:b], counts[:b]
         response = super().trained_labels(batch) != IGNORE_INDEX
         rows = torch.arange(2 * b, device=response.device).unsqueeze(1).expand_as(response)
@@ -58,41 +59,21 @@ class ORPOModule(PolicyModule):
         logps, counts = self.sequence_logps(self.model, batch, 3 * b, sequence_ids=ids)
         return logps[:2 * b], counts[:2 * b], logps[:b] + logps[2 * b:], counts[:b] + counts[2 * b:]
 
-    def _pair_terms(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def pair_terms(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, torch.Tensor]:
         b = batch["index"].shape[0]
         logps, counts, nll_logps, nll_tokens = self._logps(batch)
         out = orpo_loss(logps[:b], logps[b:], counts[:b], counts[b:], beta=self.objective.beta)
-        avg = average_logps(logps, counts).detach()
-        return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
-                "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
-                "rewards/margins": out.chosen_rewards - out.rejected_rewards,
-                "logps/chosen": avg[:b], "logps/rejected": avg[b:], "log_odds_ratio": out.log_odds_ratio.detach(),
+        return {**reward_terms(out, logps, counts), "log_odds_ratio": out.log_odds_ratio.detach(),
                 "log_odds_chosen": out.log_odds_chosen.detach(), "nll_sum": nll_logps, "nll_tokens": nll_tokens}
 
-    def step_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        terms = self._pair_terms(batch)
-        pairs = batch["step_pairs"]
-        if self.objective.nll_on_prompt:  # this micro-batch's token mean, weighted by its share of the step's pairs
-            b = batch["index"].shape[0]
+    def pair_loss(self, terms: dict[str, torch.Tensor], pairs: torch.Tensor | None = None,
+                  chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The chosen NLL plus the mean odds-ratio term; with ``nll_on_prompt`` a micro-batch's NLL is
+        its own token mean, weighted by its share of the step's pairs."""
+        if pairs is None or self.objective.nll_on_prompt:
             nll = token_nll(terms["nll_sum"], terms["nll_tokens"].sum())
-            nll = nll * b / pairs.to(nll.dtype).clamp(min=1)
+            if pairs is not None:
+                nll = nll * terms["nll_tokens"].shape[0] / pairs.to(nll.dtype).clamp(min=1)
         else:
-            nll = token_nll(terms["nll_sum"], batch["step_chosen_tokens"])
-        loss = nll + pair_mean(terms["loss"], pairs)
-        shares = {f"train/{k}": pair_mean(terms[k].detach().double(), pairs) for k in METRICS}
-        shares["train/nll_loss"] = nll
-        return loss, shares
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        terms = self._pair_terms(batch)
-        self.collect_val(batch["index"], torch.stack([terms[k].detach().double() for k in _VAL], dim=-1))
-
-    def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        cols = dict(zip(_VAL, values.unbind(-1)))
-        out = {k: pair_mean(cols[k]) for k in METRICS}
-        out["nll_loss"] = token_nll(cols["nll_sum"], cols["nll_tokens"].sum())
-        out["loss"] = out["nll_loss"] + pair_mean(cols["loss"])
-        return out
-
-
-_VAL = ("loss", *METRICS, "nll_sum", "nll_tokens")
+            nll = token_nll(terms["nll_sum"], chosen_tokens)
+        return nll + pair_mean(terms["loss"], pairs), {"nll_loss": nll}

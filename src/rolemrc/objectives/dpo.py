@@ -103,22 +103,30 @@ def split_sft(terms: list[tuple[str, float]], sft_weight: float = 0.0) -> tuple[
     return pair, sft_weight + sum(w for t, w in terms if t == "sft")
 
 
+def check_settings(beta: float, types: list[str], label_smoothing: float, discopop_tau: float,
+                   key: str = "") -> None:
+    """The DPO family's settings, checked once for the loss functions and the config schema
+    (``key``: the prefix its messages name them with, ``objective.``): ValueError naming the setting."""
+    if not beta > 0:
+        raise ValueError(f"{key}beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"{key}label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and not set(types) & set(SMOOTHED):
+        raise ValueError(f"{key}label_smoothing only applies to {key}loss_type={'|'.join(SMOOTHED)}, "
+                         f"not {', '.join(types)}")
+    if "exo_pair" in types and not label_smoothing > 0:
+        raise ValueError(f"{key}loss_type=exo_pair needs {key}label_smoothing > 0 (the EXO paper: 1e-3)")
+    if not discopop_tau > 0:
+        raise ValueError(f"{key}discopop_tau must be > 0, got {discopop_tau}")
+
+
 def _validate(tensors: tuple[Tensor, ...], beta: float, terms: list[tuple[str, float]], label_smoothing: float,
               discopop_tau: float) -> None:
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
     types = [t for t, _ in terms]
     if "sft" in types:
         raise ValueError("loss_type 'sft' is not a per-pair loss: give its weight to preference_loss's sft_weight "
                          "(split_sft)")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if label_smoothing and not set(types) & set(SMOOTHED):
-        raise ValueError(f"label_smoothing only applies to loss_type {', '.join(SMOOTHED)}, not {types}")
-    if "exo_pair" in types and not label_smoothing > 0:
-        raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)")
-    if "discopop" in types and not discopop_tau > 0:
-        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
+    check_settings(beta, types, label_smoothing, discopop_tau)
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"all four log-prob tensors must share one shape, got {sorted(shapes)}")

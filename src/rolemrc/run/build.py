@@ -30,7 +30,7 @@ from rolemrc.callbacks.model_summary import ModelSummaryWithoutFlops
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing.io import AtomicCheckpointIO
 from rolemrc.checkpointing.state import read_checkpoint_entries
-from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, typed
+from rolemrc.config import OBJECTIVES, Objective, lightning_trainer_args, objective_settings, typed
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters
@@ -65,12 +65,12 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     trainable, total = count_parameters(model)
     log.info("training %s of %s parameters", f"{trainable:,}", f"{total:,}")
     # Typed settings (the schema dataclasses), not config nodes: modules never see the whole config.
-    objective, optim = typed(cfg.objective), typed(cfg.optim)
+    objective, optim = objective_settings(cfg.objective), typed(cfg.optim)
     sharding = typed(cfg.strategy) if cfg.strategy.name == "fsdp" else None
     entry = objective_entry(cfg)
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
-    if entry.reference and getattr(objective, "needs_reference", True):  # GRPO: only when beta > 0
+    if entry.reference and objective.needs_reference:  # GRPO: only when beta > 0
         share_prompt = bool(cfg.objective.get("share_prompt", False))  # an objective without the key: never
         if datamodule is not None and share_prompt != datamodule.share_prompt:
             raise ValueError(f"objective.share_prompt={share_prompt} but the datamodule lays pairs out "
@@ -78,10 +78,8 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
         param_dtype = cfg.strategy.get("param_dtype") if cfg.strategy.name == "fsdp" else None
         parts["reference"] = make_reference(
             model, objective.reference, read_checkpoint=read_checkpoint_entries, batch_size=cfg.data.batch_size,
-            cache_dir=getattr(objective, "reference_cache_dir", None) or os.path.join(str(cfg.run_dir), "ref_cache"),
+            cache_dir=cfg.objective.get("reference_cache_dir") or os.path.join(str(cfg.run_dir), "ref_cache"),
             settings=f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}",
-            sync=((float(objective.ref_model_mixup_alpha), int(objective.ref_model_sync_steps))
-                  if getattr(objective, "sync_ref_model", False) else None),
         )
     return module_class(model, objective, optim, policy, **parts)
 

@@ -185,10 +185,9 @@ def _to_cpu(value: Any) -> Any:
 
 
 def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:
-    """The objects whose state ``pl_module`` wants in every checkpoint (its ``run_state_parts()``;
-    none for a module without one)."""
-    parts = getattr(pl_module, "run_state_parts", None)
-    return tuple(parts()) if callable(parts) else ()
+    """The objects whose state ``pl_module`` wants in every checkpoint (its ``run_state_parts()``,
+    declared with its default on :class:`rolemrc.modules.base.PolicyModule`)."""
+    return tuple(pl_module.run_state_parts())
 
 
 class RunInterrupted(Exception):
@@ -358,8 +357,8 @@ class RunState(L.Callback):
         checkpoint[RNG_KEY] = rng_state()
         own: dict[str, Any] = {}
         for part in run_state_parts(pl_module):
-            (own if getattr(part, "per_rank", False) else checkpoint).update(part.state_dict())
-        if any(getattr(part, "per_rank", False) for part in run_state_parts(pl_module)):
+            (own if part.per_rank else checkpoint).update(part.state_dict())
+        if any(part.per_rank for part in run_state_parts(pl_module)):
             checkpoint[PER_RANK_KEY] = gather_per_rank(own, trainer.world_size)
         self._saved_step = trainer.global_step
         self._last_save = time.monotonic()  # any save (an epoch end's too) restarts the clock

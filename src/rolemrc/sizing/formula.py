@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc import ASSETS
-from rolemrc.config import OBJECTIVES, checkpointing_setting, source_group, typed, upgrade_train_config
+from rolemrc.config import OBJECTIVES, checkpointing_setting, objective_settings, source_group, upgrade_train_config
 from rolemrc.models.family import memory_shape
 
 log = logging.getLogger(__name__)
@@ -129,21 +129,20 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -
     the configured run; ``rollout=False``: of its training step alone."""
     entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
     rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
-    objective = typed(cfg.objective)
-    own = getattr(objective, "micro_batch_tokens", None)  # an objective that says its own shape (GRPO's rollouts)
-    tokens = own(cfg.data) if own is not None else cfg.data.batch_size * cfg.data.max_length * rows
+    objective = objective_settings(cfg.objective)
+    own = objective.micro_batch_tokens(cfg.data)  # an objective that says its own shape (GRPO's rollouts)
+    tokens = own if own is not None else cfg.data.batch_size * cfg.data.max_length * rows
     gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
     fsdp = cfg.strategy.name == "fsdp"
     gb = estimate_gb(
         arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens, checkpointing=checkpointing,
         cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=entry.reference and cfg.objective.reference == "copy"
-        and getattr(objective, "needs_reference", True),
+        and objective.needs_reference,
         lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
         qlora=cfg.model.quantization.load_in_4bit,
     )
-    shape = getattr(objective, "rollout_shape", None)  # an online objective's rollout: the larger of the two
-    phase = "step"
-    rolled = shape(cfg.data, cfg.trainer) if shape is not None and rollout else None
+    phase = "step"  # an online objective's rollout: the larger of the two
+    rolled = objective.rollout_shape(cfg.data, cfg.trainer) if rollout else None
     if rolled is not None:
         sequences, prompt, completion = rolled
         rollout = rollout_gb(arch, gpus=gpus, fsdp=fsdp, sequences=sequences, prompt=prompt, completion=completion,

@@ -162,9 +162,9 @@ def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> l
 
 def _batch(cfg: Any, module: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
-    maker = getattr(module, "memory_batch", None)  # an objective that lays out its own (GRPO's rollouts)
-    if maker is not None:
-        return maker(cfg, batch_size, vocab, length)
+    own = module.memory_batch(cfg, batch_size, vocab, length)  # an objective that lays out its own (GRPO's rollouts)
+    if own is not None:
+        return own
     rows = _rows(cfg, batch_size, vocab, length)
     pairs = _entry(cfg).pairs
     share = pairs and bool(cfg.objective.get("share_prompt", False))
@@ -236,8 +236,7 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
     more than the responses, ORPO's prompt NLL, says so there)."""
     labels = module.trained_labels(batch)
     counts = {tuple(labels.shape): int((labels != IGNORE_INDEX).sum())}
-    more = getattr(module, "memory_mask_counts", None)  # other masks of known size in its step
-    return {**counts, **more(batch)} if more is not None else counts
+    return {**counts, **module.memory_mask_counts(batch)}  # other masks of known size in its step
 
 
 # ---------------------------------------------------------------- the step
@@ -259,23 +258,29 @@ def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _simulated_reference(module: Any) -> None:
-    """A module with a reference (``reference_logps``) gets it as the step will run it: a precomputed
-    one is a table lookup (zeros of the log-probs' shape: no weights, no forward); a copy or an
-    adapter runs its forward as a module call (:class:`_ReferencePass`)."""
-    if not hasattr(module, "reference_logps"):
-        pass  # no DPO-style reference (GRPO's passes without gradient: below)
-    elif getattr(module, "mode", None) == "precomputed":
-        def lookup(batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-            n = 2 * batch["index"].shape[0]
-            return torch.zeros(n, dtype=torch.float32, device=batch["input_ids"].device)
+    """The step's passes without gradient (the module's ``no_grad_passes``: a reference's, KTO's KL
+    rows') as the step will run them: a precomputed reference's is a table lookup (zeros of the
+    log-probs' shape: no weights, no forward); the others run as module calls (:class:`_ReferencePass`)."""
+    precomputed = module.reference is not None and module.reference.mode == "precomputed"
+    for name in module.no_grad_passes:
+        # in the instance's __dict__: nn.Module.__setattr__ would register it as a submodule instead
+        module.__dict__[name] = (_lookup if precomputed and name == "reference_logps"
+                                 else _ReferencePass(module, getattr(module, name)))
 
-        module.__dict__["reference_logps"] = lookup
-    else:  # in the instance's __dict__: nn.Module.__setattr__ would register it as a submodule instead
-        module.__dict__["reference_logps"] = _ReferencePass(module, module.reference_logps)
-    # a module's other passes without gradient (KTO's KL rows), as module calls too
-    for name in getattr(module, "no_grad_passes", ()):
-        if name != "reference_logps":
-            module.__dict__[name] = _ReferencePass(module, getattr(module, name))
+
+def _lookup(batch: dict[str, torch.Tensor], stage: str = "train") -> torch.Tensor:
+    """A precomputed table's reference log-probs of a batch's pairs (zeros: no weights, no forward)."""
+    return torch.zeros(2 * batch["index"].shape[0], dtype=torch.float32, device=batch["input_ids"].device)
+
+
+class _TableStandIn(Reference):
+    """A precomputed reference in the simulation: no table, no weights; its lookups (KTO's KL
+    columns after a batch's rows) are zeros, two columns per row."""
+
+    mode = "precomputed"
+
+    def logps(self, module: Any, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        return torch.zeros(2 * batch["input_ids"].shape[0], dtype=torch.float32, device=batch["input_ids"].device)
 
 
 class _ReferencePass(torch.nn.Module):
@@ -318,7 +323,7 @@ def _build(cfg: Any, checkpointing: bool, build: ModuleBuilder, device: str = "m
             run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
     module = build(run_cfg, model)
     if precomputed:
-        module.reference, module.mode = Reference(), "precomputed"  # no reference weights held
+        module.reference = _TableStandIn()  # no reference weights held
     _simulated_reference(module)
     return module, len(tokenizer)
 
@@ -326,7 +331,7 @@ def _build(cfg: Any, checkpointing: bool, build: ModuleBuilder, device: str = "m
 def _configure(module: Any, mesh: Any) -> None:
     """What ``configure_model`` does (DPO: the copy stored in the frozen dtype; trainable weights
     fp32 masters; FSDP2 units), on meta tensors."""
-    ref = getattr(module, "ref_model", None)
+    ref = module.ref_model
     if ref is not None and next(ref.parameters()).dtype != module.policy.frozen:
         ref.to(dtype=module.policy.frozen)
     for m in module.models_to_shard():
@@ -530,8 +535,7 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     _one_step(module, optimizer, warm, cfg.trainer.precision)
     phases: dict[str, dict[str, Any]] = {}
     rollout: dict[str, Any] = {}
-    maker = getattr(module, "memory_rollout", None)
-    spec = maker(cfg, batch_size) if maker is not None else None  # None: no rollout on this device (vLLM)
+    spec = module.memory_rollout(cfg, batch_size)  # None: no rollout (or not on this device: vLLM)
     if spec is not None:
         tracker = _tracker(module, optimizer, fsdp)
         with tracker:
@@ -542,9 +546,8 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     if fsdp:
         tracker.track_inputs((batch,))
     seen: dict[str, Any] = {}
-    resident = getattr(module, "memory_resident", None)
     with tracker:
-        kept = resident(cfg, batch) if resident is not None else {}  # noqa: F841 (held through the step)
+        kept = module.memory_resident(cfg, batch)  # noqa: F841 (held through the step)
         _one_step(module, optimizer, batch, cfg.trainer.precision,
                   after_backward=lambda: seen.update(tracker.get_tracker_snapshot("current")))
         del kept
@@ -556,7 +559,7 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     return Simulation(ranks=world, peak_bytes=phases[phase]["peak_bytes"], by_category=phases[phase]["by_category"],
                       checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
                       strategy=cfg.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
-                      after_backward=after, kind=kind, note=str(getattr(module, "memory_note", "")),
+                      after_backward=after, kind=kind, note=module.memory_note,
                       phase=phase, phases=phases if spec is not None else {}, rollout=rollout)
 
 

@@ -7,6 +7,7 @@
     python evaluate.py out_dir=outputs/evaluate/<time>         # resume an interrupted run
     (or rerun the same command: it continues the newest folder of the same config)
     python evaluate.py --cfg job                               # print the resolved config
+    python evaluate.py model.path=<objective=reward export>    # a reward model: accuracy on held-out pairs
 
 BERTScore's default is the paper's roberta-large, not shipped: HF_HUB_OFFLINE=0 downloads it once;
 metrics.bertscore.model=minilm scores offline (not comparable with the paper's numbers).
@@ -38,12 +39,16 @@ def main(cfg: DictConfig) -> None:
 
     from rolemrc.eval.resume import no_empty_folder, resume_config
     from rolemrc.eval.run import run
+    from rolemrc.rewards.evaluation import is_reward_model, run_reward_model
 
     # A run that fails before it has results leaves no folder behind (the error says what to fix).
     with no_empty_folder(Path(HydraConfig.get().runtime.output_dir), Path(str(cfg.get("out_dir")))):
         with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
             cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
-            run(cfg)
+            if is_reward_model(cfg.model.path):  # objective=reward's export: its accuracy on held-out pairs
+                run_reward_model(cfg)
+            else:
+                run(cfg)
 
 
 if __name__ == "__main__":

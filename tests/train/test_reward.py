@@ -57,6 +57,19 @@ def test_a_reward_model_trains_exports_and_scores_grpo_completions(train_cfg) ->
         direct = loaded(input_ids=torch.tensor([ids])).logits.item()
     assert scored[1] == pytest.approx(direct, abs=1e-5) and scored[0] != scored[1]
 
+    # evaluate.py model.path=<the export>: accuracy on the pairs the run held out, by RoleMRC task
+    from rolemrc.rewards.evaluation import is_reward_model, run_reward_model
+    from tests.eval.test_evaluate_run import compose_eval
+
+    assert is_reward_model(export) and not is_reward_model(SAMPLE.parent)
+    metrics = run_reward_model(compose_eval(f"model.path={export}", f"out_dir={run_dir / 'eval'}",
+                                    "generation.device=cpu"))
+    val = run.datamodule.val_rows
+    assert metrics["pairs"] == len(val) == 8
+    assert metrics["accuracy"] == pytest.approx(series(run_dir, "val/accuracy")[-1])  # the run's own val pairs
+    assert sum(s["pairs"] for s in metrics["by_task"].values()) == 8
+    assert json.loads((run_dir / "eval" / "metrics.json").read_text())["accuracy"] == metrics["accuracy"]
+
 
 def test_lora_keeps_the_score_head_trainable_and_exports_a_classifier(train_cfg, tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification

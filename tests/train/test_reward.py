@@ -130,3 +130,12 @@ def test_a_bad_margin_names_the_record(train_cfg, tmp_path: Path) -> None:
     with pytest.raises(RecordError, match="'margin' must be a finite number"):
         parse_pair({**record, "margin": "high"})
     assert parse_pair({**record, "margin": 2}).margin == 2.0
+
+
+def test_the_memory_simulation_sizes_the_score_model(train_cfg) -> None:
+    """``python -m rolemrc.memory objective=reward --simulate`` (and ``gradient_checkpointing=auto``)
+    runs the reward step on the one-score classifier, not on a causal LM's vocabulary logits."""
+    from tests.test_memory_sim import simulate
+
+    sim = simulate(train_cfg(*SMALL, "data.max_length=64", "data.max_prompt_length=32"), checkpointing=False)
+    assert sim.rows == 4 and sim.peak_bytes > 0

@@ -44,6 +44,9 @@ class RewardModule(PolicyModule):
         """Scores of the batch's chosen rows and of its rejected rows (``[B]`` each, fp32)."""
         b = batch["index"].shape[0]
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+        if out.logits.dim() != 2 or out.logits.shape[-1] != 1:
+            raise ValueError(f"objective=reward needs a one-score sequence classifier (load_model(head='score')), "
+                             f"got logits of shape {tuple(out.logits.shape)}")
         scores = out.logits.squeeze(-1).float()
         return scores[:b], scores[b:]
 

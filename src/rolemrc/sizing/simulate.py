@@ -65,7 +65,7 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from rolemrc import ASSETS
-from rolemrc.config import OBJECTIVES, checkpointing_setting, plain, register, source_group
+from rolemrc.config import OBJECTIVES, checkpointing_setting, model_head, plain, register, source_group
 from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
 from rolemrc.models.loading import eval_mode, load_model, load_tokenizer
 from rolemrc.models.precision import cast_trainable
@@ -311,7 +311,7 @@ def _build(cfg: Any, checkpointing: bool, build: ModuleBuilder, device: str = "m
         raise SimulationUnavailable("4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors)")
     model_cfg, tokenizer = _sim_model_cfg(cfg, checkpointing)
     with torch.device(device):
-        model = load_model(model_cfg, tokenizer)
+        model = load_model(model_cfg, tokenizer, head=model_head(cfg))  # a reward model: its score head
     run_cfg = copy.deepcopy(cfg)
     with open_dict(run_cfg):
         run_cfg.model = model_cfg

@@ -22,7 +22,7 @@ from rolemrc.config_objectives import (  # noqa: F401
     DATA_KINDS, DPOObjectiveConfig, GRPOObjectiveConfig, GRPOVLLMConfig, GRPO_ROLLOUTS, KTOObjectiveConfig,
     MODEL_HEADS, OBJECTIVES, OBJECTIVE_SCHEMAS, ORPOObjectiveConfig, Objective, ObjectiveConfig,
     PairObjectiveConfig, REFERENCE_MODES, RLOOObjectiveConfig, RewardObjectiveConfig, SFTObjectiveConfig,
-    SimPOObjectiveConfig, VLLM_MODES, model_head, one_of, source_group,
+    SimPOObjectiveConfig, VLLM_MODES, check_sync_ref, model_head, one_of, source_group,
 )
 from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
 from rolemrc.errors import ConfigError
@@ -478,6 +478,9 @@ def check_choices(cfg: Any) -> None:
     if cfg.objective.get("reference") == "adapter" and not cfg.model.peft.enabled:
         raise ConfigError("objective.reference=adapter needs a LoRA model: set model.peft.enabled=true "
                           "(or objective.reference=copy|precomputed)")
+    if cfg.objective.get("sync_ref_model", False) and cfg.model.peft.enabled:
+        raise ConfigError("objective.sync_ref_model=true with model.peft.enabled=true: a LoRA run has no separate "
+                          "reference to sync (as in TRL); set objective.sync_ref_model=false or train all weights")
 
 
 def _attr(obj: Any, dotted: str) -> Any:

@@ -61,6 +61,11 @@ class DPOObjectiveConfig(ObjectiveConfig):
     sft_weight: float = 0.0  # optional NLL term on the chosen response
     reference: str = "copy"  # copy | adapter | precomputed
     reference_cache_dir: Optional[str] = None  # precomputed: defaults to <run_dir>/ref_cache
+    # TR-DPO (TRL's names and defaults): every ref_model_sync_steps optimizer steps the reference copy
+    # becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference; needs reference=copy, no LoRA
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     share_prompt: bool = False  # prompt, chosen, rejected in one sequence (perf issue)
 
     def __post_init__(self) -> None:
@@ -76,6 +81,7 @@ class DPOObjectiveConfig(ObjectiveConfig):
         for t in types:
             one_of("objective.loss_type", LOSS_TYPE_ALIASES.get(t, t), LOSS_TYPES)
         one_of("objective.reference", self.reference, REFERENCE_MODES)
+        check_sync_ref(self)
         try:
             names = [t for t, _ in loss_terms(types, self.loss_weights)]
         except ValueError as e:
@@ -89,6 +95,28 @@ class DPOObjectiveConfig(ObjectiveConfig):
 
 
 REFERENCE_MODES = ("copy", "adapter", "precomputed")
+
+
+def check_sync_ref(objective: Any) -> None:
+    """``sync_ref_model`` (TR-DPO) mixes the policy into a reference copy: its numbers, and a
+    reference there is to mix (LoRA runs are refused in :func:`check_choices`)."""
+    if not 0.0 <= objective.ref_model_mixup_alpha <= 1.0:
+        raise ConfigError(f"objective.ref_model_mixup_alpha must be in [0, 1] (the policy's share of the synced "
+                          f"reference; TR-DPO: 0.6), got {objective.ref_model_mixup_alpha}")
+    if objective.ref_model_sync_steps < 1:
+        raise ConfigError(f"objective.ref_model_sync_steps must be >= 1 (optimizer steps between syncs), "
+                          f"got {objective.ref_model_sync_steps}")
+    if not objective.sync_ref_model:
+        return
+    if objective.reference != "copy":
+        why = ("the precomputed log-probs are fixed before training" if objective.reference == "precomputed"
+               else "the adapter reference is the policy's own base weights, with nothing to mix into")
+        raise ConfigError(f"objective.sync_ref_model=true needs objective.reference=copy, got "
+                          f"{objective.reference} ({why}): set objective.reference=copy or "
+                          f"objective.sync_ref_model=false")
+    if objective.beta == 0:
+        raise ConfigError("objective.sync_ref_model=true with objective.beta=0: no reference is used, so there is "
+                          "nothing to sync; set objective.beta > 0 or objective.sync_ref_model=false")
 
 
 @dataclass
@@ -294,6 +322,11 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     max_completion_length: int = 256  # TRL: 512
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     reference: str = "copy"  # copy | adapter (needs model.peft.enabled); built only when beta > 0
+    # TR-DPO's reference sync (TRL's names and defaults): every ref_model_sync_steps optimizer steps the
+    # reference copy becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference; needs beta > 0, copy
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     # name -> reward spec as rolemrc.rewards.build_rewards takes it: {type: verifier|judge, weight, ...}
     # or {_target_: dotted.path, weight, **kwargs}
     rewards: dict[str, Any] = field(default_factory=_default_rewards)
@@ -325,6 +358,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
         if self.beta < 0:
             raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
+        check_sync_ref(self)
         if self.epsilon < 0:
             raise ConfigError(f"objective.epsilon must be >= 0, got {self.epsilon}")
         if self.epsilon_high is not None and self.epsilon_high < 0:

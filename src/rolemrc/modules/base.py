@@ -246,6 +246,14 @@ class PolicyModule(L.LightningModule):
             self.log("train/lr", optimizers[0].param_groups[0]["lr"], batch_size=1)
 
     # ---- optimisation --------------------------------------------------------------------
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then the reference's turn (a synced copy mixes the policy in,
+        :mod:`rolemrc.modules.reference`): before any callback sees the step's end, so a checkpoint
+        taken then holds the reference as it is after the step."""
+        super().optimizer_step(*args, **kwargs)
+        if self.reference is not None:  # the step is counted once this hook returns: this is step global_step + 1
+            self.reference.after_optimizer_step(self.model, self.trainer.global_step + 1)
+
     def configure_optimizers(self) -> Any:
         o = self.optim
         params = [p for p in self.model.parameters() if p.requires_grad]

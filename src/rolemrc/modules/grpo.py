@@ -11,7 +11,7 @@ simulation run):
    times, completions sampled with transformers ``generate`` from the policy's current weights
    (eval mode, no gradient, KV cache; ``temperature`` / ``top_p`` / ``top_k``; stops at eos or the
    chat's end-of-turn token, at most ``max_completion_length`` tokens), from a sampling RNG of its
-   own (:class:`SamplingRNG`: seeded from the run's seed and rank, saved in every checkpoint, so a
+   own (:class:`~rolemrc.rollout.sampler.SamplingRNG`: seeded from the run's seed and rank, saved in every checkpoint, so a
    resumed run samples what the uninterrupted one samples). Completions are decoded without
    special tokens and scored by the :class:`~rolemrc.rewards.RewardSet` built once from
    ``objective.rewards`` (judge caches under ``<run_dir>/judge_cache``); the rewards become
@@ -50,11 +50,8 @@ means what ``train/reward`` means; also ``val/reward_std``, ``val/rewards/<name>
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,55 +73,10 @@ from rolemrc.objectives.grpo import (
 )
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
-from rolemrc.rollout import HFEngine, Sampling, make_engine, padded
+from rolemrc.rollout import HFEngine, Sampling, TurnSampler, make_engine
 from rolemrc.rollout.hf import pad_id_of, stop_token_ids
 
 log = logging.getLogger(__name__)
-
-RNG_KEY = "grpo_sampling_rng"  # top-level checkpoint entry: the rollout sampler's RNG state
-
-
-class SamplingRNG:
-    """The rollouts' random stream, apart from the global one (dropout, shuffling): ``generate``
-    draws inside :meth:`fork`, which swaps this stream's state in and out. Seeded on first use from
-    ``seed`` (the run's, ``torch.initial_seed()`` after ``seed_everything``) and the rank; its state
-    travels in every checkpoint (a :func:`run_state_parts` part), each rank's its own."""
-
-    per_rank = True  # seeded by rank: every rank's state is saved (rolemrc.run.state.gather_per_rank)
-
-    def __init__(self) -> None:
-        self.cpu: torch.Tensor | None = None
-        self.cuda: torch.Tensor | None = None
-
-    @contextlib.contextmanager
-    def fork(self, device: torch.device, seed: int) -> Iterator[None]:
-        cuda = device.type == "cuda"
-        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else "cpu"):
-            if self.cpu is None:
-                torch.manual_seed(seed)
-            else:
-                torch.set_rng_state(self.cpu)
-                if cuda and self.cuda is not None:
-                    torch.cuda.set_rng_state(self.cuda, device)
-            try:
-                yield
-            finally:
-                self.cpu = torch.get_rng_state()
-                self.cuda = torch.cuda.get_rng_state(device) if cuda else self.cuda
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.cpu is None:
-            return {}
-        state = {"cpu": self.cpu}
-        if self.cuda is not None:
-            state["cuda"] = self.cuda
-        return {RNG_KEY: state}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(RNG_KEY)
-        if state:
-            self.cpu, self.cuda = state["cpu"], state.get("cuda")
-
 
 REUSE_KEY = "grpo_rollouts"  # top-level checkpoint entry: a generation batch still to be reused
 
@@ -196,7 +148,8 @@ class GRPOModule(PolicyModule):
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
-        self.sampling_rng = SamplingRNG()
+        self.sampler = TurnSampler(int(objective.num_generations))  # the rollout: engine calls, its own RNG
+        self.sampling_rng = self.sampler.rng
         self._step_stats: list[dict[str, Any]] = []  # the step's rollout statistics (one per step and rank)
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
@@ -221,8 +174,9 @@ class GRPOModule(PolicyModule):
     # ---- parts ------------------------------------------------------------------------------
     def run_state_parts(self) -> tuple[Any, ...]:
         """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts),
-        and so do rollouts still to be reused (``num_iterations > 1``) and the tokens seen (``num_tokens``)."""
-        return (self.sampling_rng, self.reuse, self.tokens_seen)
+        and so do rollouts still to be reused (``num_iterations > 1``), the tokens seen (``num_tokens``) and a
+        synced reference (``sync_ref_model``)."""
+        return (self.sampling_rng, self.reuse, self.tokens_seen) + ((self.reference,) if self.reference else ())
 
     @property
     def chat(self) -> Any:
@@ -286,30 +240,13 @@ class GRPOModule(PolicyModule):
         ``advantages`` ``[N]`` and the statistics logged at the step's end. Returns ``batch``."""
         o = self.objective
         if o.rollout != "hf":  # another engine of rolemrc.rollout.ENGINES (vLLM: objective.vllm, server or colocated)
-            new_ids, seconds = self._engine_rollout(batch)
-            return self.score(batch, new_ids, seconds)
-        g = o.num_generations
-        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
-        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
-        start = time.perf_counter()
-        with self.sampling_rng.fork(prompt_ids.device, self._sampling_seed()):
-            new_ids = self.generate(prompt_ids, prompt_mask)
-        seconds = time.perf_counter() - start
+            new_ids, seconds = self.sampler.sample_engine(
+                self.rollout_engine, self.model, int(self.global_step) if self._trainer is not None else 0,
+                batch["prompt_ids"], batch["prompt_mask"], self._sampling_seed(), pad_id_of(self.chat.tokenizer))
+        else:  # the policy samples (self.generate)
+            new_ids, seconds = self.sampler.sample_hf(self.generate, batch["prompt_ids"], batch["prompt_mask"],
+                                                      self._sampling_seed())
         return self.score(batch, new_ids, seconds)
-
-    def _engine_rollout(self, batch: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        """``objective.rollout`` other than ``hf``: the policy's weights synced into the engine, then ``num_generations``
-        completions per prompt, one seed per prompt drawn from the sampling RNG (so a resumed run asks for
-        what the uninterrupted one asks for). Returns the ``[B x G, C]`` new ids and the seconds sampling took."""
-        engine, device = self.rollout_engine, batch["prompt_ids"].device
-        engine.sync(self.model, int(self.global_step) if self._trainer is not None else 0)
-        with self.sampling_rng.fork(device, self._sampling_seed()):
-            seeds = torch.randint(0, 2**31 - 1, (batch["prompt_ids"].shape[0],)).tolist()
-        prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
-        start = time.perf_counter()
-        rows = engine.generate(prompts, self.objective.num_generations, seeds)
-        seconds = time.perf_counter() - start
-        return padded(rows, pad_id_of(self.chat.tokenizer), device), seconds
 
     @property
     def rollout_engine(self) -> Any:

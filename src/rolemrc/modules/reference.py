@@ -21,6 +21,15 @@ already holds the checkpoint's trained weights (single/DDP restore before ``on_f
 reader the builder hands in: checkpoint storage is :mod:`rolemrc.checkpointing`'s) and, failing
 that, computed from the still-initial weights. A table computed from trained weights
 is never used nor written to the cache.
+
+The copy can follow the policy (TR-DPO, TRL's ``sync_ref_model``): built with ``sync=(alpha,
+steps)``, after every ``steps``-th optimizer step each of its parameters becomes ``alpha x
+policy + (1 - alpha) x reference`` (:func:`mixup_`; buffers stay). The mix is elementwise, so
+under FSDP2 each rank mixes its own shards of the two models (sharded alike), with no
+communication; under DDP every rank mixes its full replicas alike. Once mixed, the copy's
+parameters travel with every checkpoint (``reference_model``: full tensors, gathered from the
+shards under FSDP2) and are restored on resume. The adapter reference (the policy's own base
+weights) and the precomputed tables have nothing to mix: the configuration refuses them.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -48,6 +58,8 @@ if TYPE_CHECKING:
     from rolemrc.modules.dpo import DPOModule
 
 log = logging.getLogger(__name__)
+
+CKPT_MODEL = "reference_model"  # {parameter name: full tensor} of a synced copy reference
 
 CKPT_TABLES = "reference_logps"  # {stage: [N, 2] float32} in every precomputed run's checkpoint
 CKPT_ROWS = "reference_rows"  # {stage: rows_fingerprint} of the rows those tables belong to
@@ -100,6 +112,9 @@ class Reference:
     def on_fit_start(self, module: DPOModule) -> None:
         pass
 
+    def after_optimizer_step(self, policy: nn.Module, step: int) -> None:
+        """Called after optimizer step ``step`` (1-based): a synced copy mixes the policy in."""
+
     def state_dict(self) -> dict[str, Any]:
         """Entries added to every checkpoint (by :class:`rolemrc.run.state.RunState`)."""
         return {}
@@ -111,9 +126,11 @@ class Reference:
 class CopyReference(Reference):
     mode = "copy"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, sync: tuple[float, int] | None = None) -> None:
         self.model = copy.deepcopy(model).eval()
         self.model.requires_grad_(False)
+        self.sync = sync  # (alpha, every so many optimizer steps): TR-DPO's mixup; None: fixed
+        self.synced = False  # mixed at least once (then its weights go into checkpoints)
 
     def models(self) -> list[nn.Module]:
         return [self.model]
@@ -121,6 +138,68 @@ class CopyReference(Reference):
     def logps(self, module: DPOModule, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         with torch.no_grad():
             return module.pair_logps(self.model, batch).logps
+
+    def after_optimizer_step(self, policy: nn.Module, step: int) -> None:
+        if self.sync is not None and step > 0 and step % self.sync[1] == 0:
+            mixup_(self.model, policy, self.sync[0])
+            self.synced = True
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.synced:  # still the starting policy: rebuilt from it on resume
+            return {}
+        return {CKPT_MODEL: {name: _full(p).detach().cpu() for name, p in self.model.named_parameters()}}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(CKPT_MODEL)
+        if saved is None:
+            return
+        if self.sync is None:
+            log.warning("the checkpoint holds a synced reference, but objective.sync_ref_model=false: "
+                        "the reference is the starting policy")
+            return
+        params = dict(self.model.named_parameters())
+        if set(params) != set(saved):
+            raise ValueError("the checkpoint's synced reference has other parameters than this run's model "
+                             f"({len(saved)} vs {len(params)}): resume with the model the run started from")
+        with torch.no_grad():
+            for name, p in params.items():
+                _local(p).copy_(_shard_like(saved[name], p))
+        self.synced = True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (collective: every rank calls it), the tensor otherwise."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _shard_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) laid out as ``p``: this rank's shard of it under FSDP2."""
+    if isinstance(p, DTensor):
+        value = value.to(device=p.device, dtype=p.dtype)
+        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return value
+
+
+@torch.no_grad()
+def mixup_(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update in place: each reference parameter becomes ``alpha x policy + (1 - alpha)
+    x reference``, in the reference's dtype (the policy's fp32 masters enter as they are). The two
+    models' parameters pair in order (the reference is a copy of the policy); under FSDP2 each
+    rank updates its local shards (the models are sharded alike), no communication."""
+    ref_params, pol_params = list(reference.parameters()), list(policy.parameters())
+    if len(ref_params) != len(pol_params):
+        raise ValueError(f"reference and policy differ in parameters ({len(ref_params)} vs {len(pol_params)})")
+    for r, p in zip(ref_params, pol_params):
+        r_local, p_local = _local(r), _local(p)
+        if r_local.shape != p_local.shape:
+            raise ValueError(f"reference and policy shards differ in shape ({tuple(r_local.shape)} vs "
+                             f"{tuple(p_local.shape)}): they must be sharded alike")
+        r_local.mul_(1.0 - alpha).add_(p_local.to(r_local.device), alpha=alpha)
 
 
 class AdapterReference(Reference):
@@ -282,15 +361,19 @@ def _broadcast(trainer: Any, obj: Any) -> Any:
 
 
 def make_reference(model: nn.Module, mode: str, *, cache_dir: str | None = None, batch_size: int = 1,
-                   settings: str = "", read_checkpoint: ReadCheckpoint | None = None) -> Reference:
+                   settings: str = "", read_checkpoint: ReadCheckpoint | None = None,
+                   sync: tuple[float, int] | None = None) -> Reference:
     """The reference of ``objective.reference`` (``mode``), built from the initial ``model``.
     Precomputed: its tables go to ``cache_dir``, computed ``batch_size`` pairs at a time, keyed by
     the weights and ``settings`` (:func:`reference_key`); ``read_checkpoint(path, keys)``: a
     checkpoint's entries without its weights (the builder passes
     :func:`rolemrc.checkpointing.state.read_checkpoint_entries`), for a precomputed reference
-    resumed under FSDP2, whose checkpoint is restored after fit start."""
+    resumed under FSDP2, whose checkpoint is restored after fit start. ``sync=(alpha, steps)``:
+    the copy mixes the policy in every ``steps`` optimizer steps (TR-DPO; copy only)."""
+    if sync is not None and mode != "copy":
+        raise ValueError(f"objective.sync_ref_model needs objective.reference=copy, got {mode}")
     if mode == "copy":
-        return CopyReference(model)
+        return CopyReference(model, sync)
     if mode == "adapter":
         return AdapterReference(model)
     if mode == "precomputed":

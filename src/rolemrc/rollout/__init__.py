@@ -11,23 +11,22 @@ sampling)``, ``close()``; :class:`~rolemrc.rollout.engine.Sampling`: greedy or s
 
 GRPO picks its engine by name from :data:`ENGINES` (:func:`engine_name`: ``objective.rollout``, and
 ``objective.vllm.mode`` for vLLM); each class's ``build(objective, **kwargs)`` takes what it needs of
-``kwargs``. :func:`padded` lays rows out as ``generate``'s ``[N, C]`` tensor.
+``kwargs``. ``sampler.py``: the one-turn rollout on them (:class:`TurnSampler`, its RNG saved in
+checkpoints; :func:`padded` lays rows out as ``generate``'s ``[N, C]`` tensor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Engine, Sampling
 from rolemrc.rollout.hf import HFEngine
+from rolemrc.rollout.sampler import SamplingRNG, TurnSampler, padded
 from rolemrc.rollout.vllm import ColocateEngine, RolloutError, ServerEngine
 
-__all__ = ["ENGINES", "ColocateEngine", "Engine", "HFEngine", "RolloutError", "Sampling", "ServerEngine",
-           "engine_name", "make_engine", "padded"]
+__all__ = ["ENGINES", "ColocateEngine", "Engine", "HFEngine", "RolloutError", "Sampling", "SamplingRNG",
+           "ServerEngine", "TurnSampler", "engine_name", "make_engine", "padded"]
 
 # engine name -> its class (``build(objective, **kwargs)``)
 ENGINES: Registry[Any] = Registry("rollout engine", doc="GRPO's rollout engines, by objective.rollout "
@@ -45,14 +44,3 @@ def engine_name(objective: Any) -> str:
 def make_engine(objective: Any, **kwargs: Any) -> Engine:
     """The engine :func:`engine_name` names; ``kwargs``: those its class takes (the others are ignored)."""
     return ENGINES.get(engine_name(objective)).build(objective, **kwargs)
-
-
-def padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Completion rows as one ``[N, C]`` tensor (``C``: the longest row, at least 1), padded after
-    each row's end with ``pad_id`` (masked by the caller: after the stop token, as ``generate``'s)."""
-    width = max([len(r) for r in rows] + [1])
-    out = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, :len(row)] = torch.tensor(list(row), dtype=torch.long)
-    return out.to(device)

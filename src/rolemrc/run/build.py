@@ -80,6 +80,8 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
             model, objective.reference, read_checkpoint=read_checkpoint_entries, batch_size=cfg.data.batch_size,
             cache_dir=cfg.objective.get("reference_cache_dir") or os.path.join(str(cfg.run_dir), "ref_cache"),
             settings=f"{cfg.trainer.precision}|{cfg.model.attn_implementation}|{param_dtype}",
+            sync=((float(objective.ref_model_mixup_alpha), int(objective.ref_model_sync_steps))
+                  if cfg.objective.get("sync_ref_model", False) else None),
         )
     return module_class(model, objective, optim, policy, **parts)
 

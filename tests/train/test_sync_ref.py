@@ -98,3 +98,75 @@ def test_synced_reference_resumes_exactly(train_cfg, tmp_path: Path) -> None:
     torch.save(state, tmp_path / "unsynced.ckpt")
     run(_in(train_cfg(*ARGS, f"ckpt_path={tmp_path / 'unsynced.ckpt'}"), tmp_path / "third"))
     assert series(tmp_path / "third", "train/loss") != pytest.approx(whole[3:], abs=1e-5)
+
+
+def _fsdp2_sync_on_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def shard(model: nn.Module) -> nn.Module:
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
+
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+        start = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        ref, fresh = CopyReference(policy, sync=(0.6, 1)), CopyReference(policy, sync=(0.6, 1))
+        _set(policy, 1.0)
+        trained = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        for m in (policy, ref.model, fresh.model):
+            shard(m)
+        from torch.distributed.tensor import DTensor
+
+        first = next(ref.model.parameters())
+        assert isinstance(first, DTensor) and first.to_local().shape[0] == first.shape[0] // 2
+        ref.after_optimizer_step(policy, 1)  # each rank mixes its own shards
+        saved = ref.state_dict()  # collective: full tensors
+        fresh.load_state_dict(saved)  # each rank takes its shard back
+        if rank == 0:
+            torch.save({"start": start, "trained": trained, "saved": saved[CKPT_MODEL],
+                        "reloaded": fresh.state_dict()[CKPT_MODEL]}, f"{out}/fsdp2.pt")
+        else:
+            fresh.state_dict()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_mixes_local_shards_and_checkpoints_full_tensors(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_sync_on_rank, args=(port, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "fsdp2.pt")
+    for name, start in got["start"].items():
+        torch.testing.assert_close(got["saved"][name], 0.6 * got["trained"][name] + 0.4 * start)
+        assert torch.equal(got["reloaded"][name], got["saved"][name])
+
+
+def test_grpo_synced_reference_resumes_exactly(train_cfg, tmp_path: Path) -> None:
+    from tests.train.test_grpo import GRPO
+
+    args = [*GRPO, "objective.beta=0.1", "objective.sync_ref_model=true", "objective.ref_model_sync_steps=1",
+            "objective.ref_model_mixup_alpha=0.5", "optim.lr=5e-3", "trainer.max_steps=4", "callbacks=default",
+            "runtime.checkpoint_every_n_steps=1"]
+    stop = ["+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt", "+callbacks.stop.step=2"]
+    run(_in(train_cfg(*args), tmp_path / "whole"))
+    with pytest.raises(RuntimeError, match="stopped at step 2"):
+        run(_in(train_cfg(*args, *stop), tmp_path / "first"))
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert CKPT_MODEL in torch.load(ckpt, map_location="cpu", weights_only=True)
+    run(_in(train_cfg(*args, f"ckpt_path={ckpt}"), tmp_path / "second"))
+    for key in ("train/loss", "train/kl"):
+        whole = series(tmp_path / "whole", key)
+        assert series(tmp_path / "second", key) == pytest.approx(whole[2:], abs=1e-5), key
+    assert max(series(tmp_path / "whole", "train/kl")) > 0

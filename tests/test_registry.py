@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import open_dict
 
+from rolemrc.config import OBJECTIVES
 from rolemrc.errors import ConfigError
 from rolemrc.eval.generation import GENERATION_BACKENDS
 from rolemrc.eval.judge import JUDGE_BACKENDS
@@ -22,7 +23,7 @@ from rolemrc.rollout import ENGINES
 from tests.eval.test_evaluate_run import compose_eval
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTENSION_POINTS = {"reward kinds": REWARD_KINDS, "benchmark suites": SUITES, "generation backends": GENERATION_BACKENDS,
+EXTENSION_POINTS = {"objectives": OBJECTIVES, "reward kinds": REWARD_KINDS, "benchmark suites": SUITES, "generation backends": GENERATION_BACKENDS,
                     "judge backends": JUDGE_BACKENDS, "rollout engines": ENGINES, "model families": FAMILIES}
 
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from rolemrc.errors import ConfigError
+from rolemrc.registry import Registry
 
 
 @dataclass
@@ -552,8 +553,10 @@ def source_group(kind: str, data: Any) -> str:
     return kind
 
 
-# The objective registry: a new objective is its schema, its module and one line here.
-OBJECTIVES: dict[str, Objective] = {
+# The objective registry: a new objective is its schema, its module and one entry here
+# (or ``OBJECTIVES.register(name, Objective(...))`` from a plug-in imported before the config is read).
+OBJECTIVES: Registry[Objective] = Registry("objective.name", doc="training objectives (objective=<name>)")
+for _name, _o in {
     "sft": Objective(SFTObjectiveConfig, "rolemrc.modules.sft:SFTModule", data="sft"),
     "dpo": Objective(DPOObjectiveConfig, "rolemrc.modules.dpo:DPOModule", data="pairs", reference=True),
     "simpo": Objective(SimPOObjectiveConfig, "rolemrc.modules.simpo:SimPOModule", data="pairs"),
@@ -562,12 +565,15 @@ OBJECTIVES: dict[str, Objective] = {
     "grpo": Objective(GRPOObjectiveConfig, "rolemrc.modules.grpo:GRPOModule", data="prompts", reference=True),
     "rloo": Objective(RLOOObjectiveConfig, "rolemrc.modules.rloo:RLOOModule", data="prompts", reference=True),
     "reward": Objective(RewardObjectiveConfig, "rolemrc.modules.reward:RewardModule", data="pairs", head="score"),
-}
+}.items():
+    OBJECTIVES.register(_name, _o, doc=f"data: {_o.data}" + (", a reference model" if _o.reference else ""))
+
+
 def model_head(cfg: Any) -> str:
     """The head of the model a training config trains (its objective's registry entry: ``lm`` or
     ``score``); ``lm`` for a config without an objective."""
     objective = cfg.get("objective") if hasattr(cfg, "get") else getattr(cfg, "objective", None)
-    entry = OBJECTIVES.get(objective.name) if objective is not None else None
+    entry = OBJECTIVES.get(objective.name, None) if objective is not None else None
     return entry.head if entry is not None else "lm"
 
 

@@ -88,7 +88,7 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
 
 def objective_entry(cfg: Any) -> Objective:
     """The registry entry (:data:`rolemrc.config.OBJECTIVES`) of ``cfg.objective.name``."""
-    entry = OBJECTIVES.get(cfg.objective.name)
+    entry = OBJECTIVES.get(cfg.objective.name, None)
     if entry is None:
         raise ValueError(f"objective.name must be one of {', '.join(sorted(OBJECTIVES))}, got {cfg.objective.name!r}")
     return entry

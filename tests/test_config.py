@@ -226,7 +226,7 @@ def test_sft_with_dpo_key_exits_naming_the_key() -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: objective.beta is not a config key (SFTObjectiveConfig); its keys: name, logprob_chunk_size; "
-        "beta is a key of objective=dpo|simpo|orpo|kto|grpo"], proc.stderr
+        "beta is a key of objective=dpo|simpo|orpo|kto|grpo|rloo"], proc.stderr
 
 
 def test_dpo_sweep_composes_and_runs(tmp_path) -> None:

@@ -375,21 +375,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ConfigError(f"objective.num_generations_eval must be >= 1 (completions sampled per validation "
                               f"prompt; null: num_generations), got {self.num_generations_eval}")
-        if not self.temperature > 0:
-            raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"objective.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {self.top_k}")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"objective.max_completion_length must be >= 1, got {self.max_completion_length}")
-        if not self.rewards:
-            raise ConfigError("objective.rewards is empty: name at least one reward, e.g. "
-                              "{verifier: {type: verifier}}")
-        for name, spec in self.rewards.items():
-            if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
-                raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
-                                  f"or _target_, got {spec!r}")
+        check_sampling_and_rewards(self)
 
     def micro_batch_tokens(self, data: Any) -> int:
         """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``
@@ -471,21 +457,7 @@ class RLOOObjectiveConfig(ObjectiveConfig):
         clip = self.reward_clip_range
         if clip is not None and (len(clip) != 2 or not float(clip[0]) <= float(clip[1])):
             raise ConfigError(f"objective.reward_clip_range must be [min, max] with min <= max, or null, got {clip!r}")
-        if not self.temperature > 0:
-            raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"objective.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {self.top_k}")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"objective.max_completion_length must be >= 1, got {self.max_completion_length}")
-        if not self.rewards:
-            raise ConfigError("objective.rewards is empty: name at least one reward, e.g. "
-                              "{verifier: {type: verifier}}")
-        for name, spec in self.rewards.items():
-            if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
-                raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
-                                  f"or _target_, got {spec!r}")
+        check_sampling_and_rewards(self)
 
     # the rollout's shape and the reference rule are GRPO's
     micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
@@ -504,6 +476,24 @@ class RLOOObjectiveConfig(ObjectiveConfig):
             raise ConfigError(f"objective=rloo samples completions for data.prompts, which data={cfg.data.get('name')} "
                               "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "
                               "{prompt: [...]} records or conversations)")
+
+
+def check_sampling_and_rewards(objective: Any) -> None:
+    """The sampling keys and the reward set that every prompts objective (grpo, rloo) shares."""
+    if not objective.temperature > 0:
+        raise ConfigError(f"objective.temperature must be > 0, got {objective.temperature}")
+    if not 0 < objective.top_p <= 1:
+        raise ConfigError(f"objective.top_p must be in (0, 1], got {objective.top_p}")
+    if objective.top_k < 0:
+        raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {objective.top_k}")
+    if objective.max_completion_length < 1:
+        raise ConfigError(f"objective.max_completion_length must be >= 1, got {objective.max_completion_length}")
+    if not objective.rewards:
+        raise ConfigError("objective.rewards is empty: name at least one reward, e.g. {verifier: {type: verifier}}")
+    for name, spec in objective.rewards.items():
+        if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
+            raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
+                              f"or _target_, got {spec!r}")
 
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:

@@ -537,6 +537,13 @@ class GRPOModule(PolicyModule):
         loss = out.loss
         if o.loss_type == "bnpo" and self._trainer is not None:  # the local token mean, divided as TRL's trainer
             loss = loss / (self.trainer.accumulate_grad_batches * self.trainer.world_size)
+        self._record_stats(batch, rolled_here, out, mask, entropy)
+        return loss, {}
+
+    def _record_stats(self, batch: dict[str, Any], rolled_here: bool, out: Any, mask: torch.Tensor,
+                      entropy: torch.Tensor) -> None:
+        """Keep this micro-batch's rollout stats and loss metrics for the step's log (weights: tokens, or
+        sequences where the ratios are per sequence: GSPO's, RLOO's)."""
         stats = batch.get("rollout_stats")
         if stats is not None:
             self._step_stats.append(stats)
@@ -544,9 +551,8 @@ class GRPOModule(PolicyModule):
             tokens = float(mask.sum())
             metrics = {k: float(v) for k, v in out.metrics.items()}
             metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
-            weights = {k: float(v) for k, v in out.weights.items()}  # tokens, or sequences (GSPO's ratios)
+            weights = {k: float(v) for k, v in out.weights.items()}
             self._loss_stats.append({"tokens": tokens, "weights": weights, "metrics": metrics})
-        return loss, {}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)

@@ -120,15 +120,7 @@ class RLOOModule(GRPOModule):
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
         out = rloo_loss(logps, batch["advantages"], mask, old_logps=batch.get(OLD_KEY), epsilon=o.epsilon,
                         epsilon_high=o.epsilon_high, num_sequences=step_sequences)
-        stats = batch.get("rollout_stats")
-        if stats is not None:
-            self._step_stats.append(stats)
-        if rolled_here or stats is not None:
-            tokens = float(mask.sum())
-            metrics = {k: float(v) for k, v in out.metrics.items()}
-            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
-            weights = {k: float(v) for k, v in out.weights.items()}  # sequences
-            self._loss_stats.append({"tokens": tokens, "weights": weights, "metrics": metrics})
+        self._record_stats(batch, rolled_here, out, mask, entropy)
         return out.loss, {}
 
     @staticmethod

@@ -48,7 +48,7 @@ BAD = [
     (["data.max_length=0"], r"^data.max_length must be >= 2 \(tokens per row; the first token of a row is never trained"),
     (["data.max_length=1"], r"^data.max_length must be >= 2 "),
     (["objective=dpo", "data.max_length=1"], r"^data.max_length must be >= 2 "),
-    (["optim.lr=0"], r"^optim.lr must be > 0, got 0"),
+    (["optim.lr=-0.001"], r"^optim.lr must be >= 0 \(0: the weights stay as they are\), got -0.001"),
     (["trainer.accumulate_grad_batches=0"], r"^trainer.accumulate_grad_batches must be >= 1, got 0$"),
     (["data.val_fraction=1.0"], r"^data.val_fraction must be in \[0, 1\), got 1.0$"),
     (["objective=dpo", "data.max_prompt_length=0"], r"^data.max_prompt_length must be >= 1, got 0$"),

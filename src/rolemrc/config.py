@@ -424,7 +424,7 @@ NUMBER_RULES: dict[str, tuple[Any, str]] = {
     "trainer.num_nodes": (lambda v: v >= 1, ">= 1"),
     "trainer.log_every_n_steps": (lambda v: v >= 1, ">= 1"),
     "trainer.gradient_clip_val": (lambda v: v >= 0, ">= 0 (or null: no clipping)"),
-    "optim.lr": (lambda v: v > 0, "> 0"),
+    "optim.lr": (lambda v: v >= 0, ">= 0 (0: the weights stay as they are)"),
     "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
     "optim.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),

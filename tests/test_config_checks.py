@@ -262,6 +262,32 @@ def test_hydras_errors_become_one_line_naming_the_nearest_key(config_name: str, 
     assert one_line(err.value) == line
 
 
+def test_an_sbatch_that_refuses_the_sweep_is_one_line() -> None:
+    """SLURM on PATH but unreachable (submitit's FailedJobError over sbatch's exit status): sbatch's
+    last line, not a traceback; any other failed command keeps its traceback."""
+    import subprocess as sp
+
+    from submitit.core.utils import FailedJobError
+
+    from rolemrc.hydra_errors import one_line
+
+    said = "sbatch: error: fetch_config: DNS SRV lookup failed\nsbatch: fatal: Could not establish a configuration source"
+    for cmd, expected in ((["sbatch", "/tmp/x.sh"], True), (["squeue"], False)):
+        try:
+            try:
+                raise sp.CalledProcessError(1, cmd)
+            except sp.CalledProcessError as inner:
+                raise FailedJobError(said) from inner
+        except FailedJobError as err:
+            line = one_line(err)
+        if expected:
+            assert line == ("hydra/launcher=slurm: sbatch refused the sweep's jobs (sbatch: fatal: Could not establish "
+                            "a configuration source): check that SLURM answers here (sinfo), or run the sweep with "
+                            "hydra/launcher=local")
+        else:
+            assert line is None
+
+
 @pytest.mark.parametrize("args,line", [
     (["trainer.max_step=5"], "error: trainer.max_step is not a config key (TrainerConfig); did you mean trainer.max_steps?"),
     (["-m", "hydra/launcher=slurm", "trainer.max_steps=1"],

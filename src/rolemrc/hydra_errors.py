@@ -8,7 +8,8 @@ entry script's main runs), as one ``error: <message>`` line and exit status 1, a
 - a group option that does not exist (``objective=dpp``): the nearest option and the options,
   without the ``<name>_schema`` entries that only type a group's files;
 - a value of the wrong type, an override that does not parse: Hydra's message on one line;
-- a SLURM launcher (``-m hydra/launcher=slurm``) on a machine without SLURM: what to run instead.
+- a SLURM launcher (``-m hydra/launcher=slurm``) on a machine without SLURM, or whose ``sbatch`` refuses
+  the jobs: what to run instead.
 
 :func:`install` (called by :func:`rolemrc.config.register`) wraps Hydra 1.3's ``run_and_report``,
 through which Hydra runs the composition and the job; a Hydra without it is left as it is."""
@@ -88,6 +89,21 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+def sbatch_refusal(err: BaseException) -> str | None:
+    """submitit's error when ``sbatch`` itself refuses the sweep's array job (SLURM installed but not
+    reachable, a partition or account it rejects): sbatch's own last words, on one line."""
+    cause = err.__cause__
+    cmd = getattr(cause, "cmd", None)
+    if type(err).__name__ != "FailedJobError" or not isinstance(cmd, (list, tuple)) or not cmd:
+        return None
+    if str(cmd[0]).rsplit("/", 1)[-1] != "sbatch":
+        return None
+    said = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = said[-1] if said else "no message"
+    return (f"hydra/launcher=slurm: sbatch refused the sweep's jobs ({last}): check that SLURM answers here "
+            "(sinfo), or run the sweep with hydra/launcher=local")
+
+
 def one_line(err: BaseException) -> str | None:
     """The ``error:`` line (without the prefix) for an exception raised by Hydra or its launcher
     before or around the job, or None for anything else (a bug keeps its traceback)."""
@@ -98,6 +114,9 @@ def one_line(err: BaseException) -> str | None:
         return ("hydra/launcher=slurm submits each job of the sweep with SLURM, which this machine does not have "
                 "(no srun on PATH): run the command on a SLURM login node, or run the sweep here with "
                 "hydra/launcher=local (or without a hydra/launcher override: one job after another)")
+    refused = sbatch_refusal(err)
+    if refused is not None:
+        return refused
     if not isinstance(err, CompactHydraException):
         return None
     message = str(err)

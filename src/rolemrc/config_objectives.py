@@ -399,13 +399,14 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     def check_run(self, cfg: Any) -> None:
         """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
         if cfg.data.packing:
-            raise ConfigError("objective=grpo samples its completions: data.packing=true does not apply, "
+            raise ConfigError(f"objective={self.name} samples its completions: data.packing=true does not apply, "
                               "set data.packing=false")
         if self.rollout == "vllm":
             vllm = self.vllm if isinstance(self.vllm, GRPOVLLMConfig) else GRPOVLLMConfig(**self.vllm)
             vllm.check_run(cfg)
         if not cfg.data.get("prompts"):
-            raise ConfigError(f"objective=grpo samples completions for data.prompts, which data={cfg.data.get('name')} "
+            raise ConfigError(f"objective={self.name} samples completions for data.prompts, which "
+                              f"data={cfg.data.get('name')} "
                               "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "
                               "{prompt: [...]} records or conversations)")
 
@@ -459,23 +460,12 @@ class RLOOObjectiveConfig(ObjectiveConfig):
             raise ConfigError(f"objective.reward_clip_range must be [min, max] with min <= max, or null, got {clip!r}")
         check_sampling_and_rewards(self)
 
-    # the rollout's shape and the reference rule are GRPO's
+    # the rollout's shape, the reference rule and the run's checks are GRPO's
     micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
     rollout_shape = GRPOObjectiveConfig.rollout_shape
     needs_reference = GRPOObjectiveConfig.needs_reference
 
-    def check_run(self, cfg: Any) -> None:
-        """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
-        if cfg.data.packing:
-            raise ConfigError("objective=rloo samples its completions: data.packing=true does not apply, "
-                              "set data.packing=false")
-        if self.rollout == "vllm":
-            vllm = self.vllm if isinstance(self.vllm, GRPOVLLMConfig) else GRPOVLLMConfig(**self.vllm)
-            vllm.check_run(cfg)
-        if not cfg.data.get("prompts"):
-            raise ConfigError(f"objective=rloo samples completions for data.prompts, which data={cfg.data.get('name')} "
-                              "leaves empty: add data.prompts=[{path: <prompts.jsonl>}] (RoleMRC test items, "
-                              "{prompt: [...]} records or conversations)")
+    check_run = GRPOObjectiveConfig.check_run  # the same rules (packing, vLLM, prompts), named rloo
 
 
 def check_sampling_and_rewards(objective: Any) -> None:

@@ -474,12 +474,13 @@ def reply_paths(path: Any) -> list[str]:
     return [str(Path(p).expanduser()) for p in paths]
 
 
-def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
+def read_replies(path: Any, reply_field: str = "reply", *, path_key: str = "generation.path",
+                 field_key: str = "generation.reply_field") -> ReplyFile:
     """Rows ``{"<reply_field>": str, "id"?: ..., "question"?: str | [messages], "role"?: str}``
     from one or several JSON-lines files. ``reply_field`` may hold a list of exactly one string
     (RoleBench's ``rolegpt_baseline.jsonl`` rows ``{"role", "question", "generated": [reply]}``).
     A row that no key can match, an unreadable row, or one key given two different replies is
-    an error naming file:line."""
+    an error naming file:line and the config keys that gave the file and the field."""
     out = ReplyFile({}, {}, {}, {}, 0, reply_paths(path))
     errors: list[str] = []
 
@@ -520,7 +521,7 @@ def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
                     reply = reply[0]
                 if not isinstance(reply, str):
                     errors.append(f"{where}: field {reply_field!r} must be a string (or a list of one string); "
-                                  f"has: {', '.join(map(str, row)) or 'nothing'} (generation.reply_field)")
+                                  f"has: {', '.join(map(str, row)) or 'nothing'} ({field_key})")
                     continue
                 out.rows += 1
                 out.wheres.append(where)
@@ -541,7 +542,7 @@ def read_replies(path: Any, reply_field: str = "reply") -> ReplyFile:
                     errors.append(f"{where}: a reply row needs an 'id' or a 'question' (a string or the test "
                                   "conversation's messages) to be matched to a test item")
     if errors:
-        raise DataError(f"{len(errors)} bad row(s) in the replies file (generation.path):\n  " + "\n  ".join(errors[:20]))
+        raise DataError(f"{len(errors)} bad row(s) in the replies file ({path_key}):\n  " + "\n  ".join(errors[:20]))
     log.info("generation: %d replies read from %s", out.rows, ", ".join(out.paths))
     return out
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from rolemrc import asset
 from rolemrc.api import AnswerCache, Rejected
-from rolemrc.data.schemas import DataError, TestItem
+from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
 from rolemrc.eval.judge import OpenAIBackend, cache_key, judge_backend, judge_config
@@ -263,11 +263,7 @@ def judge_pairs(cfg: Any, judge: Any, items: Sequence[TestItem], replies: Sequen
     no_reply: dict[str, int] = {}
     unmatched: dict[str, int] = {}
     for name, path in zip(names, paths):
-        try:
-            rf = read_replies(path, p.reply_field)
-        except DataError as e:
-            raise DataError(str(e).replace("(generation.path)", "(pairwise.against)")
-                            .replace("(generation.reply_field)", "(pairwise.reply_field)")) from None
+        rf = read_replies(path, p.reply_field, path_key="pairwise.against", field_key="pairwise.reply_field")
         got = match_replies(rf, items, ids)
         missing = [k for k, r in enumerate(got) if r is None]
         if missing and p.on_missing == "error":

@@ -400,7 +400,7 @@ def function_level_project_imports(sources: Iterable[str] = (PROJECT,), edges: l
 # Function-level imports of rolemrc modules in all of src/: a ceiling that only goes down (the
 # sizing package holds none; the command line, rolemrc.memory, imports the training code only for
 # --simulate). Lower it when an import moves to module level.
-MAX_FUNCTION_LEVEL_PROJECT_IMPORTS = 18
+MAX_FUNCTION_LEVEL_PROJECT_IMPORTS = 10
 
 
 def test_function_level_imports_of_project_modules_do_not_grow() -> None:

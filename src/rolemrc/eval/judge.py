@@ -48,7 +48,7 @@ from rolemrc.api import (
     FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary, request_key,
 )
 from rolemrc.config import JudgeConfig
-from rolemrc.errors import UserError
+from rolemrc.errors import ConfigError, UserError
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import new_ids, pad_id_of
@@ -346,8 +346,6 @@ def load_templates(path: str | Path, where: str = "judge.templates") -> dict[str
 
     import yaml
 
-    from rolemrc.errors import ConfigError
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{where}={path}: no such file (a YAML or JSON mapping KB/RS/NI/MT/PI -> prompt template)")
@@ -471,8 +469,6 @@ def protocol_of(name: str, where: str = "judge", templates: str | Path | None = 
     if templates is None:
         return proto
     if not proto.paper:
-        from rolemrc.errors import ConfigError
-
         raise ConfigError(f"{where}.templates asks for score-only prompts: use it with {where}.protocol=paper "
                           f"(judge=paper), not {where}.protocol={name}")
     return replace(proto, messages=templated_messages(load_templates(templates, f"{where}.templates")))

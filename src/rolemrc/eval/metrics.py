@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
 
-from rolemrc.errors import UserError
+from rolemrc.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,6 @@ class BertScoreConfig:
     def check(self) -> None:
         """Before any slow work: the encoder can be loaded here, else :class:`BertScoreUnavailable`
         (a missing layer for an unknown model is a :class:`rolemrc.errors.ConfigError`)."""
-        from rolemrc.errors import ConfigError
-
         model, layers, _ = self.resolve()
         if layers is None:
             raise ConfigError(f"metrics.bertscore.num_layers is needed for metrics.bertscore.model={model} "
@@ -402,8 +400,6 @@ def ensure_punkt() -> None:
 def check_meteor_tokenizer(tokenizer: str) -> None:
     """A known tokenizer name, and its data present (``punkt``)."""
     if tokenizer not in METEOR_TOKENIZERS:
-        from rolemrc.errors import ConfigError
-
         raise ConfigError(f"metrics.meteor_tokenizer must be one of {', '.join(METEOR_TOKENIZERS)}, got {tokenizer!r}")
     if tokenizer == "punkt":
         ensure_punkt()

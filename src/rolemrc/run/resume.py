@@ -35,13 +35,13 @@ import os
 import shlex
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.errors import ConfigError, UserError
+from rolemrc.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +302,6 @@ def record_continuation(cfg: DictConfig) -> None:
     run wrote it. Nothing when Hydra wrote ``.hydra/`` itself (a new run)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from rolemrc.fileio import atomic_write_text
-
     folder = Path(str(cfg.run_dir)) / ".hydra"
     if not HydraConfig.initialized() or HydraConfig.get().output_subdir is not None:
         return
@@ -356,45 +354,3 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-@dataclass
-class Finished:
-    """A run whose newest checkpoint reached its config's end: what to say, and at which step."""
-
-    message: str
-    step: int
-    checkpoint: Path
-
-
-def finished_run(cfg: DictConfig, run_dir: str | Path, checkpoint: Path) -> Finished | None:
-    """For ``ckpt_path=last`` on a run whose newest checkpoint already reached this config's end
-    (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
-    training (which would only save the same checkpoint again and redo the export), naming how
-    to extend it. None when there is more to train (or no checkpoint). Whether its end-of-run
-    work (export, summary) was done is the recipe's to check (:func:`rolemrc.run.train.run`).
-    ``checkpoint``: the run's newest, looked up and checked by the recipe."""
-    # rolemrc.run.state loads Lightning: this module runs before Hydra starts and stays light
-    from rolemrc.checkpointing import read_checkpoint_entries
-    from rolemrc.run.state import completed_epochs
-    from rolemrc.checkpointing.verify import reading
-
-    with reading(checkpoint):
-        state = read_checkpoint_entries(checkpoint, ("global_step", "loops"))
-    step = int(state.get("global_step", 0))
-    epochs = completed_epochs(state)  # an epoch max_steps cut short is not complete
-    max_steps = cfg.trainer.get("max_steps", -1)
-    max_epochs = cfg.trainer.get("max_epochs", None)
-    by_steps = max_steps is not None and max_steps >= 0 and step >= max_steps
-    by_epochs = max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs
-    if not (by_steps or by_epochs):
-        return None
-    reached = (f"trainer.max_steps={max_steps} reached at step {step}" if by_steps
-               else f"trainer.max_epochs={max_epochs} complete epoch(s) at step {step}")
-    # A folder continued by name runs its own saved command line (see the module), so the advised
-    # command holds whichever overrides this one had; every limit reached is raised (no loop)
-    raise_ = ([f"trainer.max_steps={max(step * 2, step + 1)}"] if by_steps else []) + \
-        ([f"trainer.max_epochs={max_epochs + 1}"] if by_epochs else [])
-    how = f"to train further: {continue_command(run_dir, *raise_)}"
-    return Finished(f"ckpt_path=last: {run_dir} is finished ({reached}; checkpoint {checkpoint}); nothing to do. "
-                    f"{how}", step, Path(checkpoint))

@@ -20,8 +20,8 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import DictConfig
 
 from rolemrc.callbacks.run_summary import RunSummary
-from rolemrc.checkpointing import full_state_dict
-from rolemrc.checkpointing.verify import check_checkpoint
+from rolemrc.checkpointing import full_state_dict, read_checkpoint_entries
+from rolemrc.checkpointing.verify import check_checkpoint, reading
 from rolemrc.config import OBJECTIVES, check_train_config, source_group
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.readers import local_files, source_config
@@ -34,9 +34,8 @@ from rolemrc.models.precision import check_policy
 from rolemrc.models.source import resolve_model_sources
 from rolemrc.run.build import (build_chat, build_datamodule, build_model, build_module, build_trainer, objective_entry,
                                runtime_value)
-from rolemrc.run.resume import (chosen_checkpoint, continue_command, finished_run, record_continuation,
-                                run_folder_lock)
-from rolemrc.run.state import RunInterrupted, RunState
+from rolemrc.run.resume import chosen_checkpoint, continue_command, record_continuation, run_folder_lock
+from rolemrc.run.state import RunInterrupted, RunState, completed_epochs
 from rolemrc.run.strategies import world_size
 from rolemrc.sizing.decide import resolve_checkpointing
 from rolemrc.sizing.formula import log_estimate
@@ -255,6 +254,43 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       f"end-of-run work ({', '.join(missing)})", flush=True)
             record_continuation(cfg)
         return fit(setup(cfg, last))
+
+
+@dataclass
+class Finished:
+    """A run whose newest checkpoint reached its config's end: what to say, and at which step."""
+
+    message: str
+    step: int
+    checkpoint: Path
+
+
+def finished_run(cfg: DictConfig, run_dir: str | Path, checkpoint: Path) -> Finished | None:
+    """For ``ckpt_path=last`` on a run whose newest checkpoint already reached this config's end
+    (``trainer.max_steps``, or ``trainer.max_epochs`` of complete epochs): what to say instead of
+    training (which would only save the same checkpoint again and redo the export), naming how
+    to extend it. None when there is more to train (or no checkpoint). Whether its end-of-run
+    work (export, summary) was done is the recipe's to check (:func:`run`).
+    ``checkpoint``: the run's newest, looked up and checked by the recipe."""
+    with reading(checkpoint):
+        state = read_checkpoint_entries(checkpoint, ("global_step", "loops"))
+    step = int(state.get("global_step", 0))
+    epochs = completed_epochs(state)  # an epoch max_steps cut short is not complete
+    max_steps = cfg.trainer.get("max_steps", -1)
+    max_epochs = cfg.trainer.get("max_epochs", None)
+    by_steps = max_steps is not None and max_steps >= 0 and step >= max_steps
+    by_epochs = max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs
+    if not (by_steps or by_epochs):
+        return None
+    reached = (f"trainer.max_steps={max_steps} reached at step {step}" if by_steps
+               else f"trainer.max_epochs={max_epochs} complete epoch(s) at step {step}")
+    # A folder continued by name runs its own saved command line (see the module), so the advised
+    # command holds whichever overrides this one had; every limit reached is raised (no loop)
+    raise_ = ([f"trainer.max_steps={max(step * 2, step + 1)}"] if by_steps else []) + \
+        ([f"trainer.max_epochs={max_epochs + 1}"] if by_epochs else [])
+    how = f"to train further: {continue_command(run_dir, *raise_)}"
+    return Finished(f"ckpt_path=last: {run_dir} is finished ({reached}; checkpoint {checkpoint}); nothing to do. "
+                    f"{how}", step, Path(checkpoint))
 
 
 def missing_end_of_run_work(cfg: DictConfig, step: int) -> list[str]:

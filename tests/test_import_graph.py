@@ -306,7 +306,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("parts", ["rolemrc.run", "rolemrc.parts", "rolemrc.sizing"]),
     ("training loop", ["rolemrc.modules", "rolemrc.callbacks"]),
     ("building blocks", ["rolemrc.models", "rolemrc.data", "rolemrc.eval", "rolemrc.probing", "rolemrc.api",
-                         "rolemrc.synth", "rolemrc.rewards", "rolemrc.rollout"]),
+                         "rolemrc.synth", "rolemrc.rewards", "rolemrc.rollout", "rolemrc.env"]),
     ("pure functions, storage, misc", ["rolemrc.objectives", "rolemrc.checkpointing", "rolemrc.fileio",
                                        "rolemrc.config", "rolemrc.config_objectives", "rolemrc.config_suites",
                                        "rolemrc.tasks", "rolemrc.rng",

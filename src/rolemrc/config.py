@@ -211,6 +211,22 @@ class ExportConfig:
 
 
 @dataclass
+class EnvConfig:
+    """A multi-turn environment (``env:`` of train.py and evaluate.py; conf/env/*.yaml; built by
+    ``rolemrc.env.make_env`` from the registry ``rolemrc.env.ENVS``): who answers the role-player
+    over a conversation. ``none``: no environment, one reply per prompt."""
+
+    name: str = "none"  # none | scripted (the row's user_turns) | the names of rolemrc.env.ENVS
+    max_turns: int = 4  # role-player replies per conversation at most (the turn cap)
+    # conversation length cap in tokens (prompt + every turn); None: data.max_length
+    max_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_turns, int) and self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     # One of OBJECTIVE_SCHEMAS, typed by the chosen conf/objective/<name>.yaml (its defaults list
@@ -222,6 +238,7 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # conf/env: multi-turn rollouts (objective=grpo/rloo)
     logger: Any = None  # {_target_: ...} (third-party classes are swappable)
     callbacks: Any = field(default_factory=dict)  # name -> {_target_: ...}
     seed: int = 42
@@ -718,6 +735,7 @@ class EvaluateConfig:
     benchmarks: Optional[BenchmarksConfig] = None  # conf/benchmarks: lm-evaluation-harness (rolemrc.eval.general)
     compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
     pairwise: PairwiseConfig = field(default_factory=PairwiseConfig)  # judge A vs B (rolemrc.eval.pairwise)
+    env: EnvConfig = field(default_factory=EnvConfig)  # conf/env: dialogue mode (a conversation per test seed)
 
 
 def register_evaluate(cs: ConfigStore) -> None:

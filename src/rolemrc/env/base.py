@@ -1,0 +1,56 @@
+"""The environment contract: what a multi-turn rollout asks of the world the role-player talks to.
+
+An environment opens a conversation from a data row (:meth:`Environment.reset`: an
+:class:`Episode` holding the opening messages, a system prompt with the role and the user's first
+turn) and the episode answers each of the role-player's replies (:meth:`Episode.step`: the user's
+next message, or the end, with the reason and any per-turn reward information). It sees text only: the rollout
+(:mod:`rolemrc.env.rollout`) holds the conversation as token ids and calls the engines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rolemrc.data.schemas import Message
+
+
+@dataclass(frozen=True)
+class Step:
+    """An environment's answer to one reply: ``user`` is the user's next message, or None when the
+    conversation ends (``reason`` says why: ``script_end``, ``user_end``, ...); ``info``: numbers
+    about the reply just given (per-turn reward information, logged and handed to rewards)."""
+
+    user: str | None
+    reason: str = ""
+    info: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.user is None
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One conversation: ``opening``, its first messages (ending with the user's turn);
+    ``step(messages, reply)``: the answer to ``reply`` given after ``messages`` (the conversation so
+    far, without the reply)."""
+
+    opening: list[Message]
+
+    def step(self, messages: list[Message], reply: str) -> Step: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """``reset(row)``: the :class:`Episode` seeded by ``row`` (a prompts row: ``messages``, the prompt
+    as the data holds it, and ``columns``, the record's other fields); ``close()``: free what it
+    holds (clients, models)."""
+
+    def reset(self, row: Mapping[str, Any]) -> Episode: ...
+
+    def close(self) -> None: ...
+
+
+class EnvError(ValueError):
+    """A data row an environment cannot open or continue (named by the caller with its origin)."""

@@ -435,6 +435,10 @@ class RLOOObjectiveConfig(ObjectiveConfig):
     max_completion_length: int = 256  # TRL: 512
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     reference: str = "copy"  # copy | adapter (needs model.peft.enabled); built only when beta > 0
+    # TR-DPO's reference sync, as objective=grpo's (TRL RLOOConfig's names and defaults)
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     rewards: dict[str, Any] = field(default_factory=_default_rewards)  # as objective=grpo's
     rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
     vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
@@ -444,6 +448,7 @@ class RLOOObjectiveConfig(ObjectiveConfig):
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
         if self.beta < 0:
             raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
+        check_sync_ref(self)
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ConfigError(f"objective.epsilon and objective.epsilon_high must be >= 0, "
                               f"got {self.epsilon}, {self.epsilon_high}")

@@ -467,3 +467,6 @@ def test_reward_model_equals_trls_reward_trainer_first_step(reward, center: floa
     _compare(ours, theirs, ("accuracy", "margin", "mean_reward"))
     _compare(val, theirs, ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"))
     assert 0.0 < theirs["accuracy"] < 1.0
+    # TRL's num_tokens after this first step: the batch's non-padding tokens, what RewardModule counts
+    # (its run totals: tests/train/test_reward.py)
+    assert theirs["num_tokens"] == int(batch["attention_mask"].sum())

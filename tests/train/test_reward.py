@@ -27,9 +27,16 @@ def test_a_reward_model_trains_exports_and_scores_grpo_completions(train_cfg) ->
     run = setup(train_cfg(*SMALL, "trainer.max_steps=2"))
     assert type(run.module.model).__name__ == "LlamaForSequenceClassification"
     assert run.module.model.config.num_labels == 1
+    seen: list[int] = []  # each micro-batch's tokens, padding not counted (TRL's attention_mask.sum())
+    step_loss = run.module.step_loss
+    run.module.step_loss = lambda batch: (seen.append(int(batch["attention_mask"].sum())), step_loss(batch))[1]
     fit(run)
     run_dir = Path(run.cfg.run_dir)
     assert len(series(run_dir, "train/loss")) == 2
+    # TRL's num_tokens: the tokens trained on so far, one micro-batch per step here; kept in the checkpoint
+    assert len(seen) == 2 and series(run_dir, "train/num_tokens") == [seen[0], seen[0] + seen[1]]
+    ckpts = sorted(run_dir.glob("checkpoints/*.ckpt"))
+    assert ckpts and torch.load(ckpts[-1], map_location="cpu", weights_only=True)["reward_num_tokens"] == sum(seen)
     for name in ("train/accuracy", "train/margin", "train/mean_reward", "val/accuracy", "val/margin",
                  "val/min_reward", "val/max_reward", "val/loss"):  # TRL's RewardTrainer names
         assert series(run_dir, name), name

@@ -153,10 +153,13 @@ def test_fsdp2_mixes_local_shards_and_checkpoints_full_tensors(tmp_path: Path) -
         assert torch.equal(got["reloaded"][name], got["saved"][name])
 
 
-def test_grpo_synced_reference_resumes_exactly(train_cfg, tmp_path: Path) -> None:
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_grpo_synced_reference_resumes_exactly(train_cfg, tmp_path: Path, objective: str) -> None:
+    """GRPO's and RLOO's synced reference (RLOO: its KL taken out of the reward at the rollout)."""
     from tests.train.test_grpo import GRPO
 
-    args = [*GRPO, "objective.beta=0.1", "objective.sync_ref_model=true", "objective.ref_model_sync_steps=1",
+    rl = [a.replace("objective=grpo", f"objective={objective}") for a in GRPO]
+    args = [*rl, "objective.beta=0.1", "objective.sync_ref_model=true", "objective.ref_model_sync_steps=1",
             "objective.ref_model_mixup_alpha=0.5", "optim.lr=5e-3", "trainer.max_steps=4", "callbacks=default",
             "runtime.checkpoint_every_n_steps=1"]
     stop = ["+callbacks.stop._target_=tests.train.test_loss_normalisation.StopAt", "+callbacks.stop.step=2"]

@@ -70,6 +70,23 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
+class TokensSeen:
+    """TRL's ``num_tokens`` (its ``state.num_input_tokens_seen``): the tokens the run has trained on
+    (GRPO: every rollout's prompt and completion tokens; a reward model: its pairs' tokens), over every
+    rank; in every checkpoint under ``key`` (a :func:`run_state_parts` part), so a resumed run counts on."""
+
+    per_rank = False  # counted over every rank: one state
+
+    def __init__(self, key: str) -> None:
+        self.key, self.count = key, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.count}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        self.count = int(checkpoint.get(self.key, 0))
+
+
 class PolicyModule(L.LightningModule):
     """Holds ``self.model`` (a transformers causal LM, maybe PEFT-wrapped), and declares every
     hook the run, resume, the reference and sizing call on an objective's module, each with its

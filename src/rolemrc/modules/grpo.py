@@ -61,7 +61,7 @@ from torch import nn
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
-from rolemrc.modules.base import PolicyModule
+from rolemrc.modules.base import PolicyModule, TokensSeen
 from rolemrc.modules.reference import Reference
 from rolemrc.objectives.grpo import (
     GroupAdvantages,
@@ -111,23 +111,6 @@ class RolloutReuse:
 TOKENS_KEY = "grpo_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
 
 
-class TokensSeen:
-    """TRL's ``num_tokens`` (its ``state.num_input_tokens_seen``): the prompt and completion tokens of
-    every rollout of the run so far, over every rank; in every checkpoint (a
-    :func:`run_state_parts` part), so a resumed run counts on."""
-
-    per_rank = False  # counted over every rank: one state
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {TOKENS_KEY: self.count}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        self.count = int(checkpoint.get(TOKENS_KEY, 0))
-
-
 class GRPOModule(PolicyModule):
     """``objective``: the grpo node (:class:`~rolemrc.config.GRPOObjectiveConfig`); ``reference``:
     DPO's copy / adapter (:func:`rolemrc.modules.reference.make_reference`), ``None`` when
@@ -154,7 +137,7 @@ class GRPOModule(PolicyModule):
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
         self.reuse = RolloutReuse(int(objective.num_iterations))
-        self.tokens_seen = TokensSeen()
+        self.tokens_seen = TokensSeen(TOKENS_KEY)
         self._val_names: list[str] = []
         self.summary_notes: dict[str, str] = {}  # what the run summary's reward figures are means of
         self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use

@@ -7,8 +7,9 @@ Each chosen and rejected sequence (prompt + response, rendered by the chat templ
 scored by the model's own forward, the score at its last token that is not padding: exactly what
 ``AutoModelForSequenceClassification`` computes when the export is loaded, so GRPO's
 ``reward_model`` reward sees the scores trained here. Logged under TRL's names: ``accuracy``
-(chosen scored above rejected), ``margin`` (mean ``r_c - r_r``), ``mean_reward``; validation adds
-``min_reward`` and ``max_reward``.
+(chosen scored above rejected), ``margin`` (mean ``r_c - r_r``), ``mean_reward``, ``num_tokens`` (the
+chosen and rejected tokens trained on so far, padding not counted, over every rank: in every
+checkpoint); validation adds ``min_reward`` and ``max_reward``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.modules.base import PolicyModule
+from rolemrc.modules.base import PolicyModule, TokensSeen
 from rolemrc.objectives.dpo import pair_mean
 from rolemrc.objectives.reward import RewardOutput, bradley_terry_loss, reward_step_loss
 
 _VAL = ("losses", "centering", "chosen", "rejected")
+TOKENS_KEY = "reward_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -39,6 +41,12 @@ class RewardModule(PolicyModule):
         super().__init__(model, objective, optim, *args, **kwargs)
         if objective.disable_dropout:
             disable_dropout(self.model)
+        self.tokens_seen = TokensSeen(TOKENS_KEY)
+        self._step_tokens = 0
+
+    def run_state_parts(self) -> tuple[Any, ...]:
+        """The tokens trained on so far (``num_tokens``) travel with every checkpoint."""
+        return (*super().run_state_parts(), self.tokens_seen)
 
     def rewards(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of the batch's chosen rows and of its rejected rows (``[B]`` each, fp32)."""
@@ -64,6 +72,22 @@ class RewardModule(PolicyModule):
                   "train/margin": pair_mean(out.margins.double(), pairs),
                   "train/mean_reward": pair_mean(mean, pairs)}
         return loss, shares
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The step, then TRL's ``num_tokens``: the non-padding tokens of every pair trained so far
+        (TRL: ``attention_mask.sum()`` of each micro-batch, gathered from every process)."""
+        loss = super().training_step(batch, batch_idx)
+        self._step_tokens += int(batch["attention_mask"].sum())
+        if bool(batch["step_end"]):
+            tokens = torch.tensor(float(self._step_tokens), dtype=torch.float64, device=self.device)
+            if self.trainer.world_size > 1:
+                tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
+            self.tokens_seen.count += int(tokens)
+            self._step_tokens = 0
+            # float64: Lightning stores a plain number in float32, exact only up to 2**24
+            self.log("train/num_tokens", torch.tensor(float(self.tokens_seen.count), dtype=torch.float64),
+                     batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+        return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out, chosen, rejected = self._terms(batch)

@@ -24,7 +24,9 @@ from rolemrc.config_objectives import (  # noqa: F401
     PairObjectiveConfig, REFERENCE_MODES, RLOOObjectiveConfig, RewardObjectiveConfig, SFTObjectiveConfig,
     SimPOObjectiveConfig, VLLM_MODES, check_sync_ref, model_head, one_of, source_group,
 )
-from rolemrc.config_suites import BenchmarksConfig, CharacterLLMConfig, CompareConfig, RoleBenchConfig, RolesConfig
+from rolemrc.config_suites import (
+    BenchmarksConfig, CharacterLLMConfig, CompareConfig, PersonaGymConfig, RoleBenchConfig, RolesConfig,
+)
 from rolemrc.errors import ConfigError
 from rolemrc.hydra_errors import SCHEMA_SUFFIX, install as _hydra_errors_in_one_line, live_options
 
@@ -119,6 +121,7 @@ class DataConfig:
     roles: RolesConfig = field(default_factory=RolesConfig)  # RoCIT (sources use it as `roles: ${data.roles}`)
     rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
     characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
+    personagym: Optional[PersonaGymConfig] = None  # evaluate.py: PersonaGym's PersonaScore (rolemrc.eval.bench)
 
 
 @dataclass

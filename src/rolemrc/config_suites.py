@@ -67,6 +67,27 @@ class CharacterLLMConfig:
 
 
 @dataclass
+class PersonaGymConfig:
+    """PersonaGym's released layout under ``root`` (a clone of its repository); see
+    :mod:`rolemrc.eval.bench.personagym`."""
+
+    root: str = MISSING
+    benchmark: str = "benchmark-v1"  # questions/<benchmark>/<persona>.json
+    personas: Optional[list[str]] = None  # None: every questions file of the benchmark
+    tasks: list[str] = field(
+        default_factory=lambda: ["Expected Action", "Linguistic Habits", "Persona Consistency", "Toxicity",
+                                 "Action Justification"]
+    )
+    questions: Optional[int] = None  # first N questions per persona and task; None: all
+    system: str = "You are {persona}. Answer as this person would, and stay in this identity throughout."
+    group_size: int = 5  # questions scored in one judge request (the authors' 5)
+    score_examples: str = "released"  # released | per_question | none
+    # Judges averaged per group (each merged over `judge`); []: `judge` alone.
+    judges: list[Any] = field(default_factory=list)
+    examples_judge: Optional[dict[str, Any]] = None  # the model writing score examples (over `judge`); None: judges[0]
+
+
+@dataclass
 class BenchmarksConfig:
     """General-ability benchmarks through lm-evaluation-harness (:mod:`rolemrc.eval.general`)."""
 
@@ -89,6 +110,7 @@ class CompareConfig:
 
 
 SUITE_SCHEMAS = {"data.rolebench": RoleBenchConfig, "data.characterllm": CharacterLLMConfig,
+                 "data.personagym": PersonaGymConfig,
                  "benchmarks": BenchmarksConfig, "compare": CompareConfig}
 
 

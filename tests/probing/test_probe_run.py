@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from rolemrc.config_suites import SUITE_SCHEMAS
 from rolemrc.models.export import export_pretrained
 from rolemrc.probing.capture import decoder_layers
 from rolemrc.probing.maps import load_maps
@@ -103,7 +104,8 @@ def test_probe_config_composes(model: str, data: str) -> None:
     extra = ["data.dir=/x"] if data == "local" else []
     cfg = compose_probe([f"model={model}", f"data={data}", "compare.path=/b", *extra])
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    suite = any(resolved["data"].get(k) for k in ("rolebench", "characterllm"))  # evaluate.py's own suites
+    # evaluate.py's own suites (data.rolebench, data.characterllm, ...) have no test items
+    suite = any(resolved["data"].get(k.split(".", 1)[1]) for k in SUITE_SCHEMAS if k.startswith("data."))
     assert resolved["model"]["name"] == model and (bool(resolved["data"]["test"]) or suite)
     assert resolved["restraint"]["factor"] == pytest.approx(1 - 1e-6) and resolved["top_fraction"] == 0.2
 

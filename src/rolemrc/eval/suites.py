@@ -6,6 +6,7 @@ table per benchmark in its paper's layout), the same numbers in ``metrics.json``
 
 - ``data.rolebench``: RoleBench per split, RAW/CUS/SPE (:mod:`rolemrc.eval.rolebench`);
 - ``data.characterllm``: CharacterLLM Single/Turns judged 1-7 (:mod:`rolemrc.eval.characterllm`);
+- ``data.personagym``: PersonaGym's PersonaScore (:mod:`rolemrc.eval.bench.personagym`);
 - ``benchmarks``: general benchmarks through lm-evaluation-harness for ``model.path`` and
   ``compare.path``, and their difference, General Δ (:mod:`rolemrc.eval.general`).
 
@@ -29,6 +30,7 @@ from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError
 from rolemrc.eval import characterllm, general, rolebench
+from rolemrc.eval.bench import personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
     check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
@@ -92,6 +94,8 @@ def _general_meta(cfg: Any, resolved: dict[str, str]) -> dict[str, Any]:
 SUITES.register("rolebench", Suite("data.rolebench", rolebench), doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
 SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check,
                                       finish=_characterllm_finish), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
+SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check),
+                doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
 SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
                 doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")
 

@@ -62,7 +62,7 @@ SCRIPTS = (
 # Keys whose value names an entry of a registry (rolemrc.registry): the names listed beside them,
 # and every registry in the page's last section.
 REGISTRY_MODULES = ("rolemrc.rewards", "rolemrc.eval.generation", "rolemrc.eval.judge", "rolemrc.eval.suites",
-                    "rolemrc.models.family", "rolemrc.rollout")
+                    "rolemrc.models.family", "rolemrc.rollout", "rolemrc.env")
 NAMED_BY = {"objective.rewards": ("objective.rewards.<name>.type", "a reward's `type`"),
             "generation.backend": ("generation.backend", "registered"),
             "judge.backend": ("judge.backend", "registered")}

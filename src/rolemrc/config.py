@@ -214,15 +214,51 @@ class ExportConfig:
 
 
 @dataclass
+class UserConfig:
+    """The simulated user of ``env=llm_user`` (``env.user``; built by ``rolemrc.env.user``): a
+    language model that plays a user with a persona and a goal, behind an OpenAI-compatible server
+    (``backend: openai``, through ``rolemrc.api``) or a local transformers model (``backend: hf``)."""
+
+    backend: str = "openai"  # openai | hf
+    # openai: the served model's name; hf: a local folder or hub id of a causal LM with a chat template
+    model: Optional[str] = None
+    # who the user is, when the row has no user_persona field
+    persona: str = "a curious visitor meeting this character for the first time"
+    # what the user wants from the conversation, when the row has no user_goal field
+    goal: str = "get to know the character and ask about what they know, one question at a time"
+    # a YAML file with the two prompt templates `system` and `prompt` (placeholders:
+    # rolemrc.env.user.TEMPLATE_FIELDS); None: rolemrc's own (rolemrc/assets/env/user.yaml)
+    template: Optional[str] = None
+    end_marker: str = "[END]"  # the user ends the conversation by writing this
+    max_tokens: int = 96  # one user turn at most (tokens); the memory simulation plans each user turn at this
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 1.0
+    base_url: Optional[str] = None  # openai: None = the client's default / OPENAI_BASE_URL
+    api_key_env: Optional[str] = "OPENAI_API_KEY"  # openai: variable holding the key (never the key); None: no key
+    concurrency: int = 8  # openai: requests in flight at most
+    timeout_s: float = 60.0  # openai: per request
+    max_attempts: int = 5  # openai, per user turn: faults and empty answers are retried
+    backoff_s: float = 1.0  # openai: exponential backoff with jitter between attempts (Retry-After honoured)
+    max_backoff_s: float = 60.0
+    max_requests: Optional[int] = None  # budget: no more requests than this in one run (retries included)
+    # answers cached here (<cache_dir>/user_cache.sqlite) and served again on a rerun; None: the
+    # caller's default (a run's folder), or no cache
+    cache_dir: Optional[str] = None
+    dtype: str = "auto"  # hf: the user model's weights
+    device: Optional[str] = None  # hf: None = cuda when available, else cpu
+
+
+@dataclass
 class EnvConfig:
     """A multi-turn environment (``env:`` of train.py and evaluate.py; conf/env/*.yaml; built by
     ``rolemrc.env.make_env`` from the registry ``rolemrc.env.ENVS``): who answers the role-player
     over a conversation. ``none``: no environment, one reply per prompt."""
 
-    name: str = "none"  # none | scripted (the row's user_turns) | the names of rolemrc.env.ENVS
+    name: str = "none"  # none | scripted (the row's user_turns) | llm_user (a language model) | rolemrc.env.ENVS
     max_turns: int = 4  # role-player replies per conversation at most (the turn cap)
     # conversation length cap in tokens (prompt + every turn); None: data.max_length
     max_tokens: Optional[int] = None
+    user: UserConfig = field(default_factory=UserConfig)  # env=llm_user: the simulated user
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, int) and self.max_turns < 1:

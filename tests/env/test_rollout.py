@@ -63,7 +63,8 @@ def test_conversation_tokens_equal_the_templates_tokenisation(name: str) -> None
         for k, (start, end) in enumerate(conv.replies):
             upto = [m for m in conv.messages][:len(row["messages"]) + 2 * k]
             assert conv.ids[:start] == chat.encode_prompt(upto)
-    assert summary(convs) == {"turns_mean": 3.0, "turns_max": 3, "ends": {"script_end": 3}, "noncanonical_replies": 0}
+    assert summary(convs) == {"turns_mean": 3.0, "turns_max": 3, "ends": {"script_end": 3}, "noncanonical_replies": 0,
+                             "failed": 0}
 
 
 def test_caps_and_stops_end_conversations_with_their_reason() -> None:

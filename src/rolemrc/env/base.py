@@ -8,7 +8,7 @@ next message, or the end, with the reason and any per-turn reward information). 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,16 +18,28 @@ from rolemrc.data.schemas import Message
 @dataclass(frozen=True)
 class Step:
     """An environment's answer to one reply: ``user`` is the user's next message, or None when the
-    conversation ends (``reason`` says why: ``script_end``, ``user_end``, ...); ``info``: numbers
+    conversation ends (``reason`` says why: ``script_end``, ``user_end``, ...; or the user failed:
+    :data:`FAILED_ENDS`, with ``error``); ``info``: numbers
     about the reply just given (per-turn reward information, logged and handed to rewards)."""
 
     user: str | None
     reason: str = ""
     info: Mapping[str, float] = field(default_factory=dict)
+    error: str = ""  # a failed step (``reason`` in FAILED_ENDS): what went wrong, for the logs
 
     @property
     def done(self) -> bool:
         return self.user is None
+
+    @property
+    def failed(self) -> bool:
+        return self.reason in FAILED_ENDS
+
+
+# The ends that are no end of the conversation but a failure of the user (an API fault after its
+# retries, a spent request budget): the conversation is kept for the counts, never scored or
+# trained on, and the failure is never a turn.
+FAILED_ENDS = ("user_failed", "user_budget")
 
 
 @runtime_checkable
@@ -39,6 +51,25 @@ class Episode(Protocol):
     opening: list[Message]
 
     def step(self, messages: list[Message], reply: str) -> Step: ...
+
+
+def step_all(calls: Sequence[tuple[Any, list[Message], str]]) -> list[Step]:
+    """Each ``(episode, messages, reply)``'s :class:`Step`. Episodes with a ``together`` attribute
+    (their environment's function answering many ``calls`` at once: an API user's concurrent
+    requests, a local model's batch) are asked together, one call per such function; the others
+    one by one."""
+    out: list[Step | None] = [None] * len(calls)
+    groups: dict[Any, list[int]] = {}
+    for k, (episode, messages, reply) in enumerate(calls):
+        together = getattr(episode, "together", None)
+        if together is None:
+            out[k] = episode.step(messages, reply)
+        else:
+            groups.setdefault(together, []).append(k)
+    for together, ks in groups.items():
+        for k, step in zip(ks, together([calls[k] for k in ks]), strict=True):
+            out[k] = step
+    return out  # type: ignore[return-value]
 
 
 @runtime_checkable

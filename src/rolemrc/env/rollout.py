@@ -13,7 +13,8 @@ every reply was sampled as the template tokenises its text; replies sampled othe
 (``noncanonical``), not rewritten: the loss trains on what was sampled, as TRL's ``env_mask``.
 
 A conversation ends (``reason``) when the environment ends it (its reason: ``script_end``,
-``user_end``, ...), at the turn cap (``turn_cap``: ``max_turns`` replies), at the length cap
+``user_end``, ...; ``user_failed`` / ``user_budget`` when the user could not answer:
+:attr:`Conversation.failed`, counted and never scored), at the turn cap (``turn_cap``: ``max_turns`` replies), at the length cap
 (``length_cap``: ``max_tokens`` tokens in all, the reply cut there or the user's turn not added),
 when a reply has no stop token within the engine's ``max_new_tokens`` (``truncated``), or when a
 reply stops at a stop token other than the template's end of turn (``stop``: eos)."""
@@ -26,7 +27,7 @@ from typing import Any
 
 from rolemrc.data.schemas import Message
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
-from rolemrc.env.base import Episode
+from rolemrc.env.base import FAILED_ENDS, Episode, step_all
 
 ENV_ENDS = ("turn_cap", "length_cap", "truncated", "stop")  # the rollout's own reasons (others: the environment's)
 CUT = ("length_cap", "truncated")  # the last reply did not end on its own
@@ -48,6 +49,13 @@ class Conversation:
     turn_info: list[dict[str, float]] = field(default_factory=list)
     reason: str = ""
     noncanonical: int = 0
+    error: str = ""  # a failed conversation (``failed``): what went wrong
+
+    @property
+    def failed(self) -> bool:
+        """The user failed (``reason`` in :data:`~rolemrc.env.base.FAILED_ENDS`: an API fault after
+        its retries, a spent budget): count it, never score or train on it."""
+        return self.reason in FAILED_ENDS
 
     def __post_init__(self) -> None:
         if not self.model_mask:
@@ -105,6 +113,7 @@ def roll(episodes: Sequence[Episode], chat: ChatFormat, generate: Callable[[list
         if not active:
             break
         outs = generate([convs[i].ids for i in active])
+        asked: list[tuple[int, list[Message], str]] = []
         for i, out in zip(active, outs, strict=True):
             c, out = convs[i], list(out)
             cut = max_tokens is not None and len(c.ids) + len(out) > max_tokens
@@ -133,10 +142,15 @@ def roll(episodes: Sequence[Episode], chat: ChatFormat, generate: Callable[[list
                 c.turn_info.append({})
                 c.reason = "turn_cap"
                 continue
-            step = episodes[i].step(before, reply)
+            asked.append((i, before, reply))
+        # the environment answers every open conversation's reply (together where it can: step_all)
+        steps = step_all([(episodes[i], before, reply) for i, before, reply in asked])
+        for (i, _, _), step in zip(asked, steps, strict=True):
+            c = convs[i]
             c.turn_info.append(dict(step.info))
             if step.user is None:
                 c.reason = step.reason or "user_end"
+                c.error = step.error
                 continue
             new = [{"role": "user", "content": step.user}]
             piece = chat.tokenize(text_after_reply(chat, c.messages, new))
@@ -150,11 +164,12 @@ def roll(episodes: Sequence[Episode], chat: ChatFormat, generate: Callable[[list
 
 
 def summary(convs: Sequence[Conversation]) -> dict[str, Any]:
-    """Counts a run reports about its conversations: turns (mean, max), why they ended, and the
-    replies sampled otherwise than the template tokenises them."""
+    """Counts a run reports about its conversations: turns (mean, max), why they ended, the
+    replies sampled otherwise than the template tokenises them, and the failed conversations."""
     n = max(len(convs), 1)
     ends: dict[str, int] = {}
     for c in convs:
         ends[c.reason] = ends.get(c.reason, 0) + 1
     return {"turns_mean": sum(c.turns for c in convs) / n, "turns_max": max((c.turns for c in convs), default=0),
-            "ends": dict(sorted(ends.items())), "noncanonical_replies": sum(c.noncanonical for c in convs)}
+            "ends": dict(sorted(ends.items())), "noncanonical_replies": sum(c.noncanonical for c in convs),
+            "failed": sum(c.failed for c in convs)}

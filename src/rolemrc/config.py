@@ -25,7 +25,8 @@ from rolemrc.config_objectives import (  # noqa: F401
     SimPOObjectiveConfig, VLLM_MODES, check_sync_ref, model_head, one_of, source_group,
 )
 from rolemrc.config_suites import (
-    BenchmarksConfig, CharacterLLMConfig, CompareConfig, PersonaGymConfig, RoleBenchConfig, RolesConfig,
+    BenchmarksConfig, CharacterBenchConfig, CharacterEvalConfig, CharacterLLMConfig, CompareConfig, PersonaGymConfig,
+    RoleBenchConfig, RolesConfig,
 )
 from rolemrc.errors import ConfigError
 from rolemrc.hydra_errors import SCHEMA_SUFFIX, install as _hydra_errors_in_one_line, live_options
@@ -122,6 +123,8 @@ class DataConfig:
     rolebench: Optional[RoleBenchConfig] = None  # evaluate.py: RoleBench per split (rolemrc.eval.rolebench)
     characterllm: Optional[CharacterLLMConfig] = None  # evaluate.py: CharacterLLM Single/Turns
     personagym: Optional[PersonaGymConfig] = None  # evaluate.py: PersonaGym's PersonaScore (rolemrc.eval.bench)
+    charactereval: Optional[CharacterEvalConfig] = None  # evaluate.py: CharacterEval, scored by its reward model
+    characterbench: Optional[CharacterBenchConfig] = None  # evaluate.py: CharacterBench, judged by CharacterJudge
 
 
 @dataclass

@@ -88,6 +88,58 @@ class PersonaGymConfig:
 
 
 @dataclass
+class RewardJudgeConfig:
+    """A released reward model used as a local judge (CharacterEval's BaichuanCharRM): one forward
+    pass per (reply, metric), the score read from one output (:mod:`rolemrc.eval.bench.reward`)."""
+
+    path: Optional[str] = None  # the model folder (or hub id, fetched beforehand)
+    # The model's class in the folder's own code, "<module>.<Class>" (e.g. modeling_baichuan.BaichuanCharRM),
+    # loaded from that folder; None: AutoModelForSequenceClassification
+    model_class: Optional[str] = None
+    tokenizer_class: Optional[str] = None  # likewise "<module>.<Class>"; None: AutoTokenizer
+    output: Any = "logits"  # the output holding the score: "logits" or an index into the model's outputs
+    scale: float = 1.0  # score = output * scale + offset
+    offset: float = 0.0
+    max_length: int = 4096  # longer inputs keep their last max_length tokens
+    dtype: str = "auto"
+    device: Optional[str] = None  # None: cuda when available, else cpu
+
+
+@dataclass
+class CharacterEvalConfig:
+    """CharacterEval's released files under ``root``; see :mod:`rolemrc.eval.bench.charactereval`."""
+
+    root: str = MISSING  # holds test_data.jsonl, character_profiles.json, id2metric.jsonl
+    metrics: Optional[list[str]] = None  # English metric names (id2metric's); None: all
+    limit: Optional[int] = None  # the first N examples; None: all
+    # The conversation sent to the model: the profile + `instruction` as the first user turn, `acknowledgement`
+    # as the first assistant turn (+ `opening` and the role's first line when the role speaks first).
+    instruction: str = "Play the character {role} described above and continue the dialogue as {role}."
+    acknowledgement: str = "Understood. I am {role} now."
+    opening: str = " I speak first: "
+    first_line_only: bool = True  # score the reply's first line only, as the authors' transform does
+    reward_model: RewardJudgeConfig = field(default_factory=lambda: RewardJudgeConfig(
+        model_class="modeling_baichuan.BaichuanCharRM", tokenizer_class="tokenization_baichuan.BaichuanTokenizer",
+        output=1, scale=4.0, offset=1.0, dtype="bfloat16"))
+
+
+@dataclass
+class CharacterBenchConfig:
+    """CharacterBench's released test files under ``root``; see :mod:`rolemrc.eval.bench.characterbench`."""
+
+    root: str = MISSING  # eval_data/raw_data: <dimension>_test.json
+    languages: list[str] = field(default_factory=lambda: ["zh", "en"])
+    dimensions: Optional[list[str]] = None  # file names without _test.json; None: all thirteen
+    limit: Optional[int] = None  # per file; None: all rows
+    templates: Optional[str] = None  # the judge prompts: YAML {zh: {<dimension>: str}, en: {...}}
+    # Generation: None = a system message with both profiles and the dialogue as chat turns; or a file
+    # holding one user message with {character_profile} {user_profile} {dialogue}
+    prompt_template: Optional[str] = None
+    json_reply: bool = False  # take the "response" field of a JSON reply (the authors' prompt asks for one)
+    judge_system: str = "You are a helpful assistant."  # the judge's system message (the authors' script)
+
+
+@dataclass
 class BenchmarksConfig:
     """General-ability benchmarks through lm-evaluation-harness (:mod:`rolemrc.eval.general`)."""
 
@@ -111,7 +163,8 @@ class CompareConfig:
 
 SUITE_SCHEMAS = {"data.rolebench": RoleBenchConfig, "data.characterllm": CharacterLLMConfig,
                  "data.personagym": PersonaGymConfig,
-                 "benchmarks": BenchmarksConfig, "compare": CompareConfig}
+                 "benchmarks": BenchmarksConfig, "compare": CompareConfig,
+                 "data.charactereval": CharacterEvalConfig, "data.characterbench": CharacterBenchConfig}
 
 
 def check_suite_keys(cfg: Any) -> None:

@@ -7,6 +7,8 @@ table per benchmark in its paper's layout), the same numbers in ``metrics.json``
 - ``data.rolebench``: RoleBench per split, RAW/CUS/SPE (:mod:`rolemrc.eval.rolebench`);
 - ``data.characterllm``: CharacterLLM Single/Turns judged 1-7 (:mod:`rolemrc.eval.characterllm`);
 - ``data.personagym``: PersonaGym's PersonaScore (:mod:`rolemrc.eval.bench.personagym`);
+- ``data.charactereval``: CharacterEval's metrics by its reward model (:mod:`rolemrc.eval.bench.charactereval`);
+- ``data.characterbench``: CharacterBench's files judged by CharacterJudge (:mod:`rolemrc.eval.bench.characterbench`);
 - ``benchmarks``: general benchmarks through lm-evaluation-harness for ``model.path`` and
   ``compare.path``, and their difference, General Δ (:mod:`rolemrc.eval.general`).
 
@@ -30,7 +32,7 @@ from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError
 from rolemrc.eval import characterllm, general, rolebench
-from rolemrc.eval.bench import personagym
+from rolemrc.eval.bench import characterbench, charactereval, personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
     check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
@@ -96,6 +98,10 @@ SUITES.register("characterllm", Suite("data.characterllm", characterllm, _charac
                                       finish=_characterllm_finish), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
 SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check),
                 doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
+SUITES.register("charactereval", Suite("data.charactereval", charactereval, charactereval.check),
+                doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")
+SUITES.register("characterbench", Suite("data.characterbench", characterbench, characterbench.check),
+                doc="data.characterbench: CharacterBench's thirteen test files judged by CharacterJudge")
 SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
                 doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")
 

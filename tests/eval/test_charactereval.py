@@ -122,3 +122,60 @@ def test_bad_id2metric_and_missing_reward_model(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match=r"data.charactereval.reward_model.path: not a folder: /nowhere"):
         run(compose_eval(*FILE, "data.charactereval.reward_model.path=/nowhere", f"out_dir={tmp_path / 'o'}"))
+
+
+TINY_RM_CODE = '''
+import torch
+from transformers import LlamaModel, LlamaPreTrainedModel
+
+
+class TinyCharRM(LlamaPreTrainedModel):
+    """Its score is the second output, a sigmoid of a head on the last token (as the authors read theirs)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.head = torch.nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(self, input_ids, **kw):
+        h = self.model(input_ids=input_ids).last_hidden_state[:, -1]
+        return h, torch.sigmoid(self.head(h)).squeeze(-1)
+'''
+
+
+def test_reward_model_class_from_the_folders_own_code(tiny_rm: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_class names a class in the model folder's code (BaichuanCharRM's way); output 1 is read."""
+    from transformers import AutoTokenizer, LlamaConfig, dynamic_module_utils
+
+    from rolemrc.eval.bench.reward import RewardJudge
+
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    folder = tmp_path / "charrm"
+    folder.mkdir()
+    (folder / "modeling_tinyrm.py").write_text(TINY_RM_CODE)
+    cfg = LlamaConfig.from_pretrained(tiny_rm)
+    namespace: dict = {}
+    exec(TINY_RM_CODE, namespace)
+    torch.manual_seed(1)
+    namespace["TinyCharRM"](cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_rm).save_pretrained(folder)
+    c = OmegaConf.create({"path": str(folder), "model_class": "modeling_tinyrm.TinyCharRM", "tokenizer_class": None,
+                          "output": 1, "scale": 4.0, "offset": 1.0, "max_length": 8, "dtype": "float32",
+                          "device": "cpu"})
+    rm = RewardJudge.load(c, "data.charactereval.reward_model")
+    assert type(rm.model).__name__ == "TinyCharRM"
+    text = "<RoleInfo>\n\n" + "很长的设定" * 20
+    assert len(rm.encode(text)) == 8 and rm.encode(text)[-1] == rm.tokenizer.eos_token_id  # the last 8 kept
+    ids = torch.tensor([rm.encode(text)])
+    with torch.no_grad():
+        want = rm.model(ids)[1].item() * 4 + 1
+    assert 1 <= rm.score(text) <= 5 and rm.score(text) == pytest.approx(want)
+    from rolemrc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model_class=modeling_nope.X: expected '<module>.<Class>' with "
+                                          r"<module>.py in the model folder"):
+        RewardJudge.load(OmegaConf.merge(c, {"model_class": "modeling_nope.X"}), "data.charactereval.reward_model")
+    with pytest.raises(ConfigError, match=r"output 0 holds \d+ numbers, not one score"):
+        RewardJudge.load(OmegaConf.merge(c, {"output": 0}), "data.charactereval.reward_model").score(text)

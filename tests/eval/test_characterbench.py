@@ -133,3 +133,21 @@ def test_templates_and_rows_that_differ_are_one_line_errors(tmp_path: Path) -> N
     (root / "engagement_test.json").write_text(json.dumps(rows, ensure_ascii=False, indent=2))
     with pytest.raises(DataError, match=r"engagement_test.json:2: field 'annotation_score' is missing"):
         cb.load(c)
+
+
+def test_prompt_template_and_json_replies(tmp_path: Path) -> None:
+    tpl = tmp_path / "rp.yaml"
+    tpl.write_text('zh: "[角色]{character_profile}[用户]{user_profile}[对话]{dialogue} 输出 {{\\"response\\": ...}}"\n')
+    c = OmegaConf.create({"root": str(SAMPLE), "languages": ["zh"], "dimensions": ["engagement"], "limit": 1,
+                          "prompt_template": str(tpl)})
+    s = cb.load(c)[0]
+    msgs = cb.conversation(s, cb.load_prompt_template(c, ["zh"])["zh"])
+    # The greeting opens as the character's turn, after an empty user turn (the authors' normalisation).
+    assert msgs == [{"role": "user", "content": "[角色]" + s.profile + "[用户]无[对话]user: \nassistant: 客人来啦，先坐，"
+                     "水快开了。\nuser: 乔老板，今年春茶怎么样？\nassistant: （笑）头一批芽嫩，像刚醒的孩子。\nuser: 那我能尝尝吗？"
+                     ' 输出 {"response": ...}'}]
+    assert cb.json_response('```json\n{"response": "（倒茶）尝吧"}\n```') == "（倒茶）尝吧"
+    assert cb.json_response("尝吧") is None and cb.json_response('{"reply": "x"}') is None
+    tpl.write_text('zh: "{character_profile} {history}"\n')
+    with pytest.raises(ConfigError, match=r"prompt_template=.*: zh: unknown placeholder\(s\) \{history\}"):
+        cb.load_prompt_template(c, ["zh"])

@@ -179,3 +179,30 @@ def test_reward_model_class_from_the_folders_own_code(tiny_rm: Path, tmp_path: P
         RewardJudge.load(OmegaConf.merge(c, {"model_class": "modeling_nope.X"}), "data.charactereval.reward_model")
     with pytest.raises(ConfigError, match=r"output 0 holds \d+ numbers, not one score"):
         RewardJudge.load(OmegaConf.merge(c, {"output": 0}), "data.charactereval.reward_model").score(text)
+
+
+def test_openai_generation_sends_the_authors_conversation(tiny_rm: Path, tmp_path: Path,
+                                                          api_key_env: tuple[str, str]) -> None:
+    from tests.fake_openai import FakeOpenAI, Request
+
+    sent: list[list[dict]] = []
+
+    def answer(req: Request) -> str:
+        sent.append(req.body["messages"])
+        return "老钟：慢慢来。\n多余的一行"
+
+    with FakeOpenAI(api_key=api_key_env[1], answer=answer) as server:
+        res = run(compose_eval("data=charactereval_sample", "generation.backend=openai", "generation.model=served",
+                               f"generation.base_url={server.base_url}", f"generation.api_key_env={api_key_env[0]}",
+                               f"data.charactereval.reward_model.path={tiny_rm}", f"out_dir={tmp_path / 'api'}"))
+    assert len(sent) == 4 and res["results"]["charactereval"]["scores"] == 12
+    profiles = json.loads((SAMPLE / "character_profiles.json").read_text())
+    first = next(m for m in sent if "小梅：钟伯伯" in m[-1]["content"] or "小梅：您上个月" in m[-1]["content"])
+    assert first[0] == {"role": "user", "content": f"{profiles['老钟']}\nPlay the character 老钟 described above and "
+                                                    "continue the dialogue as 老钟.\n"}
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant", "user"]
+    assert first[2:] == [{"role": "user", "content": "小梅：钟伯伯，我爷爷的怀表又不走了。"},
+                         {"role": "assistant", "content": "老钟：（戴上眼镜）拿来我瞧瞧。"},
+                         {"role": "user", "content": "小梅：您上个月才修过呢。"}]
+    rows = (tmp_path / "api" / "charactereval" / "scores.jsonl").read_text().splitlines()
+    assert all(json.loads(r)["reply"] == "老钟：慢慢来。" for r in rows)

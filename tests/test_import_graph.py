@@ -297,7 +297,7 @@ def test_checker_finds_lazy_relative_and_cyclic_imports(tmp_path: Path) -> None:
 # recipe modules, which sit above the parts they build with although they live in a package of
 # building blocks. Top to bottom; a unit imports units of its own layer or below, never above,
 # and the units form no cycle.
-RECIPE_MODULES = ["rolemrc.run.train", "rolemrc.eval.run", "rolemrc.eval.suites",
+RECIPE_MODULES = ["rolemrc.run.train", "rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.dialogue",
                   "rolemrc.eval.general", "rolemrc.probing.run", "rolemrc.synth.pipeline", "rolemrc.memory"]
 LAYERS: list[tuple[str, list[str]]] = [
     ("recipes", RECIPE_MODULES),
@@ -452,7 +452,7 @@ def imported_at_start(start: str, edges: list[Edge] = EDGES) -> dict[str, list[E
     return chains
 
 
-@pytest.mark.parametrize("start", ["rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general",
+@pytest.mark.parametrize("start", ["rolemrc.eval.run", "rolemrc.eval.suites", "rolemrc.eval.general", "rolemrc.eval.dialogue",
                                    "rolemrc.probing.run", "rolemrc.checkpointing", "rolemrc.memory",
                                    "rolemrc.run.resume", "rolemrc.sizing.formula", "rolemrc.sizing.decide"])
 def test_evaluation_probing_and_checkpoint_reading_start_without_lightning(start: str) -> None:

@@ -761,6 +761,16 @@ class PairwiseConfig:
 
 
 @dataclass
+class DialogueConfig:
+    """The dialogue mode of ``evaluate.py`` (``env=<name>``; rolemrc.eval.dialogue): a conversation
+    per seed, every reply judged, and each conversation judged once on role consistency."""
+
+    # a text file with the consistency judge's prompt ({conversation}, optional {turns} {task}; it
+    # must ask for a last line `VERDICT: 1|0`); None: rolemrc's own (rolemrc/assets/judge/consistency.txt)
+    consistency_template: Optional[str] = None
+
+
+@dataclass
 class EvaluateConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -778,6 +788,7 @@ class EvaluateConfig:
     compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
     pairwise: PairwiseConfig = field(default_factory=PairwiseConfig)  # judge A vs B (rolemrc.eval.pairwise)
     env: EnvConfig = field(default_factory=EnvConfig)  # conf/env: dialogue mode (a conversation per test seed)
+    dialogue: DialogueConfig = field(default_factory=DialogueConfig)  # the dialogue mode's consistency judge
 
 
 def register_evaluate(cs: ConfigStore) -> None:

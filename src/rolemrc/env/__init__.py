@@ -8,6 +8,8 @@
   OpenAI-compatible server or a local transformers model).
 - ``rollout.py``: :func:`roll`, conversations on any engine held as one token sequence each with a
   mask of the role-player's tokens (:class:`Conversation`), and :func:`summary`.
+- ``converse.py``: :func:`converse`, the same conversations held as text, for a role-player that
+  answers chat messages (a served model): :class:`Dialogue`, same episodes and end reasons.
 
 Environments are registered by name in :data:`ENVS` (``env.name``; ``none``: no environment, one
 reply per prompt); each class's ``build(env_cfg, **kwargs)`` takes what it needs of ``kwargs``.
@@ -18,13 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 from rolemrc.env.base import FAILED_ENDS, EnvError, Environment, Episode, Step, step_all
+from rolemrc.env.converse import Dialogue, Fault, Reply, converse
 from rolemrc.env.rollout import Conversation, roll, summary, text_after_reply
 from rolemrc.env.scripted import ScriptedEnv
 from rolemrc.env.user import LLMUserEnv
 from rolemrc.registry import Registry
 
-__all__ = ["ENVS", "FAILED_ENDS", "Conversation", "EnvError", "Environment", "Episode", "LLMUserEnv", "ScriptedEnv",
-           "Step", "make_env", "roll", "step_all", "summary", "text_after_reply"]
+__all__ = ["ENVS", "FAILED_ENDS", "Conversation", "Dialogue", "EnvError", "Environment", "Episode", "Fault",
+           "LLMUserEnv", "Reply", "ScriptedEnv", "Step", "converse", "make_env", "roll", "step_all", "summary",
+           "text_after_reply"]
 
 ENVS: Registry[Any] = Registry("env.name", doc="multi-turn environments (conf/env): who answers the role-player")
 ENVS.register("scripted", ScriptedEnv, doc="the user replays the row's user_turns (deterministic)")

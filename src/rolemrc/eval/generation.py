@@ -42,7 +42,7 @@ from rolemrc.config import plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
-from rolemrc.eval.judge import uses_evaluated_model
+from rolemrc.eval.judge import judge_config, make_judge, uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import count_parameters, load_model
 from rolemrc.probing.restraint import load_restraint
@@ -177,19 +177,20 @@ class GenerationStore:
             os.fsync(f.fileno())
 
 
-def check_settings(out_dir: str | Path, settings: Mapping[str, Any]) -> None:
-    """Refuse to resume into a folder whose generations were made with other settings
-    (another model, length limit, restraint...): mixing them would corrupt the scores."""
+def check_settings(out_dir: str | Path, settings: Mapping[str, Any], results: str = "generations.jsonl") -> None:
+    """Refuse to resume into a folder whose generations (``results``: the file holding them) were
+    made with other settings (another model, length limit, restraint...): mixing them would
+    corrupt the scores."""
     path = Path(out_dir) / "generation_settings.json"
     settings = json.loads(json.dumps(dict(settings)))  # normalise tuples etc. for comparison
-    if path.exists() and (Path(out_dir) / "generations.jsonl").exists():
+    if path.exists() and (Path(out_dir) / results).exists():
         old = json.loads(path.read_text(encoding="utf-8"))
         diff = {k: (old.get(k), settings.get(k)) for k in set(old) | set(settings) if old.get(k) != settings.get(k)}
         if diff:
             shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(
                 f"{out_dir} holds generations made with other settings ({shown}); use a new out_dir, "
-                "or delete generations.jsonl there to regenerate"
+                f"or delete {results} there to regenerate"
             )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -843,6 +844,17 @@ def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
     log.info("model %s: %s parameters", model_cfg.name, f"{count_parameters(model)[1]:,}")
     model.config.use_cache = True  # load_model turns it off for training; generation needs it
     return model.to(_device(cfg.generation.device)).eval()
+
+
+def build_judge(cfg: Any, model: Any | None, tokenizer: Any) -> Any:
+    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
+    from dataclasses import replace
+
+    j = judge_config(cfg.judge)
+    if uses_evaluated_model(j) and model is None and cfg.model.path is not None:
+        j = replace(j, model=cfg.model.path)  # generated with vllm: the evaluated model judges, loaded here
+    return make_judge(j, cache_dir=Path(cfg.out_dir) / "judge_cache", model=model, tokenizer=tokenizer,
+                      model_id=model_label(cfg), device=cfg.generation.device, progress=cfg.generation.progress)
 
 
 def restraint_hook(spec: str) -> Restraint:

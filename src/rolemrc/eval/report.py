@@ -200,13 +200,21 @@ def write_report(
     return paths
 
 
-def log_to_loggers(loggers: list[Any], scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str]) -> None:
-    """Scalars to each of ``loggers`` (:func:`rolemrc.parts.build_loggers`); the samples table to
-    those that take tables (W&B)."""
+def log_to_loggers(loggers: list[Any], scalars: Mapping[str, float], rows: list[list[Any]], columns: list[str], *,
+                   tables: Mapping[str, tuple[list[str], list[list[Any]]]] | None = None,
+                   images: Mapping[str, Path] | None = None) -> None:
+    """Scalars to each of ``loggers`` (:func:`rolemrc.parts.build_loggers`); the samples table and
+    ``tables`` (key -> (columns, rows)) to those that take tables, ``images`` (key -> PNG) to those
+    that take images (W&B)."""
     for lg in loggers:
         lg.log_metrics(dict(scalars), step=0)
         if hasattr(lg, "log_table"):
             lg.log_table(key="samples", columns=columns, data=rows)
+            for key, (cols, data) in (tables or {}).items():
+                lg.log_table(key=key, columns=cols, data=data)
+        if hasattr(lg, "log_image"):
+            for key, path in (images or {}).items():
+                lg.log_image(key=key, images=[str(path)])
         lg.finalize("success")
         if type(lg).__name__ == "WandbLogger":
             lg.experiment.finish()  # flush now: tests and sweeps run several evaluations per process

@@ -37,7 +37,7 @@ from rolemrc.fileio import atomic_write_text
 log = logging.getLogger(__name__)
 
 SAVED = "run_config.yaml"
-RESULTS = ("generations.jsonl", "metrics.json", "judge.jsonl", "summary.md")
+RESULTS = ("generations.jsonl", "dialogues.jsonl", "metrics.json", "judge.jsonl", "summary.md")
 # Keys that change no result: they may differ from the saved run (the new value is used).
 RUNTIME = (
     "out_dir", "run_dir", "logger",

@@ -22,12 +22,12 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
-    GenerationStore, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
+    GenerationStore, build_judge, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
     load_eval_model, model_label, prepare_generation,
 )
-from rolemrc.eval import pairwise
+from rolemrc.eval import dialogue, pairwise
 from rolemrc.eval.judge import (
-    JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, make_judge, uses_evaluated_model,
+    JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, uses_evaluated_model,
 )
 from rolemrc.eval.metrics import (
     BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_info, rouge_l, rouge_scores,
@@ -91,18 +91,6 @@ def _bertscore(bs: Any) -> BertScoreConfig:
     return BertScoreConfig(model=bs.model, num_layers=bs.num_layers, batch_size=bs.batch_size, device=bs.device)
 
 
-def build_judge(cfg: DictConfig, model: Any | None, tokenizer: Any) -> Any:
-    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
-    from dataclasses import replace
-
-
-    j = judge_config(cfg.judge)
-    if uses_evaluated_model(j) and model is None and cfg.model.path is not None:
-        j = replace(j, model=cfg.model.path)  # generated with vllm: the evaluated model judges, loaded here
-    return make_judge(j, cache_dir=Path(cfg.out_dir) / "judge_cache", model=model, tokenizer=tokenizer,
-                      model_id=model_label(cfg), device=cfg.generation.device, progress=cfg.generation.progress)
-
-
 # ---------------------------------------------------------------- loggers
 
 
@@ -126,6 +114,8 @@ def _scalars(metrics: Any, judge_table: Mapping[str, Any] | None) -> dict[str, f
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate as configured; returns paths, counts and the judge's run stats."""
+    if dialogue.enabled(cfg):  # env=<name>: a conversation per seed, judged by turn (rolemrc.eval.dialogue)
+        return dialogue.run_dialogues(cfg)
     check_data_dir(cfg.data)  # data=local without data.dir: named before anything loads
     compare_pairs = pairwise.enabled(cfg)
     if wants_suites(cfg):

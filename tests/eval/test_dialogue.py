@@ -183,6 +183,47 @@ def test_openai_text_loop_resumes_and_reads_whole_conversations_from_a_file(
                              f"out_dir={tmp_path / 'file2'}"))
 
 
+def test_an_llm_user_env_its_failures_unscored_then_resumed(tmp_path: Path, api_key_env: tuple[str, str]) -> None:
+    """env=llm_user (any registered environment): the served user talks with the served model; a
+    user that fails for one conversation leaves it unfinished, never scored; the rerun holds only
+    that one, the others' user turns and replies from the caches."""
+    key = api_key_env[0]
+    broken = {"on": True}
+    first_turn = SEEDS[0]["prompt"][-1]["content"]
+
+    def answer(req: Request) -> str:
+        model = req.body["model"]
+        if model == "user-test":
+            return f"And what about the sea? (turn {sum(m['role'] == 'assistant' for m in req.body['messages'])})"
+        if model == "judge-test":
+            return judge_answer(req)
+        return served_reply(req)
+
+    def faults(req: Request) -> str | None:
+        text = json.dumps(req.body["messages"])
+        return "unavailable" if broken["on"] and req.body["model"] == "user-test" and first_turn in text else None
+
+    out = tmp_path / "eval"
+    with FakeOpenAI(api_key=api_key_env[1], answer=answer, faults=faults) as server:
+        args = [*FAST, "env=llm_user", "env.max_turns=2", "limit=2", "generation.backend=openai",
+                "generation.model=served-test", f"generation.base_url={server.base_url}",
+                f"generation.api_key_env={key}", "env.user.model=user-test", f"env.user.base_url={server.base_url}",
+                f"env.user.api_key_env={key}", "env.user.max_attempts=1", "env.user.backoff_s=0.01",
+                f"out_dir={out}", *judge_args(server, key)]
+        with pytest.raises(GenerationIncomplete, match="1 of 2 conversations unfinished.*user_failed"):
+            run(compose_eval(*args))
+        assert len((out / "dialogues.jsonl").read_text().splitlines()) == 1
+        broken["on"] = False
+        before = server.requests
+        run(compose_eval(*args))
+        records = [json.loads(x) for x in (out / "dialogues.jsonl").read_text().splitlines()]
+        assert [r["reason"] for r in records] == ["turn_cap", "turn_cap"]
+        assert [m["role"] for m in records[1]["messages"]][2:] == ["assistant", "user", "assistant"]
+        # the failed conversation: 1 user turn + 1 reply asked again (its first reply cached), then the judge
+        judge_requests = 2 * 2 + 2  # NI per reply, one consistency each
+        assert server.requests - before == 2 + judge_requests
+
+
 def test_text_loop_end_reasons_and_faults() -> None:
     rows = [{"messages": [{"role": s["role"].lower(), "content": s["content"]} for s in seed["prompt"]],
              "columns": {"user_turns": seed["user_turns"]}} for seed in SEEDS[:4]]

@@ -89,7 +89,9 @@ class SourceConfig:
     split: Optional[str] = None
     name: Optional[str] = None
     data_files: Optional[Any] = None
-    format: str = "auto"  # auto | rolebench (adapter to the SFT shape)
+    # auto | rolebench (RoleBench rows: SFT, test or prompts) | dialogue (prompts: a multi-turn dialogue as a
+    # conversation seed, its later user turns in `user_turns`, its replies in `reference_turns`)
+    format: str = "auto"
     roles: Optional[RolesConfig] = None  # format: rolebench: RoCIT profiles/template (rolemrc.data.roles)
 
 

@@ -57,3 +57,67 @@ def test_bad_records_name_file_line_and_field(tmp_path):
 def test_sample_test_items_read_as_prompts():
     items, _ = read_examples([{"path": str(asset("sample/test.jsonl"))}], "prompts")
     assert len(items) == 54 and sum(i.rule is not None for i in items) == 12
+
+
+def test_dialogue_seeds_from_rolemrc_and_rolebench_through_the_store(tmp_path):
+    """data=rolemrc_dialogues_sample: RoleMRC dialogues (format: dialogue) and RoleBench rows (format:
+    rolebench) become prompt rows in the store, each with its later user turns (which env=scripted
+    replays) and the dialogue's replies as per-turn references."""
+    from transformers import AutoTokenizer
+
+    from rolemrc.data.datamodule import ChatDataModule
+    from rolemrc.data.templates import ChatFormat
+    from rolemrc.env import ScriptedEnv
+    from tests.conftest import compose_train
+
+    cfg = compose_train(["data=rolemrc_dialogues_sample", f"data.cache_dir={tmp_path / 'cache'}"]).data
+    chat = ChatFormat(AutoTokenizer.from_pretrained(asset("tokenizers/tiny-llama3")))
+    dm = ChatDataModule(cfg, "prompts", chat)
+    dm.setup()
+    rows = list(dm.train_rows)
+    assert dm.store is not None  # read through the store, as every prompt row
+    lines = [json.loads(x) for x in open(asset("sample/rolemrc_dialogues.jsonl"), encoding="utf-8")]
+    dialogues = [r for r in rows if r["columns"]["task"] != "rolebench"]
+    rolebench = [r for r in rows if r["columns"]["task"] == "rolebench"]
+    assert len(dialogues) == len(lines) == 6 and len(rolebench) == 4
+    by_first = {r["messages"][-1]["content"]: r for r in dialogues}
+    for record in lines:
+        conv = [{"role": m["role"].lower(), "content": m["content"]} for m in record["conversations"]]
+        first = next(i for i, m in enumerate(conv) if m["role"] == "user")
+        row = by_first[conv[first]["content"]]
+        assert row["messages"] == conv[:first + 1]  # system (+ the role's own opening) + the first user turn
+        assert row["columns"]["user_turns"] == [m["content"] for m in conv[first + 1:] if m["role"] == "user"]
+        assert row["columns"]["reference_turns"] == [m["content"] for m in conv[first + 1:] if m["role"] == "assistant"]
+        assert row["columns"]["reference"] == row["columns"]["reference_turns"][0]
+        assert row["columns"]["task"] == record["task"]
+        assert row["columns"].get("user_persona") == record.get("user_persona")  # other fields kept
+        assert row["prompt_ids"] == chat.encode_prompt(row["messages"])
+        episode = ScriptedEnv().reset(row)  # the scripted user replays the dialogue's own later turns
+        said = [episode.step([], "r").user for _ in row["columns"]["user_turns"]]
+        assert said == row["columns"]["user_turns"] and episode.step([], "r").reason == "script_end"
+    role_first = [r for r in dialogues if r["messages"][1]["role"] == "assistant"]
+    assert len(role_first) == 2
+    for row in rolebench:
+        assert [m["role"] for m in row["messages"]] == ["system", "user"] and row["columns"]["reference"]
+        assert "user_turns" not in row["columns"]  # a one-turn seed: a simulated user goes on from it
+
+
+def test_bad_dialogue_records_name_file_line_and_field(tmp_path):
+    sys_msg, user, asst = ({"role": r, "content": "x"} for r in ("System", "User", "Assistant"))
+    path = _write(tmp_path, [
+        {"conversations": [sys_msg, user, asst, user, asst]},
+        {"conversations": [sys_msg, asst]},
+        {"conversations": [sys_msg, user, asst], "user_turns": ["again"]},
+        {"conversations": [sys_msg, user, user]},
+        {"messages": [{"role": "Narrator", "content": "x"}]},
+    ])
+    with pytest.raises(DataError) as err:
+        read_examples([{"path": str(path), "format": "dialogue"}], "prompts")
+    msg = str(err.value)
+    assert "4 invalid prompts record(s)" in msg
+    assert f"{path}:2: conversations: no User turn" in msg
+    assert f"{path}:3: field 'user_turns': a dialogue's turns come from 'conversations'" in msg
+    assert f"{path}:4: conversations[2]: two user turns in a row" in msg
+    assert f"{path}:5: messages[0].role: unknown role 'Narrator'" in msg
+    with pytest.raises(ValueError, match="format 'dialogue' is not readable as sft data"):
+        read_examples([{"path": str(path), "format": "dialogue"}], "sft")

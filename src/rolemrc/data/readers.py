@@ -20,14 +20,16 @@ from typing import Any
 
 from rolemrc.config import SourceConfig, as_schema
 from rolemrc.data.roles import rolebench_parser
-from rolemrc.data.schemas import PARSERS, DataError, RecordError
+from rolemrc.data.schemas import PARSERS, DataError, RecordError, parse_dialogue
 from rolemrc.errors import InputNotFound
 
 log = logging.getLogger(__name__)
 
 # Source ``format`` values other than "auto", by data kind: RoleBench rows become SFT conversations
-# (with RoCIT system instructions) or test items (every reference answer kept).
-FORMATS = {("sft", "rolebench"), ("test", "rolebench")}
+# (with RoCIT system instructions), test items (every reference answer kept) or prompts (conversation
+# seeds); ``dialogue``: a multi-turn conversation read as a prompt with its later user turns
+# (``user_turns``) and its own replies (``reference_turns``), a seed for multi-turn environments.
+FORMATS = {("sft", "rolebench"), ("test", "rolebench"), ("prompts", "rolebench"), ("prompts", "dialogue")}
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -189,6 +191,21 @@ def load_hub(source: SourceConfig) -> Any:
         ) from err
 
 
+def record_parser(kind: str, source: SourceConfig) -> Callable[[Any], Any]:
+    """The function turning one raw record of ``source`` into an example of ``kind`` (its
+    ``format``: auto, rolebench with the source's RoCIT ``roles``, dialogue)."""
+    fmt = str(source.format or "auto")
+    if fmt != "auto" and (kind, fmt) not in FORMATS:
+        usable = sorted(f for k, f in FORMATS if k == kind)
+        raise ValueError(f"data source {source.path}: format {fmt!r} is not readable as {kind} data"
+                         + (f" (for {kind}: auto, {', '.join(usable)})" if usable else ""))
+    if fmt == "rolebench":  # RoCIT system instructions from the source's `roles` (profiles, template)
+        return rolebench_parser(kind, source.roles)
+    if fmt == "dialogue":
+        return parse_dialogue
+    return PARSERS[kind]
+
+
 def read_examples(
     sources: list[SourceConfig | Mapping[str, Any]], kind: str, on_error: str = "raise", seed: int = 0, max_shown: int = 20,
     holdout: float = 0.0,
@@ -210,12 +227,7 @@ def read_examples(
     errors: list[str] = []
     for index, source in enumerate(sources):
         label = str(source.path)
-        fmt = str(source.format or "auto")
-        if fmt != "auto" and (kind, fmt) not in FORMATS:
-            raise ValueError(f"data source {label}: format {fmt!r} is not readable as {kind} data")
-        parse: Callable[[Any], Any] = PARSERS[kind]
-        if fmt == "rolebench":  # RoCIT system instructions from the source's `roles` (profiles, template)
-            parse = rolebench_parser(kind, source.roles)
+        parse = record_parser(kind, source)
         kept: list[Any] = []
         n_bad = 0
         for file, line, record in iter_source(source):

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolemrc.data.schemas import Conversation, Message, RecordError, TestItem, check_turn_order, normalise_messages
+from rolemrc.data.schemas import (
+    Conversation, Message, PromptItem, RecordError, TestItem, check_turn_order, normalise_messages,
+)
 from rolemrc.config import plain
 from rolemrc.errors import ConfigError, InputNotFound
 
@@ -202,7 +204,7 @@ def rolebench_row(record: Any, system: Callable[[str], str]) -> tuple[list[Messa
 
 
 def rolebench_parser(kind: str, roles: Any = None) -> Callable[[Any], Any]:
-    """The record parser of a ``format: rolebench`` source of ``kind`` ("sft" or "test"),
+    """The record parser of a ``format: rolebench`` source of ``kind`` ("sft", "test" or "prompts"),
     rendering system instructions with the source's ``roles`` (RoCIT)."""
     system = RoleSystem(roles)
     if kind == "sft":
@@ -222,4 +224,13 @@ def rolebench_parser(kind: str, roles: Any = None) -> Callable[[Any], Any]:
             return TestItem("rolebench", prompt, refs[0], extra=extra)
 
         return parse_test
+    if kind == "prompts":  # a conversation seed: the RoCIT system message and the question
+        def parse_prompt(record: Any) -> PromptItem:
+            prompt, refs, role = rolebench_row(record, system)
+            extra: dict[str, Any] = {"references": refs}
+            if role:
+                extra["rolebench_role"] = role
+            return PromptItem(prompt, task="rolebench", reference=refs[0], extra=extra)
+
+        return parse_prompt
     raise ValueError(f"format 'rolebench' is not readable as {kind} data")

@@ -268,6 +268,40 @@ def parse_prompt(record: Any) -> PromptItem:
     return PromptItem(prompt=prompt, task=task, rule=_rules(record.get("rule")), reference=reference, extra=extra)
 
 
+DIALOGUE_FIELDS = ("user_turns", "reference_turns")  # what a dialogue seed adds to its prompt row
+
+
+def parse_dialogue(record: Any) -> PromptItem:
+    """A multi-turn dialogue as the seed of a conversation (a ``format: dialogue`` prompts source):
+    RoleMRC's SFT shape ``{"conversations": [...], "task"?}`` (or ``messages``). The prompt is the
+    dialogue up to its first user turn (the system message with the role profile, and an assistant
+    opening first when the role speaks first); ``user_turns`` are its later user turns (the script
+    ``env=scripted`` replays, the questions ``env=llm_user`` has in mind); ``reference_turns`` are its
+    own assistant turns after the first user turn, the k-th answering the k-th user turn (the first
+    is also ``reference``). Other fields of the record are kept as columns."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, expected a JSON object")
+    key = "conversations" if "conversations" in record or "messages" not in record else "messages"
+    messages = normalise_messages(_field(record, key), key)
+    check_turn_order(messages, key, last=None)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise RecordError(f"{key}: no User turn: a dialogue seed opens with the user's first turn")
+    clash = [f for f in (*DIALOGUE_FIELDS, "reference") if f in record]
+    if clash:
+        raise RecordError(f"field {clash[0]!r}: a dialogue's turns come from {key!r}; remove the field, or read the "
+                          "record without format: dialogue")
+    later = messages[first + 1:]
+    task = record.get("task")
+    if task is not None and not isinstance(task, str):
+        raise RecordError(f"field 'task' must be a string, got {type(task).__name__}")
+    references = [m["content"] for m in later if m["role"] == "assistant"]
+    extra = {k: v for k, v in record.items() if k not in (key, "task", "rule")}
+    extra.update(user_turns=[m["content"] for m in later if m["role"] == "user"], reference_turns=references)
+    return PromptItem(prompt=messages[:first + 1], task=task, rule=_rules(record.get("rule")),
+                      reference=references[0] if references else None, extra=extra)
+
+
 def parse_unpaired(record: Any) -> Unpaired:
     """TRL's unpaired preference records, conversational: ``{"prompt": [...messages], "completion":
     "text" or [{"role": "assistant", "content": "text"}], "label": true|false}``. A string prompt

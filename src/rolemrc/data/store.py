@@ -74,9 +74,8 @@ from tqdm.auto import tqdm
 from rolemrc.config import DataConfig, SourceConfig
 from rolemrc.data import readers
 from rolemrc.data.packing import plan_packs
-from rolemrc.data.readers import FORMATS, iter_source, mix, source_config, split_holdout
-from rolemrc.data.roles import rolebench_parser
-from rolemrc.data.schemas import PARSERS, DataError, RecordError
+from rolemrc.data.readers import iter_source, mix, source_config, split_holdout
+from rolemrc.data.schemas import DataError, RecordError
 from rolemrc.data.templates import ChatFormat, TemplateRenderError, check_pair_lengths
 from rolemrc.errors import ConfigError, StorageError
 from rolemrc.fileio import storage_error
@@ -545,13 +544,7 @@ def _run(pool: Any, tasks: Iterator[tuple[int, list]], num_proc: int) -> Iterato
 
 
 def _parsers(kind: str, sources: list[SourceConfig]) -> list[Any]:
-    out = []
-    for source in sources:
-        fmt = str(source.format or "auto")
-        if fmt != "auto" and (kind, fmt) not in FORMATS:
-            raise ValueError(f"data source {source.path}: format {fmt!r} is not readable as {kind} data")
-        out.append(rolebench_parser(kind, source.roles) if fmt == "rolebench" else PARSERS[kind])
-    return out
+    return [readers.record_parser(kind, source) for source in sources]
 
 
 def _input_bytes(sources: list[SourceConfig]) -> int | None:

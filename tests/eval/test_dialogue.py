@@ -7,6 +7,7 @@ text loop (rolemrc.env.converse) against the loopback server; conversations from
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +234,7 @@ def test_text_loop_end_reasons_and_faults() -> None:
     assert [x.turns for x in d] == [2, 1, 1, 0] and d[3].error == "down" and not d[3].finished
 
 
-def test_bad_consistency_template_and_loggers(tmp_path: Path, api_key_env: tuple[str, str]) -> None:
+def test_bad_consistency_template_no_matplotlib_and_loggers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "t.txt"
     bad.write_text("Judge {dialogue}.\nVERDICT: 1 or 0")
     with pytest.raises(ConfigError, match=r"dialogue.consistency_template=.*unknown placeholder\(s\) \{dialogue\}"):
@@ -241,6 +242,12 @@ def test_bad_consistency_template_and_loggers(tmp_path: Path, api_key_env: tuple
     bad.write_text("Judge {conversation}.")
     with pytest.raises(ConfigError, match="never asks for the verdict line"):
         dialogue.load_template(str(bad))
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the plot is skipped, the report says so
+    rows = [{"turn": 1, "replies": 1, "judge": {}, "rule": 1.0, "rule_n": 1}]
+    note = dialogue.plot(rows, None, tmp_path / "p.png")
+    assert "matplotlib is not installed" in note and not (tmp_path / "p.png").exists()
+    assert f"Plot: {note}" in dialogue.render("scripted", 3, [], ["turn"], [[1]], None, note, 0)
 
     class Logger:  # what the W&B logger is given
         def __init__(self) -> None:

@@ -6,6 +6,7 @@ from a config runs the whole path, a scripted loopback judge checks the numbers.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -61,8 +62,19 @@ def test_scripted_judge_prompts_and_authors_aggregation(tmp_path: Path, api_key_
 
     out = tmp_path / "cb"
     with FakeOpenAI(api_key=api_key_env[1], answer=answer) as server:
-        res = run(compose_eval(*FILE, "judge=openai", "judge.model=CharacterJudge", f"judge.base_url={server.base_url}",
-                               f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=1", f"out_dir={out}"))
+        judge = ["judge=openai", "judge.model=CharacterJudge", f"judge.base_url={server.base_url}",
+                 f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=1"]
+        res = run(compose_eval(*FILE, *judge, f"out_dir={out}"))
+        # An empty reply is not judged, and the scale is the largest annotation score of the rows judged
+        # (the authors' results file): zh engagement's row with score 4 left out, the other (2) answered 3.0.
+        replies = tmp_path / "replies.jsonl"
+        replies.write_text((SAMPLE / "replies.jsonl").read_text().replace("（倒茶）尝吧，第一口先闻香。", ""))
+        small = run(compose_eval("data=characterbench_sample", "generation.backend=file", f"generation.path={replies}",
+                                 "generation.on_missing=skip", "data.characterbench.languages=[zh]",
+                                 "data.characterbench.dimensions=[engagement]", *judge, f"out_dir={tmp_path / 'small'}"))
+    small = small["results"]["characterbench"]
+    assert small["replies_empty"] == 1
+    assert small["languages"]["zh"]["dimensions"]["engagement"]["score"] == pytest.approx(3.0 / 2 * 5)
     doc = res["results"]["characterbench"]
     zh, en = doc["languages"]["zh"]["dimensions"], doc["languages"]["en"]["dimensions"]
     # engagement's largest annotation score is 4: zh (4 + 3.0 fallback) / 2 / 4 * 5; strict: 4 / 4 * 5
@@ -126,8 +138,10 @@ def test_templates_and_rows_that_differ_are_one_line_errors(tmp_path: Path) -> N
     rows[1]["dialogue"][1]["speaker"] = "路人"
     (root / "engagement_test.json").write_text(json.dumps(rows, ensure_ascii=False, indent=2))
     c = OmegaConf.create({"root": str(root), "languages": ["zh"], "dimensions": ["engagement"], "limit": None})
-    with pytest.raises(DataError, match=r"engagement_test.json:\d+: dialogue\[1\]: speaker '路人' is neither"):
-        cb.load(c)
+    sessions, dropped = cb.load(c)  # left out (both languages), as the authors' process.py leaves it out
+    assert [s.id for s in sessions] == ["zh/engagement/1"]
+    assert len(dropped) == 1 and re.search(r"engagement_test.json:\d+: dialogue\[1\]: speaker '路人' is neither",
+                                            dropped[0])
     rows[1]["dialogue"][1]["speaker"] = "character"
     del rows[0]["annotation_score"]
     (root / "engagement_test.json").write_text(json.dumps(rows, ensure_ascii=False, indent=2))
@@ -140,7 +154,7 @@ def test_prompt_template_and_json_replies(tmp_path: Path) -> None:
     tpl.write_text('zh: "[角色]{character_profile}[用户]{user_profile}[对话]{dialogue} 输出 {{\\"response\\": ...}}"\n')
     c = OmegaConf.create({"root": str(SAMPLE), "languages": ["zh"], "dimensions": ["engagement"], "limit": 1,
                           "prompt_template": str(tpl)})
-    s = cb.load(c)[0]
+    s = cb.load(c)[0][0]
     msgs = cb.conversation(s, cb.load_prompt_template(c, ["zh"])["zh"])
     # The greeting opens as the character's turn, after an empty user turn (the authors' normalisation).
     assert msgs == [{"role": "user", "content": "[角色]" + s.profile + "[用户]无[对话]user: \nassistant: 客人来啦，先坐，"

@@ -25,8 +25,8 @@ a system message (``judge_system``) and that user message to the judge (``judge=
 judge.model=<CharacterJudge>``, greedy; or ``judge=openai`` for a served copy). The score is the
 answer's first line read as a number; an answer that is not one counts as 3.0 in the authors'
 figure (their fallback) and is left out of the strict one; an empty reply is not judged, as
-theirs. Per file: the mean score over the largest annotation score of the file (its scale)
-times 5; the average: the mean over the files.
+theirs. Per file: the mean score over the largest annotation score of the rows judged (on the
+whole file, its scale) times 5; the average: the mean over the files.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ FALLBACK = 3.0  # the authors' score for an answer that is not a number
 BASE_FIELDS = {"character_profile", "dialogue", "user_query", "character_response"}
 
 
+class Dropped(DataError):
+    """A session the authors' normalisation rejects (their ``process.py`` leaves it out, in both
+    languages): counted and named in the log, not an error."""
+
+
 @dataclass
 class Session:
     lang: str
@@ -117,22 +122,22 @@ def _turns(view: dict[str, Any], lang: str, where: str) -> list[dict[str, str]]:
             elif out and out[-1]["role"] == "user":
                 role = "assistant"
             else:
-                raise DataError(f"{turn}: speaker {speaker!r} is neither the user nor the character")
+                raise Dropped(f"{turn}: speaker {speaker!r} is neither the user nor the character")
         elif speaker == "user" or (speaker != "character" and speaker == user):
             role = "user"
         elif speaker == "character" or speaker == name:
             role = "assistant"
         else:
-            raise DataError(f"{turn}: speaker {speaker!r} is neither the user ({user!r}) nor the character ({name!r})")
+            raise Dropped(f"{turn}: speaker {speaker!r} is neither the user ({user!r}) nor the character ({name!r})")
         out.append({"role": role, "content": text})
     if not out or out[-1]["role"] != "user":
-        raise DataError(f"{where}: the dialogue must end with the user's turn (the one the character answers)")
+        raise Dropped(f"{where}: the dialogue must end with the user's turn (the one the character answers)")
     greeting = view.get("greeting") or ""
     if greeting == "N/A" and lang == "en":
         greeting = ""
     if greeting:
         if out[0]["role"] != "user":
-            raise DataError(f"{where}: a session with a greeting must start with the user's turn")
+            raise Dropped(f"{where}: a session with a greeting must start with the user's turn")
         out.insert(0, {"role": "assistant", "content": str(greeting)})
     return out
 
@@ -178,7 +183,8 @@ def _session(row: Any, lang: str, dim: str, where: str) -> Session:
                    fields, gold)
 
 
-def load(c: Any) -> list[Session]:
+def load(c: Any) -> tuple[list[Session], list[str]]:
+    """The sessions of the chosen files and languages, and why each left-out row was left out."""
     root = Path(str(c.root)).expanduser()
     if not root.is_dir():
         raise InputNotFound(f"data.characterbench.root: not a folder: {root} (CharacterBench's eval_data/raw_data)")
@@ -190,6 +196,7 @@ def load(c: Any) -> list[Session]:
     if bad or not c.languages:
         raise ConfigError(f"data.characterbench.languages: use zh and/or en, got {list(c.languages)}")
     out: list[Session] = []
+    dropped: list[str] = []
     for dim in dims:
         path = root / f"{dim}_test.json"
         rows = read_json_list(path, f"CharacterBench's {dim}_test.json")
@@ -200,9 +207,16 @@ def load(c: Any) -> list[Session]:
             if rid in seen:
                 raise DataError(f"{where}: id {rid} again (first at {seen[rid]})")
             seen[rid] = where
-            for lang in c.languages:
-                out.append(_session(row, lang, dim, where))
-    return out
+            try:  # a row either language's normalisation rejects is left out of both, as theirs
+                both = {lang: _session(row, lang, dim, where) for lang in LANGUAGES}
+            except Dropped as e:
+                dropped.append(str(e))
+                continue
+            out += [both[lang] for lang in c.languages]
+    if dropped:
+        log.warning("CharacterBench: %d rows left out, as the authors' process.py leaves them out (first: %s)",
+                    len(dropped), "; ".join(dropped[:3]))
+    return out, dropped
 
 
 # ---------------------------------------------------------------- prompts
@@ -403,7 +417,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     langs, dims = list(c.languages), list(c.dimensions or DIMENSIONS)
     templates = load_templates(c, langs, dims)
     gen_templates = load_prompt_template(c, langs)
-    sessions = load(c)
+    sessions, dropped = load(c)
     items = [TestItem(f"characterbench_{s.lang}", conversation(s, gen_templates[s.lang] if gen_templates else None),
                       "", origin=s.where, extra={"id": s.id}) for s in sessions]
     replies = ctx.generate("characterbench", items)
@@ -432,7 +446,8 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         per: dict[str, Any] = {}
         for dim in dims:
             mine = [x for x in rows if x["language"] == lang and x["dimension"] == dim]
-            golds = [s.gold for s in sessions if s.lang == lang and s.dim == dim]
+            # The authors' scale: the largest annotation score among the rows judged (their results file)
+            golds = [x["gold"] for x in mine if x["status"] in ("ok", "unparseable")]
             top = max(golds) if golds else None
             ok = [x["score"] for x in mine if x["status"] == "ok"]
             authors = ok + [FALLBACK] * sum(x["status"] == "unparseable" for x in mine)
@@ -447,7 +462,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     (out_dir / "judgements.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows),
                                               encoding="utf-8")
     res: dict[str, Any] = {"languages": table, "dimension_order": dims, "judge": stats, "sessions": len(sessions),
-                           **counts}
+                           "rows_left_out": len(dropped), "rows_left_out_why": dropped[:20], **counts}
     failed = sum(x["status"] in ("failed", "budget_exhausted") for x in rows)
     if failed:
         res["missing"] = f"CharacterBench judge: {len(rows) - failed} of {len(rows)} answers obtained, {failed} failed"
@@ -461,7 +476,7 @@ def _f(x: float | None) -> str:
 def render(res: dict[str, Any]) -> str:
     langs = list(res["languages"])
     lines = [f"## CharacterBench (judge: {res['judge']['judge_model']})", "",
-             "Per test file: mean judge score / the file's largest annotation score x 5 (unparseable answers count "
+             "Per test file: mean judge score / the largest annotation score of the rows judged x 5 (unparseable answers count "
              "3.0, as the authors' all_eval.py; strict: left out); average: the mean over the files.", "",
              "| dimension | " + " | ".join(f"{x} | {x} strict | {x} unparseable" for x in langs) + " |",
              "|---|" + "---|---|---|" * len(langs)]
@@ -472,7 +487,9 @@ def render(res: dict[str, Any]) -> str:
             cells += [_f(d["score"]), _f(d["score_strict"]), f"{d['n_unparseable']}/{d['n']}"]
         lines.append(f"| {dim} | " + " | ".join(cells) + " |")
     lines.append("| **average** | " + " | ".join(f"{_f(res['languages'][x]['average'])} | |" for x in langs) + " |")
-    notes = [f"{res[k]} {w}" for k, w in (("replies_missing", "sessions without a reply"),
+    notes = [f"{res[k]} {w}" for k, w in (("rows_left_out", "rows left out as the authors' process.py leaves them out "
+                                                             "(speakers it cannot place; metrics.json says why)"),
+                                          ("replies_missing", "sessions without a reply"),
                                           ("replies_empty", "empty replies (not judged, as the authors)"),
                                           ("replies_not_json", "replies without a JSON 'response' (not judged)"))
              if res[k]]

@@ -25,8 +25,8 @@ from rolemrc.config_objectives import (  # noqa: F401
     SimPOObjectiveConfig, VLLM_MODES, check_sync_ref, model_head, one_of, source_group,
 )
 from rolemrc.config_suites import (
-    BenchmarksConfig, CharacterBenchConfig, CharacterEvalConfig, CharacterLLMConfig, CompareConfig, PersonaGymConfig,
-    RoleBenchConfig, RolesConfig,
+    BenchmarksConfig, CharacterBenchConfig, CharacterEvalConfig, CharacterLLMConfig, CompareConfig, CoserConfig,
+    PersonaGymConfig, RoleBenchConfig, RolesConfig,
 )
 from rolemrc.errors import ConfigError
 from rolemrc.hydra_errors import SCHEMA_SUFFIX, install as _hydra_errors_in_one_line, live_options
@@ -127,6 +127,7 @@ class DataConfig:
     personagym: Optional[PersonaGymConfig] = None  # evaluate.py: PersonaGym's PersonaScore (rolemrc.eval.bench)
     charactereval: Optional[CharacterEvalConfig] = None  # evaluate.py: CharacterEval, scored by its reward model
     characterbench: Optional[CharacterBenchConfig] = None  # evaluate.py: CharacterBench, judged by CharacterJudge
+    coser: Optional[CoserConfig] = None  # evaluate.py: CoSER given-circumstance acting (rolemrc.eval.bench.coser)
 
 
 @dataclass

@@ -140,6 +140,44 @@ class CharacterBenchConfig:
 
 
 @dataclass
+class SideModelConfig:
+    """A model that CoSER's scene simulation asks besides the evaluated one (the Environment, the
+    next-speaker pick); the keys mean what they mean under ``judge``."""
+
+    backend: str = "openai"  # openai | hf (a local model; model null = the evaluated one)
+    model: Optional[str] = None  # environment: gpt-4o, nsp: gpt-4o-mini (the authors' defaults)
+    max_tokens: int = 512  # the authors' limit for every agent's turn
+    temperature: float = 0.0
+    dtype: str = "auto"
+    device: Optional[str] = None
+    base_url: Optional[str] = None
+    api_key_env: Optional[str] = "OPENAI_API_KEY"
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    max_attempts: int = 5
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    max_requests: Optional[int] = None
+
+
+@dataclass
+class CoserConfig:
+    """CoSER given-circumstance acting (:mod:`rolemrc.eval.bench.coser`)."""
+
+    test_file: str = MISSING  # CoSER's data/test/test_set.json
+    # YAML holding the prompts (character, environment, nsp, judge, dimensions): the authors' text, which
+    # rolemrc does not ship; the sample's is rolemrc's own short stand-in
+    templates: str = MISSING
+    limit: Optional[int] = None  # the first N scenes; None: all (evaluate's `limit` if set)
+    max_rounds: int = 20  # turns per scene (each: one speaker, then the next-speaker pick)
+    end_after: int = 5  # <END CHAT> ends a scene only from round end_after (0-based) on
+    seed: int = 42  # the random pick that replaces an unusable next-speaker answer (per scene)
+    # who plays the Environment and who picks the next speaker (the authors' defaults)
+    environment: SideModelConfig = field(default_factory=lambda: SideModelConfig(model="gpt-4o"))
+    nsp: SideModelConfig = field(default_factory=lambda: SideModelConfig(model="gpt-4o-mini"))
+
+
+@dataclass
 class BenchmarksConfig:
     """General-ability benchmarks through lm-evaluation-harness (:mod:`rolemrc.eval.general`)."""
 
@@ -164,7 +202,8 @@ class CompareConfig:
 SUITE_SCHEMAS = {"data.rolebench": RoleBenchConfig, "data.characterllm": CharacterLLMConfig,
                  "data.personagym": PersonaGymConfig,
                  "benchmarks": BenchmarksConfig, "compare": CompareConfig,
-                 "data.charactereval": CharacterEvalConfig, "data.characterbench": CharacterBenchConfig}
+                 "data.charactereval": CharacterEvalConfig, "data.characterbench": CharacterBenchConfig,
+                 "data.coser": CoserConfig}
 
 
 def check_suite_keys(cfg: Any) -> None:

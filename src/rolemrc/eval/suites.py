@@ -9,6 +9,7 @@ table per benchmark in its paper's layout), the same numbers in ``metrics.json``
 - ``data.personagym``: PersonaGym's PersonaScore (:mod:`rolemrc.eval.bench.personagym`);
 - ``data.charactereval``: CharacterEval's metrics by its reward model (:mod:`rolemrc.eval.bench.charactereval`);
 - ``data.characterbench``: CharacterBench's files judged by CharacterJudge (:mod:`rolemrc.eval.bench.characterbench`);
+- ``data.coser``: CoSER given-circumstance acting (:mod:`rolemrc.eval.bench.coser`);
 - ``benchmarks``: general benchmarks through lm-evaluation-harness for ``model.path`` and
   ``compare.path``, and their difference, General Δ (:mod:`rolemrc.eval.general`).
 
@@ -32,7 +33,7 @@ from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError
 from rolemrc.eval import characterllm, general, rolebench
-from rolemrc.eval.bench import characterbench, charactereval, personagym
+from rolemrc.eval.bench import characterbench, charactereval, coser, personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
     check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
@@ -102,6 +103,8 @@ SUITES.register("charactereval", Suite("data.charactereval", charactereval, char
                 doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")
 SUITES.register("characterbench", Suite("data.characterbench", characterbench, characterbench.check),
                 doc="data.characterbench: CharacterBench's thirteen test files judged by CharacterJudge")
+SUITES.register("coser", Suite("data.coser", coser, coser.check, finish=coser.finish),
+                doc="data.coser: CoSER given-circumstance acting, four judged dimensions, BLEU and ROUGE-L")
 SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
                 doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")
 

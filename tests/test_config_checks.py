@@ -220,7 +220,7 @@ def test_a_precomputed_references_cache_is_checked_before_the_model_loads(train_
 @pytest.mark.parametrize("config_name,overrides", [
     ("probe", []), ("probe", ["restraint.layers=[0,1]"]), ("evaluate", ["data=rolebench_sample"]),
     ("evaluate", ["data=characterllm_sample", "benchmarks=general_sample"]), ("train", ["experiment=rolemrc_qwen_dpo"]),
-    ("evaluate", ["data=personagym"]),
+    ("evaluate", ["data=personagym"]), ("evaluate", ["data=coser_sample"]),
     ("evaluate", ["data=charactereval"]), ("evaluate", ["data=characterbench_sample"]),
 ])
 def test_every_shipped_config_has_only_known_keys(config_name: str, overrides: list[str]) -> None:

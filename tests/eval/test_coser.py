@@ -149,7 +149,7 @@ def test_simulation_loop_against_loopback_server_and_rerun(tmp_path: Path, api_k
         over = ["data=coser_sample", "generation.backend=openai", "generation.model=actor",
                 f"generation.base_url={url}", f"generation.api_key_env={key}", "generation.progress=false",
                 *(f"data.coser.{side}={{backend: openai, model: {side.replace('environment', 'env')}, "
-                  f"base_url: '{url}', api_key_env: {key}, max_attempts: 1}}" for side in ("environment", "nsp")),
+                  f"base_url: '{url}', api_key_env: {key}, backoff_s: 0}}" for side in ("environment", "nsp")),
                 "judge=openai", "judge.model=fake-judge", f"judge.base_url={url}", f"judge.api_key_env={key}",
                 f"out_dir={out}"]
         run(compose_eval(*over))

@@ -265,10 +265,17 @@ class EnvConfig:
     # conversation length cap in tokens (prompt + every turn); None: data.max_length
     max_tokens: Optional[int] = None
     user: UserConfig = field(default_factory=UserConfig)  # env=llm_user: the simulated user
+    # objective=grpo/rloo: a reward scored on each reply becomes the conversation's by mean | last | min | sum
+    turn_rewards: str = "mean"
+    # objective=grpo/rloo: rewards (names in objective.rewards) scored once per conversation, on its last
+    # reply with the whole conversation before it as the prompt (a judge sees the whole dialogue)
+    conversation_rewards: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, int) and self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.turn_rewards not in ("mean", "last", "min", "sum"):
+            raise ConfigError(f"env.turn_rewards must be one of mean, last, min, sum, got {self.turn_rewards!r}")
 
 
 @dataclass
@@ -454,9 +461,22 @@ def check_train_config(cfg: Any) -> None:
     check_data_dir(cfg.data)
     check_choices(cfg)
     typed(cfg.runtime)  # its __post_init__ checks the checkpoint intervals
-    objective_settings(cfg.objective).check_run(cfg)  # an objective's rules across groups
+    settings = objective_settings(cfg.objective)
+    check_env(cfg, settings)
+    settings.check_run(cfg)  # an objective's rules across groups
     if OBJECTIVES[cfg.objective.name].pairs:
         check_pair_lengths(cfg.data.max_length, cfg.data.max_prompt_length)
+
+
+def check_env(cfg: Any, objective: Any) -> None:
+    """``env=<name>`` (multi-turn rollouts) only with an objective that rolls conversations out (grpo, rloo)."""
+    env = cfg.get("env")
+    if env is None or env.name == "none":
+        return
+    if not objective.rolls_conversations:
+        raise ConfigError(f"env={env.name} (multi-turn conversations) trains with objective=grpo or objective=rloo, "
+                          f"not objective={cfg.objective.name}: set env=none or pick one of those")
+    typed(env)  # its __post_init__ checks its values
 
 
 def check_data_dir(data: Any) -> None:

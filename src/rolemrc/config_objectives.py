@@ -36,6 +36,11 @@ class ObjectiveConfig:
         """(sequences, prompt tokens, completion tokens) of a step's rollout on the device; None: none."""
         return None
 
+    @property
+    def rolls_conversations(self) -> bool:
+        """Whether the objective trains on conversations with an environment (``env=<name>``, not none)."""
+        return False
+
     def check_run(self, cfg: Any) -> None:
         """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
 
@@ -396,8 +401,19 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         """Whether the run builds a reference (``beta > 0``: the KL term needs its log-probs)."""
         return self.beta > 0
 
+    @property
+    def rolls_conversations(self) -> bool:
+        """Groups of whole conversations per seed with ``env=<name>`` (docs/multiturn.md)."""
+        return True
+
     def check_run(self, cfg: Any) -> None:
         """Rules with other groups' keys (``check_train_config`` calls it before anything loads)."""
+        env = cfg.get("env")
+        if env is not None and env.name != "none":
+            unknown = [n for n in env.get("conversation_rewards") or [] if n not in self.rewards]
+            if unknown:
+                raise ConfigError(f"env.conversation_rewards names {unknown[0]!r}, not a reward of objective.rewards "
+                                  f"({', '.join(self.rewards)})")
         if cfg.data.packing:
             raise ConfigError(f"objective={self.name} samples its completions: data.packing=true does not apply, "
                               "set data.packing=false")
@@ -469,6 +485,7 @@ class RLOOObjectiveConfig(ObjectiveConfig):
     micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
     rollout_shape = GRPOObjectiveConfig.rollout_shape
     needs_reference = GRPOObjectiveConfig.needs_reference
+    rolls_conversations = GRPOObjectiveConfig.rolls_conversations
 
     check_run = GRPOObjectiveConfig.check_run  # the same rules (packing, vLLM, prompts), named rloo
 

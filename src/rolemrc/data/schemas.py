@@ -264,6 +264,10 @@ def parse_prompt(record: Any) -> PromptItem:
     task = record.get("task")
     if task is not None and not isinstance(task, str):
         raise RecordError(f"field 'task' must be a string, got {type(task).__name__}")
+    turns = record.get("user_turns")  # the user's later turns (env=scripted replays them)
+    if turns is not None and not (isinstance(turns, list) and all(isinstance(t, str) and t.strip() for t in turns)):
+        raise RecordError(f"field 'user_turns' must be a list of non-empty strings (the user's later turns), "
+                          f"got {_shown_value(turns)}")
     extra = {k: v for k, v in record.items() if k not in known}
     return PromptItem(prompt=prompt, task=task, rule=_rules(record.get("rule")), reference=reference, extra=extra)
 
@@ -300,6 +304,11 @@ def parse_dialogue(record: Any) -> PromptItem:
     extra.update(user_turns=[m["content"] for m in later if m["role"] == "user"], reference_turns=references)
     return PromptItem(prompt=messages[:first + 1], task=task, rule=_rules(record.get("rule")),
                       reference=references[0] if references else None, extra=extra)
+
+
+def _shown_value(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def parse_unpaired(record: Any) -> Unpaired:

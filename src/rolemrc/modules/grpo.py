@@ -58,6 +58,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.env import make_env
+from rolemrc.env.rollout import ENV_ENDS
+from rolemrc.env.sampler import ConversationSampler, lay_out, seed_rows
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
@@ -73,7 +76,8 @@ from rolemrc.objectives.grpo import (
 )
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
-from rolemrc.rollout import HFEngine, Sampling, TurnSampler, make_engine
+from rolemrc.rewards.turns import score_dialogues
+from rolemrc.rollout import HFEngine, Sampling, SamplingRNG, TurnSampler, make_engine
 from rolemrc.rollout.hf import pad_id_of, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -111,18 +115,49 @@ class RolloutReuse:
 TOKENS_KEY = "grpo_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
 
 
+def _extra_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A reward set's metrics besides the means and stds (judge ``missing`` counts, disagreement rates)."""
+    return {k: v for k, v in metrics.items() if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))}
+
+
+def conversation_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """The step's conversations (every rank's): ``turns/mean``, ``turns/max``, ``ends/<reason>`` (how
+    many ended so: the rollout's reasons always, the environment's when seen), ``noncanonical_replies``
+    (replies sampled otherwise than the template tokenises their text) and ``rewards/<name>/turn_<k>``
+    (the mean of each per-turn reward over the replies at turn ``k``)."""
+    turns = torch.cat([s["turns"] for s in stats]).double()
+    out = {"turns/mean": turns.mean().item(), "turns/max": turns.max().item(),
+           "noncanonical_replies": float(sum(s["noncanonical"] for s in stats))}
+    ends = dict.fromkeys(ENV_ENDS, 0)
+    for s in stats:
+        for reason in s["ends"]:
+            ends[reason] = ends.get(reason, 0) + 1
+    out.update({f"ends/{reason}": float(n) for reason, n in sorted(ends.items())})
+    values = torch.cat([s["turn_values"] for s in stats])
+    index = torch.cat([s["turn_index"] for s in stats])
+    for k, name in enumerate(stats[0]["names"]):
+        column = values[:, k]
+        if bool(torch.isnan(column).all()):  # scored per conversation (or never applied): no by-turn figure
+            continue
+        for turn in sorted(set(index.tolist())):
+            out[f"rewards/{name}/turn_{turn}"] = torch.nanmean(column[index == turn]).item()
+    return out
+
+
 class GRPOModule(PolicyModule):
     """``objective``: the grpo node (:class:`~rolemrc.config.GRPOObjectiveConfig`); ``reference``:
     DPO's copy / adapter (:func:`rolemrc.modules.reference.make_reference`), ``None`` when
     ``beta == 0``; ``chat``: the tokenizer and chat format (default: the trainer's datamodule's);
-    ``rewards``: a ready :class:`RewardSet` (default: built from ``objective.rewards`` at first use)."""
+    ``rewards``: a ready :class:`RewardSet` (default: built from ``objective.rewards`` at first use);
+    ``env``: the ``env:`` settings (:class:`~rolemrc.config.EnvConfig`, ``max_tokens`` resolved) for
+    multi-turn rollouts (the conversation rollout kind), None for one completion per prompt."""
 
     # the step's passes without gradient besides the rollout: the memory simulation runs each as a module call
     no_grad_passes = ("reference_token_logps",)
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
                  reference: Reference | None = None, sharding: Any = None, packed_attention: str = "auto",
-                 chat: Any = None, rewards: RewardSet | None = None) -> None:
+                 chat: Any = None, rewards: RewardSet | None = None, env: Any = None) -> None:
         super().__init__(model, objective, optim, policy, sharding, packed_attention)
         if objective.beta > 0 and reference is None:
             raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
@@ -131,8 +166,9 @@ class GRPOModule(PolicyModule):
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
-        self.sampler = TurnSampler(int(objective.num_generations))  # the rollout: engine calls, its own RNG
-        self.sampling_rng = self.sampler.rng
+        self.env_settings = env if env is not None and env.name != "none" else None
+        self.sampling_rng = SamplingRNG()  # the rollout's random stream (every rollout kind draws from it)
+        self._sampler: Any = None  # the rollout kind: one turn (TurnSampler) or conversations (env), see sampler
         self._step_stats: list[dict[str, Any]] = []  # the step's rollout statistics (one per step and rank)
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
         self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
@@ -175,7 +211,24 @@ class GRPOModule(PolicyModule):
             self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=cache, prefix="objective.rewards")
         return self._rewards
 
+    @property
+    def sampler(self) -> Any:
+        """The rollout kind (built at first use): :class:`~rolemrc.rollout.TurnSampler` (one completion per
+        prompt), or with ``env`` :class:`~rolemrc.env.sampler.ConversationSampler` (whole conversations);
+        both ``sample_hf(generate, batch, seed)`` and ``sample_engine(engine, model, step, batch, seed,
+        pad_id)``, drawing from :attr:`sampling_rng`."""
+        if self._sampler is None:
+            n, env = int(self.objective.num_generations), self.env_settings
+            self._sampler = TurnSampler(n) if env is None else ConversationSampler(
+                n, make_env(env), self.chat, stop_ids=self.stop_ids, max_turns=int(env.max_turns),
+                max_tokens=env.max_tokens)
+            self._sampler.rng = self.sampling_rng
+        return self._sampler
+
     def teardown(self, stage: str) -> None:
+        if isinstance(self._sampler, ConversationSampler):
+            self._sampler.env.close()
+            self._sampler = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -223,13 +276,12 @@ class GRPOModule(PolicyModule):
         ``advantages`` ``[N]`` and the statistics logged at the step's end. Returns ``batch``."""
         o = self.objective
         if o.rollout != "hf":  # another engine of rolemrc.rollout.ENGINES (vLLM: objective.vllm, server or colocated)
-            new_ids, seconds = self.sampler.sample_engine(
+            sampled, seconds = self.sampler.sample_engine(
                 self.rollout_engine, self.model, int(self.global_step) if self._trainer is not None else 0,
-                batch["prompt_ids"], batch["prompt_mask"], self._sampling_seed(), pad_id_of(self.chat.tokenizer))
+                batch, self._sampling_seed(), pad_id_of(self.chat.tokenizer))
         else:  # the policy samples (self.generate)
-            new_ids, seconds = self.sampler.sample_hf(self.generate, batch["prompt_ids"], batch["prompt_mask"],
-                                                      self._sampling_seed())
-        return self.score(batch, new_ids, seconds)
+            sampled, seconds = self.sampler.sample_hf(self.generate, batch, self._sampling_seed())
+        return self.score(batch, sampled, seconds)
 
     @property
     def rollout_engine(self) -> Any:
@@ -249,8 +301,11 @@ class GRPOModule(PolicyModule):
                 world_size=trainer.world_size if trainer is not None else 1)
         return self._engine
 
-    def score(self, batch: dict[str, Any], new_ids: torch.Tensor, seconds: float = float("nan")) -> dict[str, Any]:
-        """The rest of :meth:`rollout` from the sampled ``new_ids`` ``[B x G, C]``: rewards, advantages, layout."""
+    def score(self, batch: dict[str, Any], new_ids: Any, seconds: float = float("nan")) -> dict[str, Any]:
+        """The rest of :meth:`rollout` from the sampled ``new_ids`` ``[B x G, C]`` (with ``env``: the
+        conversations, :meth:`score_conversations`): rewards, advantages, layout."""
+        if self.env_settings is not None:
+            return self.score_conversations(batch, new_ids, seconds)
         o = self.objective
         g = o.num_generations
         prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
@@ -277,9 +332,43 @@ class GRPOModule(PolicyModule):
                 "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
                 "is_std_zero": adv.is_std_zero.cpu(), "lengths": lengths.cpu(), "truncated": truncated.cpu(),
                 "prompt_tokens": int(prompt_mask.sum()),
-                "extra": {k: v for k, v in scores.metrics.items()
-                          if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))},
+                "extra": _extra_metrics(scores.metrics),
                 "seconds": seconds, "texts": texts,
+            },
+        })
+        return batch
+
+    def _dialogue_scores(self, convs: list[Any], columns: dict[str, list[Any]]) -> Any:
+        """:func:`~rolemrc.rewards.turns.score_dialogues` of ``convs`` with the ``env`` settings' aggregation."""
+        env = self.env_settings
+        return score_dialogues(self.rewards, [c.messages for c in convs], [c.turns for c in convs], columns,
+                               how=env.turn_rewards, whole=list(env.conversation_rewards))
+
+    def score_conversations(self, batch: dict[str, Any], convs: list[Any], seconds: float = float("nan")) -> dict[
+            str, Any]:
+        """:meth:`score` of ``B x G`` conversations (each seed's next to each other): each scored as
+        :mod:`rolemrc.rewards.turns` says (per turn, aggregated, or over the whole conversation), the
+        advantages per conversation, the layout of :func:`~rolemrc.env.sampler.lay_out` (the completion:
+        everything after the opening prompt, attended to; the loss on the role-player's tokens only)."""
+        o = self.objective
+        g, device = o.num_generations, batch["prompt_ids"].device
+        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
+        dialogue = self._dialogue_scores(convs, columns)
+        scores = dialogue.scores
+        adv = self._advantages(scores.rewards.to(device), scores.per_reward.to(device), scores.names)
+        laid = lay_out(convs, pad_id_of(self.chat.tokenizer), batch["prompt_ids"].shape[1],
+                       mask_cut=o.mask_truncated_completions)
+        batch.update({k: laid[k].to(device) for k in ("input_ids", "attention_mask", "labels", "position_ids")})
+        batch.update({
+            "advantages": adv.advantages.float(),
+            "rollout_stats": {
+                "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
+                "is_std_zero": adv.is_std_zero.cpu(), "lengths": laid["model_tokens"], "truncated": laid["cut"],
+                "prompt_tokens": int(batch["prompt_mask"].sum()) * g, "extra": _extra_metrics(scores.metrics),
+                "seconds": seconds, "texts": [c.reply_texts() for c in convs],
+                "turns": torch.tensor([c.turns for c in convs]), "ends": [c.reason for c in convs],
+                "noncanonical": sum(c.noncanonical for c in convs),
+                "turn_values": dialogue.turn_values, "turn_index": dialogue.turn_index,
             },
         })
         return batch
@@ -631,6 +720,8 @@ class GRPOModule(PolicyModule):
             metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")
         seconds = sum(s["seconds"] for s in stats)
         metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
+        if "turns" in stats[0]:
+            metrics.update(conversation_metrics(stats))
         return metrics
 
     # ---- validation: sampled as training samples -------------------------------------------
@@ -652,6 +743,8 @@ class GRPOModule(PolicyModule):
         ``top_p``, ``top_k``, ``max_completion_length``, the same stop tokens) and scored by the same
         rewards, so ``val/reward`` means what ``train/reward`` means, on held-out prompts."""
         g = self.val_generations
+        if self.env_settings is not None:
+            return self._validate_conversations(batch, g)
         prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
         device = prompt_ids.device
@@ -667,6 +760,22 @@ class GRPOModule(PolicyModule):
         n, k = batch["index"].shape[0], len(scores.names)
         values = torch.cat([scores.rewards.view(n, g), scores.per_reward.reshape(n, g * k),
                             mask.sum(dim=1).double().cpu().view(n, g), truncated.double().cpu().view(n, g)], dim=1)
+        self.collect_val(batch["index"], values.to(self.device))
+
+    def _validate_conversations(self, batch: dict[str, Any], g: int) -> None:
+        """:meth:`validation_step` with ``env``: ``g`` conversations per seed, rolled out as training rolls
+        them, from a stream seeded by :meth:`_val_seed` (the training stream is left as it was)."""
+        sampler = ConversationSampler(g, self.sampler.env, self.chat, stop_ids=self.stop_ids,
+                                      max_turns=self.sampler.max_turns, max_tokens=self.sampler.max_tokens)
+        convs, _ = sampler.sample_hf(self.generate, batch, self._val_seed(batch["index"]))
+        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
+        scores = self._dialogue_scores(convs, columns).scores
+        self._val_names = scores.names
+        n, k = batch["index"].shape[0], len(scores.names)
+        lengths = torch.tensor([sum(c.completion[1]) for c in convs], dtype=torch.float64)
+        cut = torch.tensor([float(c.cut) for c in convs], dtype=torch.float64)
+        values = torch.cat([scores.rewards.view(n, g), scores.per_reward.reshape(n, g * k), lengths.view(n, g),
+                            cut.view(n, g)], dim=1)
         self.collect_val(batch["index"], values.to(self.device))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:

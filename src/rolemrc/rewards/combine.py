@@ -133,10 +133,7 @@ class RewardSet:
             got = checked_values(name, fn(prompts=list(prompts), completions=list(completions), **columns), n, fn)
             values[name] = got
             per[:, k] = torch.tensor([float("nan") if v is None else v for v in got], dtype=torch.float64)
-        w = torch.tensor([self.weights[name] for name in names], dtype=torch.float64)
-        unscorable = torch.isnan(per).all(dim=1)
-        rewards = (per * w).nansum(dim=1)
-        rewards[unscorable] = float("nan")
+        rewards = self.combine(per, names)
 
         metrics: dict[str, float] = {}
         for k, name in enumerate(names):
@@ -151,6 +148,18 @@ class RewardSet:
                 rate, _ = disagreement_rate(values[jn], values[vn])
                 metrics[f"rewards/disagreement/{jn}_vs_{vn}"] = float("nan") if rate is None else rate
         return RewardScores(names, per, rewards, metrics)
+
+    def combine(self, per: Tensor, names: Sequence[str]) -> Tensor:
+        """The weighted sum ``[N]`` of per-reward values ``per`` ``[N, K]`` (``names``: their rewards) over
+        those that apply (NaN where none does)."""
+        w = torch.tensor([self.weights[name] for name in names], dtype=torch.float64)
+        rewards = (per * w).nansum(dim=1)
+        rewards[torch.isnan(per).all(dim=1)] = float("nan")
+        return rewards
+
+    def subset(self, names: Sequence[str]) -> "RewardSet":
+        """The rewards ``names`` of this set, with their weights (the callables shared, not copied)."""
+        return RewardSet({n: self.rewards[n] for n in names}, {n: self.weights[n] for n in names})
 
     def close(self) -> None:
         for fn in self.rewards.values():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,27 +70,31 @@ def padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | st
 
 
 class TurnSampler:
-    """``n`` continuations of each left-padded prompt row (``prompt_ids``/``prompt_mask`` ``[B, P]``), as
-    ``[B x n, C]`` new ids (each prompt's next to each other) and the seconds sampling took; ``rng``:
-    the stream they are drawn from, seeded with ``seed`` at first use (then continued)."""
+    """The one-turn rollout kind: ``n`` continuations of each left-padded prompt row (``prompt_ids`` /
+    ``prompt_mask`` ``[B, P]``), as ``[B x n, C]`` new ids (each prompt's next to each other) and the
+    seconds sampling took; ``rng``: the stream they are drawn from, seeded with ``seed`` at first use
+    (then continued). The multi-turn kind (:class:`rolemrc.env.sampler.ConversationSampler`) has
+    the same two calls."""
 
     def __init__(self, n: int) -> None:
         self.n, self.rng = n, SamplingRNG()
 
-    def sample_hf(self, generate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], prompt_ids: torch.Tensor,
-                  prompt_mask: torch.Tensor, seed: int) -> tuple[torch.Tensor, float]:
+    def sample_hf(self, generate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: Mapping[str, Any],
+                  seed: int) -> tuple[torch.Tensor, float]:
         """The policy generates (``generate``: :class:`~rolemrc.rollout.hf.HFEngine` ``.generate_ids`` on it):
-        every row ``n`` times in one batch, from the stream."""
+        every row of ``batch`` (``prompt_ids``, ``prompt_mask``) ``n`` times in one batch, from the stream."""
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         ids, mask = prompt_ids.repeat_interleave(self.n, dim=0), prompt_mask.repeat_interleave(self.n, dim=0)
         start = time.perf_counter()
         with self.rng.fork(ids.device, seed):
             new_ids = generate(ids, mask)
         return new_ids, time.perf_counter() - start
 
-    def sample_engine(self, engine: Engine, model: Any, step: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      seed: int, pad_id: int) -> tuple[torch.Tensor, float]:
+    def sample_engine(self, engine: Engine, model: Any, step: int, batch: Mapping[str, Any], seed: int,
+                      pad_id: int) -> tuple[torch.Tensor, float]:
         """Another engine: the policy's weights synced into it, then one seed per prompt from the stream
         (a resumed run asks for what the uninterrupted one asks for)."""
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         device = prompt_ids.device
         engine.sync(model, step)
         with self.rng.fork(device, seed):

@@ -14,6 +14,7 @@ kept for what users swap for third-party classes (loggers, callbacks); the rest 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -70,6 +71,9 @@ def build_module(cfg: Any, model: nn.Module, datamodule: ChatDataModule | None =
     entry = objective_entry(cfg)
     module_class = import_object(entry.module)
     parts: dict[str, Any] = {"sharding": sharding, "packed_attention": cfg.model.packed_attention}
+    if objective.rolls_conversations and cfg.get("env") is not None and cfg.env.name != "none":
+        env = typed(cfg.env)  # EnvConfig; the length cap defaults to data.max_length
+        parts["env"] = env if env.max_tokens is not None else dataclasses.replace(env, max_tokens=int(cfg.data.max_length))
     if entry.reference and objective.needs_reference:  # GRPO: only when beta > 0
         share_prompt = bool(cfg.objective.get("share_prompt", False))  # an objective without the key: never
         if datamodule is not None and share_prompt != datamodule.share_prompt:

@@ -1,0 +1,213 @@
+"""objective=grpo / rloo with env=scripted: groups of whole conversations per seed, the loss on the
+role-player's tokens only, rewards per turn aggregated per conversation. Invariances: one turn
+equals single-turn GRPO on the same data and seed; the same update however the step is cut into
+micro-batches; a crash and resume gives the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rolemrc.objectives.logprobs import IGNORE_INDEX
+from rolemrc.run.train import run, setup
+from tests.train.helpers import metric_rows, series
+
+pytestmark = pytest.mark.xdist_group("grpo")
+
+MT = ["objective=grpo", "data=sample_dialogues", "data.batch_size=2", "objective.num_generations=3",
+      "objective.max_completion_length=6", "export.enabled=false", "optim.warmup_ratio=0", "optim.scheduler=constant",
+      "+objective.rewards.vowels._target_=tests.train.test_grpo.vowel_reward", "env=scripted"]
+REPLY = 6  # objective.max_completion_length
+
+
+def _eot(module: Any) -> int:
+    return module.chat.tokenize(module.chat.eot)[0]
+
+
+def rng_generate(self: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
+    """Replies drawn from torch's RNG (the rollout's stream, as generate draws): random tokens, most
+    ended by the end-of-turn token within ``REPLY`` tokens, the others cut there."""
+    n = prompt_ids.shape[0]
+    rows = torch.randint(10, 300, (n, REPLY))
+    stop = torch.randint(0, REPLY + 2, (n,))
+    for i in range(n):
+        if stop[i] < REPLY:
+            rows[i, stop[i]] = _eot(self)
+    return rows
+
+
+def keyed_generate(self: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sample: bool = True) -> torch.Tensor:
+    """Replies that depend only on the conversation so far and the copy's place among identical ones
+    next to each other (not on the batch they are generated in)."""
+    rows, previous, copy = [], None, 0
+    for ids, mask in zip(prompt_ids, prompt_mask):
+        prompt = ids[mask.bool()]
+        key = int((prompt * torch.arange(1, len(prompt) + 1)).sum()) % 100_003
+        copy = copy + 1 if key == previous else 0
+        previous = key
+        gen = torch.Generator().manual_seed(key * 10 + copy)
+        row = torch.randint(10, 300, (REPLY,), generator=gen)
+        stop = int(torch.randint(0, REPLY + 2, (1,), generator=gen))
+        if stop < REPLY:
+            row[stop] = _eot(self)
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_one_turn_equals_single_turn_grpo(train_cfg, tmp_path: Path, monkeypatch) -> None:
+    """env.max_turns=1 samples from the same stream, lays out, scores and trains as env=none on the
+    same prompts and seed: the same losses, metrics and weights."""
+    from rolemrc.modules.grpo import GRPOModule
+
+    monkeypatch.setattr(GRPOModule, "generate", rng_generate)
+    results = {}
+    for env in ("none", "scripted"):
+        cfg = train_cfg(*MT[:-1], f"env={env}", "env.max_turns=1", "trainer.max_steps=2")
+        cfg.run_dir = str(tmp_path / env)
+        out = run(cfg)
+        state = torch.load(Path(out["run_dir"]) / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        results[env] = (metric_rows(Path(out["run_dir"])), state)
+    (single, w1), (multi, w2) = results["none"], results["scripted"]
+    single = [r for r in single if "train/loss" in r]
+    multi = [r for r in multi if "train/loss" in r]
+    assert len(single) == len(multi) == 2
+    for a, b in zip(single, multi):
+        for key, value in a.items():
+            if key.endswith("_per_s") or key == "epoch":
+                continue
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert b["train/turns/max"] == 1 and b["train/rewards/vowels/turn_1"] == pytest.approx(
+            a["train/rewards/vowels/mean"])
+    assert any(r["train/loss"] != 0 for r in single) and 0 < single[0]["train/completions/clipped_ratio"] < 1
+    for name, w in w1.items():
+        assert torch.allclose(w, w2[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_same_update_however_the_step_is_cut_and_only_the_role_players_tokens_train(
+        train_cfg, tmp_path: Path, monkeypatch) -> None:
+    """4 seeds a step as (4 x 1), (2 x 2), (1 x 4) micro-batch x accumulation, conversations of up to
+    3 turns that depend on the conversation only: the same rollouts, losses and update. The labels are
+    the role-player's sampled tokens only (the user's turns and template tokens are context); the
+    conversation metrics are logged."""
+    from rolemrc.modules.grpo import GRPOModule
+
+    monkeypatch.setattr(GRPOModule, "generate", keyed_generate)
+    laid: list[dict[str, Any]] = []
+    score = GRPOModule.score_conversations
+
+    def spy(self, batch, convs, seconds=float("nan")):
+        out = score(self, batch, convs, seconds)
+        laid.append({"convs": convs, "labels": out["labels"].clone(), "width": batch["prompt_ids"].shape[1]})
+        return out
+
+    monkeypatch.setattr(GRPOModule, "score_conversations", spy)
+    results = {}
+    for b, a in [(4, 1), (2, 2), (1, 4)]:
+        cfg = train_cfg(*MT, f"data.batch_size={b}", f"trainer.accumulate_grad_batches={a}", "trainer.max_steps=2",
+                        "optim.eps=1.0", "optim.lr=1.0", "trainer.gradient_clip_val=null", "env.max_turns=3")
+        cfg.run_dir = str(tmp_path / f"{b}x{a}")
+        out = run(cfg)
+        run_dir = Path(out["run_dir"])
+        state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        results[(b, a)] = (state, [r for r in metric_rows(run_dir) if "train/loss" in r])
+    state0, rows0 = results[(4, 1)]
+    assert len(laid) == 6  # one rollout per step, the step's 4 seeds x 3 conversations at once
+    for key, (state, rows) in results.items():
+        for r, r0 in zip(rows, rows0, strict=True):
+            for name in ("train/loss", "train/reward", "train/turns/mean", "train/completions/mean_length"):
+                assert r[name] == pytest.approx(r0[name], rel=1e-5, abs=1e-8), (key, name)
+        for name, w in state.items():
+            assert torch.allclose(w, state0[name], rtol=1e-4, atol=1e-6), (key, name)
+    convs = [c for step in laid for c in step["convs"]]
+    assert max(c.turns for c in convs) == 3 and {c.reason for c in convs} >= {"turn_cap", "truncated"}
+    for step in laid:
+        for i, c in enumerate(step["convs"]):
+            done, mask = c.completion
+            labels = step["labels"][i, step["width"]:step["width"] + len(done)].tolist()
+            assert labels == [t if m else IGNORE_INDEX for t, m in zip(done, mask)]
+            assert 0 < sum(mask) < len(done) or c.turns == 1  # later turns: user tokens in the sequence, not trained
+    rows = rows0
+    turns = [c.turns for c in laid[0]["convs"]]
+    assert rows[0]["train/turns/mean"] == pytest.approx(sum(turns) / len(turns))
+    assert rows[0]["train/turns/max"] == max(turns)
+    ends = [c.reason for c in laid[0]["convs"]]
+    assert all(rows[0][f"train/ends/{e}"] == ends.count(e) for e in set(ends))
+    assert "train/rewards/vowels/turn_2" in rows[0] and "train/noncanonical_replies" in rows[0]
+    lengths = [sum(c.completion[1]) for c in laid[0]["convs"]]  # TRL's: the role-player's tokens (env_mask)
+    assert rows[0]["train/completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+def test_crash_and_resume_gives_the_uninterrupted_conversations(tmp_path: Path, monkeypatch) -> None:
+    """objective=rloo with env=scripted, mask_truncated_completions and the last turn's reward: a run
+    crashed at step 3 and resumed from its step-2 checkpoint logs what the uninterrupted run logs."""
+    from rolemrc.modules.grpo import GRPOModule
+    from tests.conftest import FAST, compose_train
+
+    monkeypatch.setattr(GRPOModule, "generate", rng_generate)
+    common = [*FAST, *MT, "objective=rloo", "trainer.max_steps=4", "runtime.checkpoint_every_n_steps=2",
+              "env.turn_rewards=last", "objective.mask_truncated_completions=true", "objective.beta=0"]
+    reference = run(compose_train(common, run_dir=tmp_path / "reference"))
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="crash at step 3"):
+        run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
+                           "+callbacks.crash.step=3"], run_dir=crashed))
+    run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
+    for key in ("train/loss", "train/reward", "train/turns/mean", "train/rewards/vowels/turn_1",
+                "train/completions/mean_length", "train/num_tokens"):
+        want, got = series(Path(reference["run_dir"]), key), series(crashed, key)
+        assert len(want) == 4 and got == pytest.approx(want, abs=1e-6, nan_ok=True), key
+    assert len(set(series(crashed, "train/turns/mean"))) > 1  # conversations differ from step to step
+
+
+def test_checks_before_anything_loads(train_cfg, tmp_path: Path) -> None:
+    from rolemrc.config import check_train_config
+    from rolemrc.errors import ConfigError
+
+    for overrides, message in ((["objective=dpo", "env=scripted"], "env=scripted (multi-turn conversations) trains "
+                                "with objective=grpo or objective=rloo, not objective=dpo"),
+                               ([*MT, "env.turn_rewards=max"], "env.turn_rewards must be one of mean, last, min, sum"),
+                               ([*MT, "env.conversation_rewards=[judge]"],
+                                "env.conversation_rewards names 'judge', not a reward of objective.rewards")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_train_config(train_cfg(*overrides))
+    check_train_config(train_cfg(*MT, "objective=rloo", "env.conversation_rewards=[vowels]"))
+    # a seed without user_turns is one turn; a malformed one is named by file and line
+    seeds = tmp_path / "seeds.jsonl"
+    good = {"prompt": [{"role": "user", "content": "Hello there?"}]}
+    seeds.write_text(json.dumps(good) + "\n" + json.dumps({**good, "user_turns": ["fine", 3]}) + "\n")
+    parts = setup(train_cfg(*MT, f"data.prompts=[{{path: {seeds}}}]"))
+    with pytest.raises(Exception, match=r"seeds\.jsonl:2.*user_turns"):
+        parts.datamodule.setup()
+
+
+def test_turn_rewards_aggregate_per_conversation_and_whole_conversation_rewards_see_it_all() -> None:
+    from rolemrc.rewards import RewardSet
+    from rolemrc.rewards.turns import score_dialogues
+
+    seen: list[tuple[int, str]] = []
+
+    def per_turn(*, prompts, completions, **columns):
+        return [float(len(c)) if c != "-" else None for c in completions]
+
+    def whole(*, prompts, completions, **columns):
+        seen.extend((len(p), c) for p, c in zip(prompts, completions))
+        return [1.0] * len(completions)
+
+    rewards = RewardSet({"len": per_turn, "judge": whole}, {"len": 1.0, "judge": 2.0})
+    opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
+    dialogue = [*opening, {"role": "assistant", "content": "aa"}, {"role": "user", "content": "u2"},
+                {"role": "assistant", "content": "-"}, {"role": "user", "content": "u3"},
+                {"role": "assistant", "content": "aaaa"}]
+    one = [*opening, {"role": "assistant", "content": "a"}]
+    for how, value in (("mean", 3.0), ("last", 4.0), ("min", 2.0), ("sum", 6.0)):
+        got = score_dialogues(rewards, [dialogue, one], [3, 1], {"task": ["t", "t"]}, how=how, whole=["judge"])
+        assert got.scores.per_reward[:, 0].tolist() == [value, 1.0], how
+        assert got.scores.rewards.tolist() == [value + 2.0, 3.0]
+        assert got.turn_index.tolist() == [1, 2, 3, 1] and torch.isnan(got.turn_values[1, 0])
+        assert torch.isnan(got.turn_values[:, 1]).all()  # the whole-conversation reward: not per turn
+    assert seen[:2] == [(6, "aaaa"), (2, "a")]  # the last reply, after everything before it

@@ -211,3 +211,33 @@ def test_turn_rewards_aggregate_per_conversation_and_whole_conversation_rewards_
         assert got.turn_index.tolist() == [1, 2, 3, 1] and torch.isnan(got.turn_values[1, 0])
         assert torch.isnan(got.turn_values[:, 1]).all()  # the whole-conversation reward: not per turn
     assert seen[:2] == [(6, "aaaa"), (2, "a")]  # the last reply, after everything before it
+
+
+def test_a_failed_user_is_neither_scored_nor_trained_and_all_failing_stops() -> None:
+    from types import SimpleNamespace
+
+    from rolemrc.env import Conversation
+    from rolemrc.env.sampler import lay_out
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.rewards import RewardSet
+    from rolemrc.rollout import RolloutError
+
+    calls: list[int] = []
+
+    def length(*, prompts, completions, **columns):
+        calls.append(len(completions))
+        return [float(len(c)) for c in completions]
+
+    opening = [{"role": "user", "content": "u1"}]
+    ok = Conversation([*opening, {"role": "assistant", "content": "abc"}], [1, 2, 7, 8, 4], 2, [0, 0, 1, 1, 1],
+                      [(2, 5)], [{}], "script_end")
+    failed = Conversation([*opening, {"role": "assistant", "content": "ab"}], [1, 2, 7, 4], 2, [0, 0, 1, 1],
+                          [(2, 4)], [{}], "user_failed", error="HTTP 503")
+    module = SimpleNamespace(env_settings=SimpleNamespace(turn_rewards="mean", conversation_rewards=[]),
+                             rewards=RewardSet({"len": length}))
+    got = GRPOModule._dialogue_scores(module, [ok, failed], {"task": ["t", "t"]})
+    assert calls == [1] and got.scores.rewards[0] == 3.0 and torch.isnan(got.scores.rewards[1])
+    laid = lay_out([ok, failed], pad_id=0, prompt_width=2)
+    assert laid["labels"][0].tolist() == [-100, -100, 7, 8, 4] and (laid["labels"][1] == -100).all()
+    with pytest.raises(RolloutError, match="user failed in all 1 conversations of the step \\(user_failed: HTTP 503\\)"):
+        GRPOModule._dialogue_scores(module, [failed], {"task": ["t"]})

@@ -105,7 +105,7 @@ def lay_out(convs: Sequence[Conversation], pad_id: int, prompt_width: int, *,
     """Conversations as GRPO trains them: ``input_ids`` ``[N, P + C]`` (each opening prompt left-padded
     to ``prompt_width``, everything after it right-padded to the longest), ``attention_mask`` (over
     all of it), ``labels`` (the role-player's tokens, -100 elsewhere; none in a conversation whose last
-    reply was cut when ``mask_cut``), ``position_ids``; ``model_tokens`` ``[N]`` (the role-player's
+    reply was cut when ``mask_cut``, nor in one whose user failed), ``position_ids``; ``model_tokens`` ``[N]`` (the role-player's
     tokens of each), ``cut`` ``[N]``."""
     width = max([len(c.ids) - c.prompt_len for c in convs] + [1])
     n = len(convs)
@@ -119,7 +119,7 @@ def lay_out(convs: Sequence[Conversation], pad_id: int, prompt_width: int, *,
         ids[i, start:prompt_width + len(c.ids) - c.prompt_len] = torch.tensor(c.ids, dtype=torch.long)
         attention[i, start:prompt_width + len(c.ids) - c.prompt_len] = 1
         done, mask = c.completion
-        if mask_cut and c.cut:
+        if c.failed or (mask_cut and c.cut):  # the user failed: not scored, not trained
             continue
         trained = torch.tensor(mask, dtype=torch.bool)
         labels[i, prompt_width:prompt_width + len(done)] = torch.where(trained, torch.tensor(done, dtype=torch.long),

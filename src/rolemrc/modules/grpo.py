@@ -76,8 +76,9 @@ from rolemrc.objectives.grpo import (
 )
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
-from rolemrc.rewards.turns import score_dialogues
-from rolemrc.rollout import HFEngine, Sampling, SamplingRNG, TurnSampler, make_engine
+from rolemrc.rewards.combine import RewardScores
+from rolemrc.rewards.turns import DialogueScores, score_dialogues
+from rolemrc.rollout import HFEngine, RolloutError, Sampling, SamplingRNG, TurnSampler, make_engine
 from rolemrc.rollout.hf import pad_id_of, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -203,12 +204,16 @@ class GRPOModule(PolicyModule):
             self._chat = self.trainer.datamodule.chat
         return self._chat
 
+    def _run_dir(self, name: str) -> Path | None:
+        """``<run_dir>/<name>`` (a cache folder of the run), None without a trainer."""
+        root = getattr(self._trainer, "default_root_dir", None) if self._trainer is not None else None
+        return Path(root) / name if root else None
+
     @property
     def rewards(self) -> RewardSet:
         if self._rewards is None:
-            root = getattr(self._trainer, "default_root_dir", None) if self._trainer is not None else None
-            cache = Path(root) / "judge_cache" if root else None
-            self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=cache, prefix="objective.rewards")
+            self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=self._run_dir("judge_cache"),
+                                          prefix="objective.rewards")
         return self._rewards
 
     @property
@@ -220,7 +225,7 @@ class GRPOModule(PolicyModule):
         if self._sampler is None:
             n, env = int(self.objective.num_generations), self.env_settings
             self._sampler = TurnSampler(n) if env is None else ConversationSampler(
-                n, make_env(env), self.chat, stop_ids=self.stop_ids, max_turns=int(env.max_turns),
+                n, make_env(env, cache_dir=self._run_dir("env_cache")), self.chat, stop_ids=self.stop_ids, max_turns=int(env.max_turns),
                 max_tokens=env.max_tokens)
             self._sampler.rng = self.sampling_rng
         return self._sampler
@@ -338,11 +343,26 @@ class GRPOModule(PolicyModule):
         })
         return batch
 
-    def _dialogue_scores(self, convs: list[Any], columns: dict[str, list[Any]]) -> Any:
-        """:func:`~rolemrc.rewards.turns.score_dialogues` of ``convs`` with the ``env`` settings' aggregation."""
+    def _dialogue_scores(self, convs: list[Any], columns: dict[str, list[Any]]) -> DialogueScores:
+        """:func:`~rolemrc.rewards.turns.score_dialogues` of ``convs`` with the ``env`` settings' aggregation.
+        A conversation whose user failed (an API fault: ``Conversation.failed``) is not scored (NaN: advantage
+        0, and :func:`~rolemrc.env.sampler.lay_out` trains none of it); every one failing stops the run."""
         env = self.env_settings
-        return score_dialogues(self.rewards, [c.messages for c in convs], [c.turns for c in convs], columns,
-                               how=env.turn_rewards, whole=list(env.conversation_rewards))
+        keep = [i for i, c in enumerate(convs) if not c.failed]
+        if not keep:
+            errors = sorted({c.error for c in convs if c.error})[:2]
+            raise RolloutError(f"the environment's user failed in all {len(convs)} conversations of the step "
+                               f"({convs[0].reason}{': ' + '; '.join(errors) if errors else ''}): nothing to score")
+        got = score_dialogues(self.rewards, [convs[i].messages for i in keep], [convs[i].turns for i in keep],
+                              {k: [v[i] for i in keep] for k, v in columns.items()}, how=env.turn_rewards,
+                              whole=list(env.conversation_rewards))
+        if len(keep) == len(convs):
+            return got
+        scores, rows = got.scores, torch.tensor(keep)
+        per = torch.full((len(convs), len(scores.names)), float("nan"), dtype=torch.float64)
+        total = torch.full((len(convs),), float("nan"), dtype=torch.float64)
+        per[rows], total[rows] = scores.per_reward, scores.rewards
+        return DialogueScores(RewardScores(scores.names, per, total, scores.metrics), got.turn_values, got.turn_index)
 
     def score_conversations(self, batch: dict[str, Any], convs: list[Any], seconds: float = float("nan")) -> dict[
             str, Any]:

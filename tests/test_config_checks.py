@@ -36,6 +36,8 @@ BAD = [
      r"^objective.sync_ref_model=true with objective.beta=0: no reference is used"),
     (["objective=rloo", "data.packing=false", "objective.beta=0", "objective.sync_ref_model=true"],
      r"^objective.sync_ref_model=true with objective.beta=0: no reference is used"),
+    (["objective=grpo", "data.packing=false", "objective.use_adaptive_entropy=true", "objective.entropy_coef_min=0.5",
+      "objective.entropy_coef_max=0.1"], r"^objective.entropy_coef_min \(0.5\) must be <= objective.entropy_coef_max"),
     (["objective=dpo", "objective.ref_model_mixup_alpha=1.5"], r"^objective.ref_model_mixup_alpha must be in \[0, 1\]"),
     (["objective=grpo", "objective.ref_model_sync_steps=0"], r"^objective.ref_model_sync_steps must be >= 1"),
     (["optim.scheduler=cosin"], r"optim.scheduler must be one of cosine, linear, constant, got 'cosin'"),

@@ -316,6 +316,14 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     vespo_lambda_neg: float = 2.0  # loss_type=vespo: the decay, advantage < 0
     top_entropy_quantile: float = 1.0  # rho: the policy term on the top-rho tokens by entropy only (1: all)
     off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences drifted past it (None: off)
+    # the entropy bonus: loss - coef x the token mean of the entropies (0: off); adaptive (Skywork-OR1): the
+    # coefficient applies only while the last step's entropy is <= entropy_target, and moves by delta each step
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     scale_rewards: str = "group"  # group | batch | none
     # sum_then_normalize (TRL's default) | normalize_then_sum (GDPO: each reward normalised in its group, summed,
     # then normalised over the step's completions; scale_rewards then plays no part)
@@ -359,6 +367,12 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
             raise ConfigError(f"objective.off_policy_mask_threshold must be > 0 (e.g. 0.5) or null (off), "
                               f"got {self.off_policy_mask_threshold}")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ConfigError(f"objective.entropy_coef_min ({self.entropy_coef_min}) must be <= objective."
+                              f"entropy_coef_max ({self.entropy_coef_max}): the adaptive coefficient's bounds")
+        if self.entropy_coef_delta < 0:
+            raise ConfigError(f"objective.entropy_coef_delta must be >= 0 (the adaptive coefficient's step), "
+                              f"got {self.entropy_coef_delta}")
         one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("objective.reference", self.reference, ("copy", "adapter"))
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)

@@ -28,6 +28,9 @@ from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
 
 from rolemrc.objectives.grpo import (  # noqa: E402
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    entropy_term,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
@@ -43,6 +46,7 @@ F64 = torch.float64
 
 class _Accelerator:
     num_processes = 1
+    sync_gradients = True  # every call ends an optimizer step (no accumulation)
 
     def reduce(self, x, reduction="sum"):
         return x
@@ -339,3 +343,68 @@ def test_advantages_equal_trl(scale, num_generations):
     assert torch.equal(ours.is_std_zero, zero)
     assert ours.advantages[5] == 0
     assert torch.isfinite(ours.advantages).all()
+
+
+def test_entropy_functions_by_hand():
+    """The bonus term is the token mean over the kept tokens; adaptive control applies the coefficient
+    only at or below the target (none before a first step) and moves it by delta within its bounds."""
+    ent = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    term = entropy_term(ent, mask)
+    assert term.mean.item() == pytest.approx(7 / 3) and term.total.item() == 7 and term.tokens.item() == 3
+    keep = torch.tensor([[False, True, True], [True, False, False]])
+    assert entropy_term(ent, mask, keep).mean.item() == pytest.approx(3.0)  # tokens 2 and 4
+    assert entropy_term(ent, torch.zeros_like(mask)).mean.item() == 0
+    assert applied_entropy_coef(0.1, float("inf"), adaptive=False, target=0.2) == 0.1
+    assert applied_entropy_coef(0.1, float("inf"), adaptive=True, target=0.2) == 0.0
+    assert applied_entropy_coef(0.1, 0.2, adaptive=True, target=0.2) == 0.1
+    kw = dict(target=0.2, delta=0.05, coef_min=0.0, coef_max=0.12)
+    assert adaptive_entropy_coef(0.1, 0.2, **kw) == pytest.approx(0.12)  # +0.05, capped at 0.12
+    assert adaptive_entropy_coef(0.1, 0.3, **kw) == pytest.approx(0.05)
+    assert adaptive_entropy_coef(0.01, 0.3, **kw) == 0.0  # floored at coef_min
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo"])
+@pytest.mark.parametrize("rho", [1.0, 0.4])
+def test_entropy_bonus_equals_trl(loss_type, rho):
+    """``entropy_coef`` (static) and ``use_adaptive_entropy`` over three steps on the same trainer: TRL's
+    loss and its gradient for the log-probs and the entropies, ``policy_loss`` and ``entropy_coef``, against
+    grpo_loss minus the applied coefficient x :func:`entropy_term`, the coefficient moved by
+    :func:`adaptive_entropy_coef` (the entropy mask ``rho < 1`` restricting the bonus's tokens, as TRL's)."""
+    logps, old, ref, adv, mask = _tensors(5, 2, 0.04)
+    g = torch.Generator().manual_seed(9)
+    for adaptive in (False, True):
+        config = dict(loss_type=loss_type, beta=0.04, entropy_coef=0.3, use_adaptive_entropy=adaptive,
+                      entropy_target=1.4, entropy_coef_delta=0.1, entropy_coef_max=0.45, top_entropy_quantile=rho,
+                      max_completion_length=MAX_LEN, epsilon_high=1.3 if loss_type == "cispo" else None)
+        ent = (torch.rand(B, T, generator=g, dtype=F64) * 3).requires_grad_()
+        trainer = trl_trainer(logps, ent, **config)
+        coef, last = 0.3, float("inf")
+        for step in range(3):
+            ent = (torch.rand(B, T, generator=g, dtype=F64) * (3 - step)).requires_grad_()  # entropy falls
+            trainer._get_per_token_logps_and_entropies = lambda *a, e=ent, **k: (logps, e, None)
+            inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+                      "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+                      "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+                      "advantages": adv, "num_items_in_batch": mask.sum(), "old_per_token_logps": old,
+                      "ref_per_token_logps": ref}
+            trainer._metrics = {"train": defaultdict(list)}
+            theirs = GRPOTrainer._compute_loss(trainer, None, inputs)
+            keep = high_entropy_mask(ent.detach(), mask, rho) if rho < 1 else None
+            out = grpo_loss(logps, adv, mask, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
+                            loss_type=loss_type, max_completion_length=MAX_LEN, token_mask=keep,
+                            epsilon_high=config["epsilon_high"])
+            term = entropy_term(ent, mask, keep)
+            applied = applied_entropy_coef(coef, last, adaptive=adaptive, target=1.4)
+            ours = out.loss - applied * term.mean
+            torch.testing.assert_close(ours, theirs)
+            for a, b in zip(torch.autograd.grad(ours, [logps, ent]), torch.autograd.grad(theirs, [logps, ent])):
+                torch.testing.assert_close(a, b)
+            if adaptive:
+                last = float(term.total / term.tokens)
+                coef = adaptive_entropy_coef(coef, last, target=1.4, delta=0.1, coef_min=0.0, coef_max=0.45)
+            logged = {k: v[0] for k, v in trainer._metrics["train"].items()}
+            assert logged["entropy_coef"] == pytest.approx(coef)
+            assert logged["policy_loss"] == pytest.approx(out.loss.item())  # one rank, no accumulation
+        if adaptive:  # the gate opened and the coefficient moved
+            assert trainer.entropy_coef != 0.3 and trainer._last_world_entropy <= 1.4

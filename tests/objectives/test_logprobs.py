@@ -246,3 +246,32 @@ def test_entropy_from_the_same_tiles_equals_trls_on_full_logits(chunk_size, voca
         expected = torch.stack([(per_pos * (mask & (ids == s))).sum() for s in range(4)])
     torch.testing.assert_close(both.entropy, expected)
     assert (both.entropy > 0).all()
+
+
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", CHUNKS)
+def test_entropy_gradient_equals_autograd_on_full_logits(chunk_size, vocab_chunk_size):
+    """``entropy_grad=True`` (GRPO's ``entropy_coef``): the gradient of any mix of the summed
+    log-probs and entropies equals autograd's through ``-sum p log p`` of the full logits, for the
+    hidden states, the weight and the bias; without it the entropy has none."""
+    from rolemrc.objectives import sequence_logprobs_and_entropy
+
+    hidden, weight, bias, labels = make_case(torch.float64, with_bias=True, scale=4.0)
+    got = sequence_logprobs_and_entropy(hidden, weight, labels, None, chunk_size, bias=bias,
+                                        vocab_chunk_size=vocab_chunk_size, entropy_grad=True)
+    logp_full = torch.log_softmax(F.linear(hidden, weight, bias), dim=-1)
+    mask = labels != -100
+    ent = -(logp_full.exp() * logp_full).sum(-1)
+    picked = logp_full.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    want_ent, want_logps = (ent * mask).sum(1), (picked * mask).sum(1)
+    torch.testing.assert_close(got.entropy, want_ent)
+    g = torch.Generator().manual_seed(3)
+    up_l, up_e = torch.randn(B, generator=g, dtype=torch.float64), torch.randn(B, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad((got.logps * up_l).sum() + (got.entropy * up_e).sum(), [hidden, weight, bias])
+    theirs = torch.autograd.grad((want_logps * up_l).sum() + (want_ent * up_e).sum(), [hidden, weight, bias],
+                                 retain_graph=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    only_ent = sequence_logprobs_and_entropy(hidden, weight, labels, None, chunk_size, bias=bias,
+                                             vocab_chunk_size=vocab_chunk_size, entropy_grad=True)
+    (gh,) = torch.autograd.grad(only_ent.entropy.sum(), [hidden])
+    torch.testing.assert_close(gh, torch.autograd.grad(want_ent.sum(), [hidden])[0])

@@ -90,7 +90,7 @@ def by_hand_logps(module: Any, batch: dict, new_ids: torch.Tensor) -> dict[str, 
     logps = torch.log_softmax(logits[:, p - 1:-1] / o.temperature, -1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)
     from trl.trainer.utils import entropy_from_logits
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(o.entropy_coef != 0 or o.use_adaptive_entropy):  # the bonus: with gradient
         entropies = entropy_from_logits(logits[:, p - 1:-1] / o.temperature)
     ref = None
     if o.beta > 0:
@@ -126,6 +126,8 @@ def assert_step_equals_trl(module: Any, loss: torch.Tensor, expected: torch.Tens
         if g is not None:
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
     ours = module._loss_stats[-1]["metrics"]
+    if "entropy_coef" in logged:  # logged at the step's end (after adaptive control's update), not per micro-batch
+        assert logged.pop("entropy_coef") == pytest.approx(module.entropy_control.coef)
     shared = set(logged)
     assert "entropy" in shared and shared == set(ours)
     for name in shared:
@@ -147,6 +149,9 @@ BETA = ["objective.beta=0.04", "objective.temperature=0.7"]
                                    ["objective.loss_type=cispo", "objective.epsilon_high=1.1", "objective.num_iterations=2",
                                     "objective.top_entropy_quantile=0.5", "objective.off_policy_mask_threshold=0.01"],
                                    ["objective.loss_type=sapo", "objective.num_iterations=2", *BETA],
+                                   ["objective.loss_type=grpo", "objective.entropy_coef=0.3", "objective.num_iterations=2",
+                                    "objective.top_entropy_quantile=0.5", *BETA],
+                                   ["objective.loss_type=dapo", "objective.entropy_coef=-0.2"],
                                    ["objective.multi_objective_aggregation=normalize_then_sum"]])
 def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extra: list[str]) -> None:
     """The step's loss, gradient and loss metrics equal TRL's ``_compute_loss`` of the same rollouts
@@ -632,3 +637,35 @@ def test_entropy_quantile_pools_every_ranks_completion_tokens() -> None:
     kept = high_entropy_mask(entropy, mask.long(), 0.5, pooled=pooled)  # median of the 8: 1.5 -> none here
     assert not kept.any()
     assert high_entropy_mask(entropy, mask.long(), 1.0, pooled=pooled).sum() == 3
+
+
+def test_adaptive_entropy_bonus_logs_trl_names_and_resumes_exactly(tmp_path: Path) -> None:
+    """``use_adaptive_entropy``: no bonus at step 1 (no entropy measured yet), then the coefficient moves
+    by ``entropy_coef_delta`` after each step by the step's entropy against the target (one micro-batch
+    per step: the logged ``entropy``), within its bounds; TRL's ``entropy_coef`` and ``policy_loss`` are
+    logged; the coefficient and the last entropy are in the checkpoint, so a crash resumes exactly."""
+    from tests.conftest import FAST, compose_train
+
+    common = [*FAST, *GRPO, "trainer.max_steps=4", "runtime.checkpoint_every_n_steps=1", "optim.lr=3e-2",
+              "objective.entropy_coef=0.1", "objective.use_adaptive_entropy=true", "objective.entropy_target=100",
+              "objective.entropy_coef_delta=0.05", "objective.entropy_coef_max=0.22"]
+    reference = Path(run(compose_train(common, run_dir=tmp_path / "reference"))["run_dir"])
+    rows = [r for r in metric_rows(reference) if "train/loss" in r]
+    assert len(rows) == 4
+    coef = 0.1
+    for r in rows:  # the target is above any entropy here: up by delta each step, capped at the maximum
+        coef = min(coef + 0.05, 0.22) if r["train/entropy"] <= 100 else max(coef - 0.05, 0.0)
+        assert r["train/entropy_coef"] == pytest.approx(coef)
+    assert rows[0]["train/loss"] == pytest.approx(rows[0]["train/policy_loss"], abs=1e-6)  # step 1: no bonus
+    assert rows[1]["train/loss"] == pytest.approx(  # step 2: the bonus, 0.15 x the entropy
+        rows[1]["train/policy_loss"] - 0.15 * rows[1]["train/entropy"], abs=1e-5)
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="crash at step 2"):
+        run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
+                           "+callbacks.crash.step=2"], run_dir=crashed))
+    saved = torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["grpo_entropy_control"]["entropy_coef"] == pytest.approx(0.2)
+    run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
+    for key in ("train/loss", "train/entropy_coef", "train/policy_loss", "train/entropy"):
+        assert series(crashed, key) == pytest.approx(series(reference, key), abs=1e-6), key

@@ -51,13 +51,18 @@ class LogprobHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 sequence_ids: torch.Tensor | None = None, num_sequences: int | None = None,
-                entropy: bool = False) -> torch.Tensor | SequenceLogProbs | SequenceLogProbsEntropy:
+                entropy: bool = False, entropy_grad: bool = False
+                ) -> torch.Tensor | SequenceLogProbs | SequenceLogProbsEntropy:
         """Logits (no ``labels``), or the summed log-probs and token counts of each sequence
         (``labels`` aligned with ``hidden``; rows are sequences unless ``sequence_ids`` says
         which sequence each position belongs to); ``entropy``: also each sequence's summed
-        per-token entropy (no gradient), from the same tiles (GRPO's ``entropy`` metric)."""
+        per-token entropy, from the same tiles (GRPO's ``entropy`` metric), without gradient unless
+        ``entropy_grad`` (GRPO's entropy bonus; then the chunked pass, with Liger's kernel too)."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
+        if entropy and entropy_grad:
+            return sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
+                                                 bias=self.bias, num_sequences=num_sequences, entropy_grad=True)
         if entropy and self.kernel == "liger":  # Liger's kernel gives no entropy: a chunked pass without gradient
             with torch.no_grad():
                 ent = sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,

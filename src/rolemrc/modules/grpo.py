@@ -68,6 +68,9 @@ from rolemrc.modules.base import PolicyModule, TokensSeen
 from rolemrc.modules.reference import Reference
 from rolemrc.objectives.grpo import (
     GroupAdvantages,
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    entropy_term,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
@@ -114,6 +117,26 @@ class RolloutReuse:
 
 
 TOKENS_KEY = "grpo_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
+ENTROPY_KEY = "grpo_entropy_control"  # top-level checkpoint entry: the entropy bonus's coefficient
+
+
+class EntropyControl:
+    """The entropy bonus's coefficient (``entropy_coef``) and, for adaptive control, the token-mean
+    entropy of the last optimizer step (``inf`` before the first: no bonus yet, as TRL); in every
+    checkpoint (a :func:`run_state_parts` part), so a resumed run applies what the uninterrupted one does."""
+
+    per_rank = False  # pooled over every rank: one state
+
+    def __init__(self, coef: float) -> None:
+        self.coef, self.last_entropy = float(coef), math.inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {ENTROPY_KEY: {"entropy_coef": self.coef, "last_entropy": self.last_entropy}}
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(ENTROPY_KEY)
+        if state:
+            self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
 
 
 def _extra_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -164,6 +187,7 @@ class GRPOModule(PolicyModule):
             raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
         self.reference = reference if objective.beta > 0 else None
         self._check_loss_options(objective)
+        self.entropy_control = self._entropy_control(objective)
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
@@ -191,12 +215,19 @@ class GRPOModule(PolicyModule):
             log.warning("objective.importance_sampling_level=sequence with loss_type=%s sums per-token terms, weighting "
                         "each sequence by its length; GSPO's setup is objective.loss_type=grpo", loss_type)
 
+    def _entropy_control(self, objective: Any) -> EntropyControl | None:
+        """The entropy bonus's state (``entropy_coef != 0`` or ``use_adaptive_entropy``), else None; RLOO has none."""
+        if objective.entropy_coef == 0.0 and not objective.use_adaptive_entropy:
+            return None
+        return EntropyControl(objective.entropy_coef)
+
     # ---- parts ------------------------------------------------------------------------------
     def run_state_parts(self) -> tuple[Any, ...]:
         """The sampling RNG travels with every checkpoint (a resumed run samples the same rollouts),
         and so do rollouts still to be reused (``num_iterations > 1``), the tokens seen (``num_tokens``) and a
         synced reference (``sync_ref_model``)."""
-        return (self.sampling_rng, self.reuse, self.tokens_seen) + ((self.reference,) if self.reference else ())
+        return ((self.sampling_rng, self.reuse, self.tokens_seen) + ((self.reference,) if self.reference else ())
+                + ((self.entropy_control,) if self.entropy_control is not None else ()))
 
     @property
     def chat(self) -> Any:
@@ -490,11 +521,12 @@ class GRPOModule(PolicyModule):
 
     # ---- log-probs --------------------------------------------------------------------------
     def token_logps(self, model: nn.Module, batch: dict[str, Any],
-                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    entropy: bool = False, entropy_grad: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per-position log-probs ``[N, T]`` of the next token where it is a trained completion token
         (0 elsewhere), at the logits divided by ``temperature`` (TRL scores sampled tokens so), that
-        mask ``[N, T]`` and, ``entropy``, the entropy ``[N, T]`` of that next-token distribution (no
-        gradient; TRL's ``entropy``), else ``None``. The head is called as a module (FSDP2 gathers
+        mask ``[N, T]`` and, ``entropy``, the entropy ``[N, T]`` of that next-token distribution (TRL's
+        ``entropy``; with gradient only when ``entropy_grad``: the entropy bonus), else ``None``. The head is called as a module (FSDP2 gathers
         it) on one row per position, so its per-row sums are the per-token values."""
         decoder, head = decoder_and_head(model)
         head.chunk_size = self.objective.logprob_chunk_size
@@ -508,7 +540,7 @@ class GRPOModule(PolicyModule):
         labels = self.trained_labels(batch)
         n, width = labels.shape
         out = head(hidden.reshape(n * width, 1, hidden.shape[-1]), labels=labels.reshape(n * width, 1),
-                   **({"entropy": True} if entropy else {}))
+                   **({"entropy": True, "entropy_grad": entropy_grad} if entropy else {}))
         ent = out.entropy.view(n, width) if entropy else None
         return out.logps.view(n, width), labels != IGNORE_INDEX, ent
 
@@ -605,7 +637,8 @@ class GRPOModule(PolicyModule):
         o = self.objective
         rolled_here = "advantages" not in batch
         part = self._take_rollouts(batch) if rolled_here else None
-        logps, mask, entropy = self.token_logps(self.model, batch, entropy=True)
+        control = self.entropy_control
+        logps, mask, entropy = self.token_logps(self.model, batch, entropy=True, entropy_grad=control is not None)
         if part is not None and self.reuse.num_iterations > 1 and "old_logps" not in part:
             part["old_logps"] = logps.detach()  # the first use's: the policy that sampled them (TRL records these)
         ref = self.reference_token_logps(batch) if self.reference is not None else None
@@ -614,8 +647,8 @@ class GRPOModule(PolicyModule):
         num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
         token_mask = None
         if o.top_entropy_quantile < 1.0:  # the quantile over every rank's completion tokens, as TRL's
-            token_mask = high_entropy_mask(entropy, mask, o.top_entropy_quantile,  # type: ignore[arg-type]
-                                           pooled=self._pooled_entropies(entropy, mask))  # type: ignore[arg-type]
+            token_mask = high_entropy_mask(entropy.detach(), mask, o.top_entropy_quantile,  # type: ignore[union-attr]
+                                           pooled=self._pooled_entropies(entropy.detach(), mask))  # type: ignore[union-attr]
         out = grpo_loss(logps, batch["advantages"], mask, old_per_token_logps=batch.get("old_logps"),
                         ref_per_token_logps=ref, beta=o.beta, use_bias_correction_kl=o.use_bias_correction_kl,
                         epsilon=o.epsilon, epsilon_high=o.epsilon_high, loss_type=o.loss_type,
@@ -627,24 +660,49 @@ class GRPOModule(PolicyModule):
                         vespo_lambda_neg=o.vespo_lambda_neg, token_mask=token_mask,
                         off_policy_mask_threshold=o.off_policy_mask_threshold)
         loss = out.loss
-        if o.loss_type == "bnpo" and self._trainer is not None:  # the local token mean, divided as TRL's trainer
-            loss = loss / (self.trainer.accumulate_grad_batches * self.trainer.world_size)
-        self._record_stats(batch, rolled_here, out, mask, entropy)
+        accumulation = self.trainer.accumulate_grad_batches * self.trainer.world_size if self._trainer is not None else 1
+        if o.loss_type == "bnpo":  # the local token mean, divided as TRL's trainer
+            loss = loss / accumulation
+        extra: dict[str, Any] = {}
+        if control is not None:  # TRL's bonus: the token mean, scaled for accumulation (and ranks) only
+            term = entropy_term(entropy, mask, token_mask)  # type: ignore[arg-type]
+            coef = applied_entropy_coef(control.coef, control.last_entropy, adaptive=o.use_adaptive_entropy,
+                                        target=o.entropy_target)
+            loss = loss - coef * term.mean / accumulation
+            extra = {"policy_loss": self._trl_policy_loss(out.loss, n, step_sequences),
+                     "entropy_window": (term.total, term.tokens)}
+        self._record_stats(batch, rolled_here, out, mask, entropy, extra)
         return loss, {}
 
+    def _trl_policy_loss(self, loss: torch.Tensor, n: int, step_sequences: Any) -> torch.Tensor:
+        """TRL's ``policy_loss`` of this micro-batch on this rank (logged with the entropy bonus): the loss
+        before the bonus as TRL's ``_compute_loss`` scales it (per-sequence types: this micro-batch's mean;
+        dapo, cispo, vespo: its share of the step's tokens x the ranks; bnpo: its token mean)."""
+        o, world = self.objective, self.trainer.world_size if self._trainer is not None else 1
+        if o.loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
+            return loss.detach() * step_sequences / max(n, 1)
+        if o.loss_type in ("dapo", "cispo", "vespo"):
+            return loss.detach() * world
+        return loss.detach()
+
     def _record_stats(self, batch: dict[str, Any], rolled_here: bool, out: Any, mask: torch.Tensor,
-                      entropy: torch.Tensor) -> None:
+                      entropy: torch.Tensor, extra: dict[str, Any] | None = None) -> None:
         """Keep this micro-batch's rollout stats and loss metrics for the step's log (weights: tokens, or
-        sequences where the ratios are per sequence: GSPO's, RLOO's)."""
+        sequences where the ratios are per sequence: GSPO's, RLOO's); ``extra``: the entropy bonus's
+        ``policy_loss`` (a plain mean over ranks, as TRL's) and its entropy sum and token count."""
         stats = batch.get("rollout_stats")
         if stats is not None:
             self._step_stats.append(stats)
         if rolled_here or stats is not None:
             tokens = float(mask.sum())
             metrics = {k: float(v) for k, v in out.metrics.items()}
-            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
+            metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
             weights = {k: float(v) for k, v in out.weights.items()}
-            self._loss_stats.append({"tokens": tokens, "weights": weights, "metrics": metrics})
+            entry: dict[str, Any] = {"tokens": tokens, "weights": weights, "metrics": metrics}
+            if extra:
+                metrics["policy_loss"], weights["policy_loss"] = float(extra["policy_loss"]), 1.0
+                entry["entropy_window"] = tuple(float(x) for x in extra["entropy_window"])
+            self._loss_stats.append(entry)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -679,10 +737,27 @@ class GRPOModule(PolicyModule):
             metrics = dict(self.reuse.metrics) if self.reuse.parts is not None else {}
         metrics["num_tokens"] = float(self.tokens_seen.count)
         metrics.update(self._loss_metrics(per_rank))
+        if self.entropy_control is not None:
+            metrics["entropy_coef"] = self._update_entropy_control(per_rank)
         for key, value in metrics.items():  # already over every rank: no sync
             # num_tokens in float64: Lightning stores a plain number in float32, exact only up to 2**24
             logged = torch.tensor(float(value), dtype=torch.float64) if key == "num_tokens" else float(value)
             self.log(f"train/{key}", logged, batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+
+    def _update_entropy_control(self, per_rank: list[list[dict[str, Any]]]) -> float:
+        """After the optimizer step: adaptive control (Skywork-OR1, as TRL) moves the coefficient by the
+        step's token-mean entropy over every micro-batch and rank (the tokens the bonus acts on) and keeps
+        that entropy for the next step's gate. Returns the coefficient (TRL logs it as ``entropy_coef``)."""
+        control, o = self.entropy_control, self.objective
+        assert control is not None
+        if o.use_adaptive_entropy:
+            windows = [e["entropy_window"] for part in per_rank for e in part if "entropy_window" in e]
+            entropy = sum(w[0] for w in windows) / max(sum(w[1] for w in windows), 1.0)
+            control.coef = adaptive_entropy_coef(control.coef, entropy, target=o.entropy_target,
+                                                 delta=o.entropy_coef_delta, coef_min=o.entropy_coef_min,
+                                                 coef_max=o.entropy_coef_max)
+            control.last_entropy = entropy
+        return control.coef
 
     @staticmethod
     def _loss_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:

@@ -41,6 +41,10 @@ class RLOOModule(GRPOModule):
     def _check_loss_options(self, objective: Any) -> None:
         """No GRPO loss options to check: RLOO has one loss."""
 
+    def _entropy_control(self, objective: Any) -> None:
+        """No entropy bonus: TRL's RLOOConfig has none."""
+        return None
+
     def _advantages(self, rewards: torch.Tensor, per_reward: torch.Tensor | None = None,
                     names: list[str] | None = None) -> GroupAdvantages:
         """A placeholder: :meth:`score` computes the advantages once the KL is known."""

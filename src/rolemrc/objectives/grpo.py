@@ -37,6 +37,13 @@ Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objec
   ``top_entropy_quantile``) and ``off_policy_mask_threshold`` (:func:`off_policy_mask`) drop tokens or
   sequences from the policy term, not from the KL term, as TRL.
 
+The entropy bonus (``entropy_coef``, TRL 1.16's): ``loss - coef * H`` with ``H`` the token mean of the
+per-token entropies (with gradient) over the tokens the policy term acts on (:func:`entropy_term`), never
+rescaled by a loss type's normaliser; Skywork-OR1's adaptive control (``use_adaptive_entropy``) applies the
+coefficient only while the last step's entropy is at or below ``entropy_target``
+(:func:`applied_entropy_coef`) and moves it by ``entropy_coef_delta`` after every optimizer step
+(:func:`adaptive_entropy_coef`).
+
 Totals: a training step that splits its batch into micro-batches (or ranks) passes the step's global
 ``num_sequences`` (``grpo``, ``dr_grpo``) and ``num_tokens`` (``dapo``), so the micro-batch losses add
 up to the step's loss; by default the micro-batch's own counts are used. ``bnpo`` is by definition
@@ -59,7 +66,8 @@ ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 ADVANTAGE_EPS = 1e-4  # TRL 1.16's constant in the advantages' denominator
 
-__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "MULTI_OBJECTIVE_AGGREGATIONS",
+__all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "EntropyTerm", "adaptive_entropy_coef", "applied_entropy_coef",
+           "entropy_term", "IMPORTANCE_SAMPLING_LEVELS", "MULTI_OBJECTIVE_AGGREGATIONS",
            "SCALE_REWARDS", "GRPOLossType", "GRPOOutput", "GroupAdvantages", "ScaleRewards", "group_advantages",
            "grpo_loss", "high_entropy_mask", "nanstd", "normalized_sum_advantages", "off_policy_mask", "vespo_weights"]
 
@@ -182,6 +190,46 @@ def off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_to
     diff = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
     mean = (diff * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages.reshape(-1, 1) >= 0) | (mean <= threshold)).to(mask.dtype)
+
+
+class EntropyTerm(NamedTuple):
+    """``mean``: the token mean of the entropies over the tokens counted (with their gradient: what the
+    bonus adds); ``total`` and ``tokens``: its detached sum and token count (adaptive control pools
+    them over a step's micro-batches and ranks)."""
+
+    mean: Tensor
+    total: Tensor
+    tokens: Tensor
+
+
+def entropy_term(entropies: Tensor, completion_mask: Tensor, token_mask: Tensor | None = None) -> EntropyTerm:
+    """TRL 1.16's entropy bonus term of one micro-batch: the mean of ``entropies`` ``[B, T]`` over the
+    completion tokens, or only over those ``token_mask`` keeps (``top_entropy_quantile < 1``: the tokens
+    the policy term acts on), 0 with no token."""
+    mask = completion_mask.to(entropies.dtype)
+    if token_mask is not None:
+        mask = mask * token_mask.to(entropies.dtype)
+    total, tokens = (entropies * mask).sum(), mask.sum()
+    return EntropyTerm(total / tokens.clamp(min=1.0), total.detach(), tokens.detach())
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, *, adaptive: bool, target: float) -> float:
+    """The coefficient a step's micro-batches apply: ``coef``, or with adaptive control (Skywork-OR1)
+    ``coef`` only while the previous optimizer step's entropy was at or below ``target``, else 0 (before
+    any step: ``last_entropy = inf``, no bonus)."""
+    if not adaptive:
+        return coef
+    return coef if last_entropy <= target else 0.0
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, coef_min: float,
+                          coef_max: float) -> float:
+    """Skywork-OR1's update after an optimizer step whose token-mean entropy (over its micro-batches and
+    ranks) was ``entropy``: ``coef + delta`` (at most ``coef_max``) when it is at or below ``target``,
+    else ``coef - delta`` (at least ``coef_min``)."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)
 
 
 def vespo_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor, *, k_pos: float = 2.0,

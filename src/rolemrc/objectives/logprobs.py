@@ -168,7 +168,8 @@ class _LinearTargetLogProb(torch.autograd.Function):
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, targets ``[N]`` in ``[0, V)``.
     Returns ``[N]`` fp32 (fp64 if an input is fp64), and, ``with_entropy``, the entropy ``[N]`` of
-    each row's softmax (no gradient; else an empty tensor).
+    each row's softmax (else an empty tensor): without gradient, or with it when ``entropy_grad``
+    (``dH/dz_v = -p_v (log p_v + H)``, recomputed tile by tile in the backward as the log-probs' is).
     """
 
     @staticmethod
@@ -181,31 +182,35 @@ class _LinearTargetLogProb(torch.autograd.Function):
         chunk_size: int,
         vocab_chunk_size: int,
         with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor]:
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             logp, lse, entropy = _target_logprob_tiles(hidden, weight, bias, targets, chunk_size, vocab_chunk_size,
                                                        with_entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if ctx.entropy_grad else None)
         ctx.chunk_size = chunk_size
         ctx.vocab_chunk_size = vocab_chunk_size
-        ctx.mark_non_differentiable(entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor, grad_entropy: Tensor | None = None):  # type: ignore[override]
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            return (*_LinearTargetLogProb._backward(ctx, grad_out), None)
+            return (*_LinearTargetLogProb._backward(ctx, grad_out, grad_entropy), None, None)
 
     @staticmethod
-    def _backward(ctx, grad_out: Tensor):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def _backward(ctx, grad_out: Tensor, grad_entropy: Tensor | None = None):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, v = hidden.shape[0], weight.shape[0]
         cdt = lse.dtype
         chunk_size, vocab_chunk_size = ctx.chunk_size, ctx.vocab_chunk_size
         # d logp / d logits = onehot - softmax: build (softmax - onehot) in place, scale by -g.
         neg_g = -grad_out.to(cdt)
+        g_ent = grad_entropy.to(cdt) if ctx.entropy_grad and grad_entropy is not None else None
 
         grad_h_acc = hidden.new_zeros(hidden.shape, dtype=cdt) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
@@ -225,13 +230,24 @@ class _LinearTargetLogProb(torch.autograd.Function):
                 r1 = min(r0 + chunk_size, n)
                 h_tile = hidden[r0:r1].to(cdt)
                 tile = _tile_logits(h_tile, w_blk, b_blk)
-                tile.sub_(lse[r0:r1].unsqueeze(1)).exp_()  # softmax, using the forward's logsumexp
                 local = targets[r0:r1] - v0
                 in_blk = (local >= 0) & (local < v1 - v0)
-                tile.scatter_add_(
-                    1, local.clamp(0, v1 - v0 - 1).unsqueeze(1), -in_blk.to(tile.dtype).unsqueeze(1)
-                )
-                tile.mul_(neg_g[r0:r1].unsqueeze(1))  # tile is now grad_logits
+                if g_ent is None:
+                    tile.sub_(lse[r0:r1].unsqueeze(1)).exp_()  # softmax, using the forward's logsumexp
+                    tile.scatter_add_(
+                        1, local.clamp(0, v1 - v0 - 1).unsqueeze(1), -in_blk.to(tile.dtype).unsqueeze(1)
+                    )
+                    tile.mul_(neg_g[r0:r1].unsqueeze(1))  # tile is now grad_logits
+                else:  # g (onehot - p) + g_H (-p (log p + H)) = p (-g - g_H (log p + H)) + g onehot
+                    tile.sub_(lse[r0:r1].unsqueeze(1))  # log p
+                    weight_p = (tile + entropy[r0:r1].unsqueeze(1)).mul_(-g_ent[r0:r1].unsqueeze(1))
+                    weight_p.add_(neg_g[r0:r1].unsqueeze(1))
+                    tile.exp_().mul_(weight_p)
+                    del weight_p
+                    tile.scatter_add_(
+                        1, local.clamp(0, v1 - v0 - 1).unsqueeze(1),
+                        (-neg_g[r0:r1] * in_blk.to(tile.dtype)).unsqueeze(1),
+                    )
                 if need_h:
                     grad_h_acc[r0:r1].addmm_(tile, w_blk)
                 if need_w:
@@ -256,6 +272,7 @@ def _flat_logprobs(
     chunk_size: int,
     vocab_chunk_size: int,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_size=} {vocab_chunk_size=}")
@@ -265,7 +282,7 @@ def _flat_logprobs(
         bad = targets[(targets < 0) | (targets >= vocab)][:5].tolist()
         raise ValueError(f"labels must be in [0, {vocab}) or the ignore index; found {bad}")
     return _LinearTargetLogProb.apply(
-        hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size, with_entropy
+        hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size, with_entropy, entropy_grad
     )
 
 
@@ -332,7 +349,8 @@ def sequence_logprobs(
 
 
 class SequenceLogProbsEntropy(NamedTuple):
-    """:class:`SequenceLogProbs` and each sequence's summed per-token entropy ``[S]`` fp32 (no gradient)."""
+    """:class:`SequenceLogProbs` and each sequence's summed per-token entropy ``[S]`` fp32 (with gradient
+    only when asked: ``entropy_grad``)."""
 
     logps: Tensor
     num_tokens: Tensor
@@ -350,24 +368,26 @@ def sequence_logprobs_and_entropy(
     vocab_chunk_size: int = 8192,
     num_sequences: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    entropy_grad: bool = False,
 ) -> SequenceLogProbsEntropy:
     """:func:`sequence_logprobs` and, from the same tiles, the sum over each sequence's supervised
     positions of the entropy of the next-token distribution (``-sum_v p_v log p_v``; what TRL's
     GRPO logs as ``entropy``, as a token mean). The entropy costs one more tile-sized buffer while
-    a tile is open and carries no gradient."""
+    a tile is open; it carries no gradient unless ``entropy_grad`` (GRPO's entropy bonus,
+    ``entropy_coef``: the backward then holds one more tile-sized buffer too)."""
     sums, counts, entropy = _sequence_sums(hidden, weight, labels, sequence_ids, chunk_size, bias, vocab_chunk_size,
-                                           num_sequences, ignore_index, with_entropy=True)
+                                           num_sequences, ignore_index, with_entropy=True, entropy_grad=entropy_grad)
     assert entropy is not None
     return SequenceLogProbsEntropy(sums, counts, entropy)
 
 
 def _sequence_sums(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids: Tensor | None, chunk_size: int,
                    bias: Tensor | None, vocab_chunk_size: int, num_sequences: int | None, ignore_index: int,
-                   with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+                   with_entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     _check_inputs(hidden, weight, labels, bias)
     mask = labels != ignore_index
     logps, entropy = _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size,
-                                    with_entropy)
+                                    with_entropy, entropy_grad)
     if sequence_ids is None:
         if labels.dim() != 2:
             raise ValueError(f"row mode expects labels [B, T], got {tuple(labels.shape)}")

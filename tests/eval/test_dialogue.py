@@ -25,7 +25,8 @@ from tests.eval.test_evaluate_run import compose_eval
 from tests.fake_openai import FakeOpenAI, Request
 
 SEEDS = [json.loads(x) for x in Path(asset("sample/dialogues.jsonl")).read_text().splitlines()]
-FAST = ["env=scripted", "env.max_turns=4", "data=sample_dialogues", "generation.progress=false", "generation.cpu_threads=1",
+FAST = ["env=scripted", "env.max_turns=4", "data=sample_dialogues", "generation.progress=false",
+        "generation.cpu_threads=1",
         "generation.max_new_tokens=4", "judge.max_tokens=4"]
 REPLIES = ["[[good]] Aye shipmate.", "[[good]] Aye, the tide.", "Sure! [[bad]]"]  # turn 3 slips
 

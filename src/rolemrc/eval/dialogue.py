@@ -14,8 +14,9 @@ Conversations, per ``generation.backend``:
 - ``file``: whole conversations read from ``generation.path`` (:func:`read_dialogues`), scored
   without generating.
 
-Every finished conversation is appended to ``<out_dir>/dialogues.jsonl`` (flushed, fsynced): a
-rerun plays only the seeds missing there, and judgements come from the judge's cache.
+Finished conversations are appended to ``<out_dir>/dialogues.jsonl`` (flushed, fsynced) every
+``generation.batch_size`` seeds (vllm: every :data:`VLLM_CHUNK`): a rerun plays only the seeds
+missing there, and judgements come from the judge's cache.
 
 Judging (:mod:`rolemrc.eval.judge`): each reply on its seed's task's dimensions given the
 conversation before it (a seed without a RoleMRC task: role style, and nested instruction
@@ -33,8 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import string
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -43,17 +42,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
-from rolemrc import asset
 from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, Rejected, fault_summary, request_key
 from rolemrc.config import check_data_dir, plain, typed
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, Message, RecordError, check_turn_order, normalise_messages
 from rolemrc.env import ENVS, Conversation, Dialogue, Environment, Fault, Reply, converse, make_env, roll
 from rolemrc.errors import ConfigError
-from rolemrc.fileio import atomic_write_text
+from rolemrc.eval import pairwise
 from rolemrc.eval.generation import (
-    VLLM_MISSING, GenerationIncomplete, build_judge, check_backend, check_openai, check_settings, generation_backend,
-    generation_label, item_id, load_eval_model, model_label, reply_paths, restraint_hook,
+    VLLM_MISSING, GenerationIncomplete, GenerationStore, build_judge, check_backend, check_openai, check_settings,
+    generation_backend, generation_label, item_id, load_eval_model, model_label, reply_paths, restraint_hook,
 )
 from rolemrc.eval.judge import (
     JudgeIncomplete, JudgeItem, OpenAIBackend, Verdict, aggregate, cache_key, check_judge, judge_backend, judge_config,
@@ -61,6 +59,7 @@ from rolemrc.eval.judge import (
 )
 from rolemrc.eval.report import _pct, log_to_loggers, print_console, write_report
 from rolemrc.eval.verifiers import verify
+from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import check_source
 from rolemrc.models.source import check_model_path, resolve_model_sources
 from rolemrc.parts import build_chat, build_loggers
@@ -160,42 +159,9 @@ class Record:
         return json.dumps(asdict(self), ensure_ascii=False)
 
 
-class DialogueStore:
+def dialogue_store(out_dir: Path) -> GenerationStore:
     """``dialogues.jsonl``: append-only, durable per batch; a torn last line (a kill mid-write) is cut."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> dict[str, Record]:
-        if not self.path.exists():
-            return {}
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            log.warning("%s: dropping a torn last line (%d bytes; interrupted write)", self.path, len(data) - end)
-            with self.path.open("r+b") as f:
-                f.truncate(end)
-                f.flush()
-                os.fsync(f.fileno())
-        out: dict[str, Record] = {}
-        for lineno, raw in enumerate(data[:end].splitlines(), start=1):
-            if raw.strip():
-                try:
-                    rec = Record(**json.loads(raw))
-                except (json.JSONDecodeError, TypeError) as err:
-                    raise DataError(f"{self.path}:{lineno}: unreadable conversation line ({err}); delete the line or "
-                                    "the file to hold those conversations again") from None
-                out[rec.id] = rec
-        return out
-
-    def append(self, records: Sequence[Record]) -> None:
-        if not records:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write("".join(r.to_json() + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+    return GenerationStore(out_dir / DIALOGUES_FILE, Record, "conversation")
 
 
 # ---------------------------------------------------------------- conversations
@@ -224,14 +190,17 @@ def _chunks(items: Sequence[Any], n: int) -> list[Sequence[Any]]:
     return [items[i:i + n] for i in range(0, len(items), n)]
 
 
+VLLM_CHUNK = 256  # seeds per vLLM rollout (it schedules a whole turn's prompts itself); written after each
+
+
 def play_local(cfg: Any, seeds: Sequence[Seed], env: Environment, chat: Any, generate: Callable[[list[list[int]]],
-               list[list[int]]], stops: Sequence[int], store: DialogueStore) -> list[tuple[str, str]]:
+               list[list[int]]], stops: Sequence[int], store: GenerationStore, per: int) -> list[tuple[str, str]]:
     """Conversations for ``seeds`` with a local engine (:func:`rolemrc.env.roll`), appended to
-    ``store`` every ``generation.batch_size`` seeds; returns the failed ones' (seed id, why): their
-    user could not answer (never scored, not stored: a rerun holds them again)."""
+    ``store`` every ``per`` seeds; returns the failed ones' (seed id, why): their user could not
+    answer (never scored, not stored: a rerun holds them again)."""
     max_tokens = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.data.get("max_length")
     failed: list[tuple[str, str]] = []
-    for chunk in _chunks(seeds, cfg.generation.batch_size):
+    for chunk in _chunks(seeds, per):
         episodes = [env.reset(s.row) for s in chunk]
         convs = roll(episodes, chat, generate, stop_ids=stops, max_turns=cfg.env.max_turns, max_tokens=max_tokens)
         store.append([_record(s, c, len(e.opening)) for s, c, e in zip(chunk, convs, episodes, strict=True)
@@ -240,7 +209,8 @@ def play_local(cfg: Any, seeds: Sequence[Seed], env: Environment, chat: Any, gen
     return failed
 
 
-def hf_generate(cfg: Any, model: Any, tokenizer: Any, stops: Sequence[int]) -> Callable[[list[list[int]]], list[list[int]]]:
+def hf_generate(cfg: Any, model: Any, tokenizer: Any,
+                stops: Sequence[int]) -> Callable[[list[list[int]]], list[list[int]]]:
     """Greedy continuations with transformers (``generation.batch_size``, ``max_new_tokens``)."""
     g = cfg.generation
     pad = pad_id_of(tokenizer)
@@ -326,7 +296,7 @@ def openai_reply(g: Any, cache: AnswerCache, counts: Counter[str], sent: list[in
     return reply
 
 
-def play_openai(cfg: Any, seeds: Sequence[Seed], env: Environment, store: DialogueStore) -> tuple[int, dict, list]:
+def play_openai(cfg: Any, seeds: Sequence[Seed], env: Environment, store: GenerationStore) -> tuple[int, dict, list]:
     """Conversations for ``seeds`` with the served model (:func:`rolemrc.env.converse`); returns
     (requests sent, faults by kind, the unfinished conversations' (seed id, error))."""
     g = cfg.generation
@@ -437,29 +407,14 @@ def turn_items(records: Sequence[Record], seeds: Mapping[str, Seed], strip: bool
 
 def load_template(path: str | None) -> str:
     """The consistency judge's prompt: ``path`` (``dialogue.consistency_template``) or rolemrc's;
-    checked for known placeholders and the conversation. A fault is a ConfigError naming the file."""
+    checked as pairwise judging's (:func:`rolemrc.eval.pairwise.load_template`): known placeholders,
+    the conversation shown, and the verdict line asked for. A fault is a ConfigError naming the file."""
     where = "dialogue.consistency_template"
-    p = Path(path).expanduser() if path else Path(asset(DEFAULT_TEMPLATE))
-    known = " ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
-    if not p.is_file():
-        raise ConfigError(f"{where}={path}: no such file (a text file with the judge's prompt, placeholders {known})")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}={p}: not UTF-8 text; re-save it as UTF-8") from None
-    if not text.strip():
-        raise ConfigError(f"{where}={p}: the file is empty")
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-    except ValueError as e:
-        raise ConfigError(f"{where}={p}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-    bad = sorted(n for n in names if n not in TEMPLATE_FIELDS)
-    if bad:
-        raise ConfigError(f"{where}={p}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; known: {known}")
-    if "conversation" not in names:
-        raise ConfigError(f"{where}={p}: the template never shows the conversation ({{conversation}})")
+    text = pairwise.load_template(path, where, DEFAULT_TEMPLATE, TEMPLATE_FIELDS, ("conversation",),
+                                  "it must show the conversation")
     if "VERDICT" not in text:
-        raise ConfigError(f"{where}={p}: the template never asks for the verdict line (`VERDICT: 1` or `VERDICT: 0`)")
+        raise ConfigError(f"{where}={path}: the template never asks for the verdict line (`VERDICT: 1` or "
+                          "`VERDICT: 0`)")
     return text
 
 
@@ -643,9 +598,10 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
         lines += ["### Scores by turn", "",
                   "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+        rule = " rule kept: the replies that obey their seed's rule (rolemrc's verifiers)." if any(
+            c.startswith("rule kept") for c in columns) else ""
         lines += ["", "Each cell: the judge's accuracy over the replies of that turn with a verdict (their number); "
-                  "a turn's replies are fewer when conversations ended earlier. rule kept: the replies that obey "
-                  "their seed's rule (rolemrc's verifiers).", ""]
+                  "a turn's replies are fewer when conversations ended earlier." + rule, ""]
     if consistency is not None:
         lines += [f"Role consistency across the turns (judge, one verdict per conversation): "
                   f"{_pct(consistency['accuracy'])} of {consistency['n_ok']} conversations with a verdict "
@@ -688,7 +644,7 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
         cfg, resolved = resolve_model_sources(cfg)
     else:
         resolved = {}
-    store = DialogueStore(out_dir / DIALOGUES_FILE)
+    store = dialogue_store(out_dir)
     env_settings = plain(cfg.env)
     played = Played([])
     model = tokenizer = None
@@ -715,7 +671,8 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
                 env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed,
                                device=cfg.generation.device)
                 try:
-                    failed = play_local(cfg, todo, env, chat, generate, stops, store)
+                    failed = play_local(cfg, todo, env, chat, generate, stops, store, cfg.generation.batch_size
+                                        if backend.loads_model else max(cfg.generation.batch_size, VLLM_CHUNK))
                 finally:
                     env.close()
                 played.n_new = len(todo) - len(failed)

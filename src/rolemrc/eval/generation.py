@@ -132,13 +132,17 @@ class GenerationRun:
 
 
 class GenerationStore:
-    """``generations.jsonl``: append-only, durable per batch, readable after a kill."""
+    """``generations.jsonl``: append-only, durable per batch, readable after a kill. ``row``: the
+    dataclass of a line (with ``id`` and ``to_json()``; default :class:`Generation`), ``what``: what a
+    line holds, for the error naming a damaged one."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, row: Any = None, what: str = "generation") -> None:
         self.path = Path(path)
+        self.row = row or Generation
+        self.what = what
 
-    def load(self) -> dict[str, Generation]:
-        """Finished generations by id. A torn last line (no newline: killed mid-write) is
+    def load(self) -> dict[str, Any]:
+        """Finished rows by id. A torn last line (no newline: killed mid-write) is
         truncated away so the next append starts on a clean line; any other unreadable line
         is an error (the file was damaged some other way)."""
         if not self.path.exists():
@@ -151,21 +155,21 @@ class GenerationStore:
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
-        out: dict[str, Generation] = {}
+        out: dict[str, Any] = {}
         for lineno, raw in enumerate(data[:end].splitlines(), start=1):
             if not raw.strip():
                 continue
             try:
-                gen = Generation(**json.loads(raw))
+                gen = self.row(**json.loads(raw))
             except (json.JSONDecodeError, TypeError) as err:
                 raise ValueError(
-                    f"{self.path}:{lineno}: unreadable generation line ({err}); delete the line or the file "
+                    f"{self.path}:{lineno}: unreadable {self.what} line ({err}); delete the line or the file "
                     "to regenerate those items"
                 ) from err
             out[gen.id] = gen
         return out
 
-    def append(self, generations: Iterable[Generation]) -> None:
+    def append(self, generations: Iterable[Any]) -> None:
         """Write lines in one call, then flush and fsync: after this returns they survive a kill."""
         text = "".join(g.to_json() + "\n" for g in generations)
         if not text:

@@ -102,14 +102,16 @@ def opponent_names(paths: Sequence[str]) -> list[str]:
     return [s if stems.count(s) == 1 else f"{s}_{i + 1}" for i, s in enumerate(stems)]
 
 
-def load_template(path: str | None) -> str:
-    """The prompt template: ``path`` (``pairwise.template``) or rolemrc's default; checked for known
-    placeholders and both replies. A fault is a ConfigError naming the file."""
-    where = "pairwise.template"
-    p = Path(path).expanduser() if path else Path(asset(DEFAULT_TEMPLATE))
+def load_template(path: str | None, where: str = "pairwise.template", default: str = DEFAULT_TEMPLATE,
+                  fields: dict[str, str] = TEMPLATE_FIELDS, required: Sequence[str] = REQUIRED_FIELDS,
+                  needs: str = "it must show both replies") -> str:
+    """A judge's prompt template: ``path`` (``where``: the key naming it) or rolemrc's ``default``
+    asset; checked for known placeholders (``fields``) and the ``required`` ones (``needs`` says
+    why). A fault is a ConfigError naming the file. Defaults: pairwise judging's."""
+    p = Path(path).expanduser() if path else Path(asset(default))
     if not p.is_file():
         raise ConfigError(f"{where}={path}: no such file (a text file with the judge's prompt, placeholders "
-                          f"{' '.join('{' + f + '}' for f in TEMPLATE_FIELDS)})")
+                          f"{' '.join('{' + f + '}' for f in fields)})")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -120,14 +122,14 @@ def load_template(path: str | None) -> str:
         names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
     except ValueError as e:
         raise ConfigError(f"{where}={p}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-    bad = sorted(n for n in names if n not in TEMPLATE_FIELDS)
+    bad = sorted(n for n in names if n not in fields)
     if bad:
         raise ConfigError(f"{where}={p}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; "
-                          f"known: {', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}")
-    lacking = [f for f in REQUIRED_FIELDS if f not in names]
+                          f"known: {', '.join('{' + f + '}' for f in fields)}")
+    lacking = [f for f in required if f not in names]
     if lacking:
         raise ConfigError(f"{where}={p}: the template never shows {', '.join('{' + f + '}' for f in lacking)}; "
-                          "it must show both replies")
+                          f"{needs}")
     return text
 
 

@@ -169,9 +169,10 @@ def test_documented_evaluate_commands_say_how_bertscore_loads() -> None:
     hub offline: each documented evaluate.py command that scores BERTScore either uses the shipped
     MiniLM (`metrics.bertscore.model=`) or goes online (`HF_HUB_OFFLINE=0`), so it runs as written,
     or its block says which flag it needs offline (a comment line naming the key).
-    Exempt: RoleBench, CharacterLLM, CharacterEval, CharacterBench, CoSER and lm-eval runs, reward models and the
-    dialogue mode (no BERTScore) and resuming a folder."""
-    exempt = re.compile(r"data=(?:rolebench|characterllm|charactereval|characterbench|coser)|benchmarks=|env=(?!none)"
+    Exempt: RoleBench, CharacterLLM, CharacterEval, CharacterBench, CoSER, PersonaGym and lm-eval runs, reward
+    models and the dialogue mode (no BERTScore) and resuming a folder."""
+    exempt = re.compile(r"data=(?:rolebench|characterllm|charactereval|characterbench|coser|personagym)|benchmarks="
+                        r"|env=(?!none)"
                         r"|out_dir=|--cfg|metrics\.(?:names|rouge_only)"
                         r"|# a reward model")
     found, bad = 0, []

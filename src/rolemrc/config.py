@@ -769,6 +769,17 @@ class JudgeConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What ``summary.md`` (and W&B) set beside this run's figures (rolemrc.eval.reference)."""
+
+    # published rows by model name (case-insensitive), e.g. [gpt-3.5, Qwen2.5-7B-RoleMRC-SFT]: shown
+    # for every benchmark this run evaluated that has them; []: none
+    reference: list[str] = field(default_factory=list)
+    # more reference tables (YAML, the layout of rolemrc/assets/reference/*.yaml), added to the shipped ones
+    reference_files: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PairwiseConfig:
     """Pairwise judging (``pairwise:`` of ``evaluate.py``; rolemrc.eval.pairwise): the evaluated
     model's replies (A) against other models' replies on the same items, both orders asked."""
@@ -810,6 +821,7 @@ class EvaluateConfig:
     benchmarks: Optional[BenchmarksConfig] = None  # conf/benchmarks: lm-evaluation-harness (rolemrc.eval.general)
     compare: CompareConfig = field(default_factory=CompareConfig)  # benchmarks: the starting model (General Δ)
     pairwise: PairwiseConfig = field(default_factory=PairwiseConfig)  # judge A vs B (rolemrc.eval.pairwise)
+    report: ReportConfig = field(default_factory=ReportConfig)  # published figures beside this run's
     env: EnvConfig = field(default_factory=EnvConfig)  # conf/env: dialogue mode (a conversation per test seed)
     dialogue: DialogueConfig = field(default_factory=DialogueConfig)  # the dialogue mode's consistency judge
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from rolemrc.eval.judge import Verdict
 from rolemrc.eval.metrics import compute_metrics
@@ -58,3 +61,48 @@ def test_report_metrics_only(tmp_path):
     paths = write_report(tmp_path, metrics=metrics)
     assert set(paths) == {"metrics.json", "summary.md"}
     assert "LLM judge" not in paths["summary.md"].read_text()
+
+
+def test_reference_tables_checked_and_logged(tmp_path: Path) -> None:
+    """report.reference: an unknown name lists the known ones; a user's table in the wrong layout is
+    one line naming file and key; its rows join the shipped benchmark's; W&B-style loggers get the
+    ``reference`` table."""
+    from rolemrc.errors import ConfigError
+    from rolemrc.eval import reference
+    from rolemrc.eval.report import log_to_loggers
+
+    tables = reference.load_tables()
+    with pytest.raises(ConfigError, match=r"report.reference: no published row named 'gpt-9'; known: .*personagym: "
+                                          r"claude-3.5-sonnet"):
+        reference.select(tables, ["gpt-9"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("benchmark: personagym\ntitle: t\ncolumns: [{key: persona_score, label: PS}]\n"
+                   "rows: [{model: m, source: s, figures: {personascore: 4}}]\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: rows\[0\]: figures.personascore is not a column; columns: persona_score$"):
+        reference.load_tables([str(bad)])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("benchmark: personagym\ntitle: t\ncolumns: [{key: expected_action, label: EA}]\n"
+                    "rows: [{model: my-model, source: my paper, figures: {expected_action: 4.0}}]\n")
+    picked = reference.select(reference.load_tables([str(mine)]), ["my-model"])
+    scalars = {"personagym/expected_action": 3.5}
+    text = reference.section(picked, scalars)
+    assert text is not None and "| this run | 3.50 | n/a | n/a | n/a | n/a | n/a |" in text
+    assert "| my-model | 4.00 | n/a |" in text and "- my-model: my paper" in text
+
+    class Logger:
+        def __init__(self) -> None:
+            self.tables: dict[str, list] = {}
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            pass
+
+        def log_table(self, key: str, columns: list, data: list) -> None:
+            self.tables[key] = [columns, data]
+
+        def finalize(self, status: str) -> None:
+            pass
+
+    lg = Logger()
+    log_to_loggers([lg], scalars, [], ["metric"], tables=reference.logger_tables(picked, scalars))
+    assert lg.tables["reference"] == [reference.COLUMNS, [["personagym", "this run", "Expected Action", 3.5, ""],
+                                                          ["personagym", "my-model", "Expected Action", 4.0, "my paper"]]]

@@ -244,8 +244,15 @@ def test_rolemrc_items_missing_a_reply(tmp_path: Path) -> None:
             "metrics.names=[rougeL]"]
     with pytest.raises(GenerationIncomplete, match=r"1 of 6 test items have no reply .* \(first: 00004-"):
         run(compose_eval(*base, f"out_dir={tmp_path / 'a'}"))
-    res = run(compose_eval(*base, "generation.on_missing=skip", f"out_dir={tmp_path / 'b'}"))
+    res = run(compose_eval(*base, "generation.on_missing=skip", f"out_dir={tmp_path / 'b'}",
+                           "report.reference=[qwen2.5-7b-rolemrc-sft]"))
     doc = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    # report.reference: Table 3's row beside this run's ROUGE-L (the only metric computed here)
+    summary = (tmp_path / "b" / "summary.md").read_text()
+    rouge_l = doc["metrics"]["summary"]["rougeL"]["mean"]
+    assert f"| this run | n/a | n/a | n/a | {rouge_l:.4f} | n/a | n/a | n/a |" in summary
+    assert "| Qwen2.5-7B-RoleMRC-SFT | 0.1963 | 0.4764 | 0.2744 | 0.3959 | 0.3968 | 0.4337 | 0.9063 |" in summary
+    assert "- Qwen2.5-7B-RoleMRC-SFT: RoleMRC paper (arXiv 2502.11387), Table 3" in summary
     assert doc["counts"]["replies_missing"] == 1 and doc["meta"]["items"] == 5
     assert doc["metrics"]["summary"]["rougeL"]["n"] == 5 and len(res["ids"]) == 5
     assert "1 of 6 test items have no reply" in doc["meta"]["replies_missing"]

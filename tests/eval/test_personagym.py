@@ -77,8 +77,10 @@ def test_personagym_file_replies_two_judges_missing_counted_and_rerun(
     with FakeOpenAI(api_key=api_key_env[1], answer=answer, faults=faults) as server:
         over = ["data=personagym_sample", "generation.backend=file", f"generation.path={_replies(tmp_path / 'r.jsonl')}",
                 "judge=openai", "judge.model=judge-a", f"judge.base_url={server.base_url}",
-                f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=1", "judge.timeout_s=10",
-                "+data.personagym.judges=[{model: judge-a},{model: judge-b}]", "logger=csv", f"out_dir={out}"]
+                f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=2", "judge.backoff_s=0", "judge.max_backoff_s=0",
+                "judge.timeout_s=60",
+                "+data.personagym.judges=[{model: judge-a},{model: judge-b}]", "logger=csv", f"out_dir={out}",
+                "report.reference=[GPT-3.5,Qwen2.5-7B-RoleMRC-SFT]"]
         with pytest.raises(JudgeIncomplete, match=r"PersonaGym: 8 of 10 groups scored, missing 2 failed"):
             run(compose_eval(*over))
         doc = json.loads((out / "metrics.json").read_text())["personagym"]
@@ -94,8 +96,8 @@ def test_personagym_file_replies_two_judges_missing_counted_and_rerun(
         assert "Answer: [Expected Action] reply 0" in rubrics[0]
         assert body["temperature"] == 0.0
         sent = server.requests
-        # 10 groups: 10 examples requests, 10 per judge (judge-b's 2 toxicity ones failed)
-        assert sent == 30
+        # 10 groups: 10 examples requests, 10 per judge (judge-b's 2 toxicity ones failed twice)
+        assert sent == 32
         down["on"] = False
         res = run(compose_eval(*over))
         assert server.requests - sent == 2  # only the failed ones
@@ -105,6 +107,13 @@ def test_personagym_file_replies_two_judges_missing_counted_and_rerun(
         summary = (out / "summary.md").read_text()
         assert "| this run | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 |" in summary
         assert "personagym/persona_score" in (out / "csv" / "metrics.csv").read_text()
+        # report.reference: the published row beside this run's, with its source; benchmarks not run are named
+        assert "| this run | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 |\n| gpt-3.5 | 4.28 | 3.63 | 4.70 | 4.96 | 4.31 | 4.38 |" \
+            in summary
+        assert "- gpt-3.5: PersonaGym repository (vsamuel2003/PersonaGym), evaluations/20240710_gpt_35/scores.json" in summary
+        assert "Not evaluated in this run, so not shown: RoleBench" in summary
+        ref = json.loads((out / "metrics.json").read_text())["reference"]
+        assert ["personagym", "gpt-3.5", "PersonaScore", 4.38, ref[-1][4]] == ref[-1] and ref[0][:2] == ["personagym", "this run"]
 
 
 def test_personagym_hf_generation_and_layout_errors(tmp_path: Path, api_key_env: tuple[str, str]) -> None:

@@ -25,7 +25,7 @@ from rolemrc.eval.generation import (
     GenerationStore, build_judge, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
     load_eval_model, model_label, prepare_generation,
 )
-from rolemrc.eval import dialogue, pairwise
+from rolemrc.eval import dialogue, pairwise, reference
 from rolemrc.eval.judge import (
     JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, uses_evaluated_model,
 )
@@ -135,6 +135,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         check_source(cfg.model.tokenizer, "model.tokenizer")
     check_backend(cfg)
     check_judge(judge_config(cfg.judge))
+    refs = reference.picked(cfg)  # report.reference: the published rows named
     if compare_pairs:
         pairwise.check(cfg)  # a judge, B's replies files, the prompt template
     out_dir = Path(cfg.out_dir)
@@ -248,18 +249,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if pairs is not None:
         extra["pairwise"] = {k: v for k, v in pairs.items() if k != "pairs"}
         sections.append(pairwise.render(pairs, model_label(cfg)))
+    table = aggregate(verdicts) if verdicts is not None else None
+    scalars = _scalars(metrics, table)
+    if pairs is not None:
+        scalars.update(pairwise.scalars(pairs))
+    ref_section = reference.section(refs, scalars)
+    if ref_section:
+        sections.append(ref_section)
+        extra["reference"] = reference.logger_rows(refs, scalars)
     paths = write_report(out_dir, metrics=metrics, verdicts=verdicts, agreement=agree, meta=meta, extra=extra,
                          sections=sections)
     if pairs is not None:
         paths["pairwise.jsonl"] = pairwise.write_pairs(out_dir, pairs)
 
-    table = aggregate(verdicts) if verdicts is not None else None
     columns = ["id", "task", "question", "reply", "reference"]
     rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
-    scalars = _scalars(metrics, table)
-    if pairs is not None:
-        scalars.update(pairwise.scalars(pairs))
-    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, rows, columns)
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, rows, columns,
+                   tables=reference.logger_tables(refs, scalars))
 
     print_console(paths["summary.md"], metrics=metrics, judge=table, sections=sections)
     if pairs is not None and pairs.get("missing"):

@@ -32,7 +32,7 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError
-from rolemrc.eval import characterllm, general, rolebench
+from rolemrc.eval import characterllm, general, reference, rolebench
 from rolemrc.eval.bench import characterbench, charactereval, coser, personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
@@ -189,6 +189,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     for suite in suites.values():
         suite.check(cfg, backend)
     check_backend(cfg)
+    refs = reference.picked(cfg)  # report.reference: the published rows named, before anything slow
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = ModelContext(cfg)
@@ -211,9 +212,13 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
                      "replies_missing": ctx.missing, "generation_requests": ctx.requests}
     if ctx.replies_file is not None:  # rows matched to no item of any benchmark read
         doc["counts"]["replies_unmatched"] = count_unmatched(ctx.replies_file)
+    ref_section = reference.section(refs, scalars)
+    if ref_section:
+        sections.append(ref_section)
+        doc["reference"] = reference.logger_rows(refs, scalars)
     paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
     log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, [[k, v] for k, v in scalars.items()],
-                   ["metric", "value"])
+                   ["metric", "value"], tables=reference.logger_tables(refs, scalars))
 
     print_console(paths["summary.md"], sections=sections)
     errors = [e for name, suite in suites.items() if (e := suite.finish(doc[name], out_dir)) is not None]

@@ -8,6 +8,7 @@
     (or rerun the same command: it continues the newest folder of the same config)
     python evaluate.py --cfg job                               # print the resolved config
     python evaluate.py model.path=<objective=reward export>    # a reward model: accuracy on held-out pairs
+    python evaluate.py env=scripted data=sample_dialogues judge=hf   # dialogue mode: conversations, scores by turn
 
 BERTScore's default is the paper's roberta-large, not shipped: HF_HUB_OFFLINE=0 downloads it once;
 metrics.bertscore.model=minilm scores offline (not comparable with the paper's numbers).

@@ -19,6 +19,7 @@ from rolemrc.env import Fault, Reply, ScriptedEnv, converse
 from rolemrc.errors import ConfigError
 from rolemrc.eval import dialogue
 from rolemrc.eval.generation import GenerationIncomplete
+from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers
 from rolemrc.eval.run import run
 from tests.eval.test_evaluate_run import compose_eval
@@ -148,9 +149,13 @@ def test_openai_text_loop_resumes_and_reads_whole_conversations_from_a_file(
     def faults(req: Request) -> str | None:
         return "unavailable" if down["on"] and req.last_content == third else None
 
+    def judge_faults(req: Request) -> str | None:  # the consistency judge is down while the model is
+        return "unavailable" if down["judge"] and "## Reply to judge" not in req.last_content else None
+
+    down["judge"] = True
     out = tmp_path / "eval"
     with FakeOpenAI(api_key=api_key_env[1], answer=served_reply, faults=faults) as served, \
-            FakeOpenAI(api_key=api_key_env[1], answer=judge_answer) as judge:
+            FakeOpenAI(api_key=api_key_env[1], answer=judge_answer, faults=judge_faults) as judge:
         args = [*FAST, "limit=3", "generation.backend=openai", "generation.model=served-test",
                 f"generation.base_url={served.base_url}", f"generation.api_key_env={key}",
                 "generation.backoff_s=0.01", "generation.max_backoff_s=0.05", "generation.max_attempts=2",
@@ -160,8 +165,16 @@ def test_openai_text_loop_resumes_and_reads_whole_conversations_from_a_file(
         assert len((out / "dialogues.jsonl").read_text().splitlines()) == 2
         down["on"] = False
         before = served.requests
-        run(compose_eval(*args))
+        with pytest.raises(JudgeIncomplete, match="9 of 12 verdicts obtained, missing 3 failed"):
+            run(compose_eval(*args))
         assert served.requests == before + 1  # the unfinished one's first two replies come from the cache
+        doc = json.loads((out / "metrics.json").read_text())["dialogue"]  # the report of what was obtained
+        assert doc["consistency"]["n_failed"] == 3 and "dialogue/consistency" not in doc["scores"]  # never a 0
+        assert doc["scores"]["dialogue/turn_3/NI"] == 1.0
+        down["judge"] = False
+        asked = judge.requests
+        run(compose_eval(*args))
+        assert served.requests == before + 1 and judge.requests == asked + 3  # only the missing verdicts
         records = [json.loads(x) for x in (out / "dialogues.jsonl").read_text().splitlines()]
         assert len(records) == 3 and {r["reason"] for r in records} == {"script_end"}
         conv = records[2]["messages"]  # the whole conversation was sent: each reply answers its user turn

@@ -116,8 +116,11 @@ def test_personagym_file_replies_two_judges_missing_counted_and_rerun(
         assert ["personagym", "gpt-3.5", "PersonaScore", 4.38, ref[-1][4]] == ref[-1] and ref[0][:2] == ["personagym", "this run"]
 
 
-def test_personagym_hf_generation_and_layout_errors(tmp_path: Path, api_key_env: tuple[str, str]) -> None:
+def test_personagym_hf_and_openai_generation_and_layout_errors(tmp_path: Path, api_key_env: tuple[str, str]) -> None:
     def answer(req: Request) -> str:
+        if req.body["model"] == "actor":  # generation.backend=openai: the persona's answer
+            assert req.body["messages"][0]["content"].startswith("You are A ")
+            return "In character."
         if req.body["messages"][0]["role"] == "user":
             return _examples(req)
         return "(1) Evaluation: Therefore, the final score is 5"
@@ -132,6 +135,11 @@ def test_personagym_hf_generation_and_layout_errors(tmp_path: Path, api_key_env:
         gens = (tmp_path / "hf" / "personagym" / "generations.jsonl").read_text().splitlines()
         assert len(gens) == 10
         assert server.requests == 10  # no score-examples request with score_examples=none
+        res = run(compose_eval(*over, "generation.backend=openai", "generation.model=actor",
+                               f"generation.base_url={server.base_url}", f"generation.api_key_env={api_key_env[0]}",
+                               f"out_dir={tmp_path / 'api'}"))
+        assert res["results"]["personagym"]["overall"]["PersonaScore"] == 5.0
+        assert server.requests == 10 + 10 + 10  # 10 replies generated, 10 groups graded
 
         # A copy that differs from the released layout: one line naming file, line and field.
         root = tmp_path / "copy"

@@ -241,3 +241,51 @@ def test_a_failed_user_is_neither_scored_nor_trained_and_all_failing_stops() -> 
     assert laid["labels"][0].tolist() == [-100, -100, 7, 8, 4] and (laid["labels"][1] == -100).all()
     with pytest.raises(RolloutError, match="user failed in all 1 conversations of the step \\(user_failed: HTTP 503\\)"):
         GRPOModule._dialogue_scores(module, [failed], {"task": ["t"]})
+
+
+class RecordSequences:
+    """Lightning callback: every trained row's tokens (padding dropped) and labels."""
+
+    rows: list[tuple[list[int], list[int]]] = []
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        import lightning as L
+
+        class _Record(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                for ids, att, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+                    RecordSequences.rows.append((ids[att.bool()].tolist(), lab[att.bool()].tolist()))
+
+        return _Record()
+
+
+def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path) -> None:
+    """objective.rollout=vllm (a loopback server): the adapter synced once per step, one request per open
+    conversation per turn (n=1, its own seed from the rollout's stream), each turn's prompt the
+    conversation so far, and the labels exactly the server's replies, turn after turn."""
+    from tests.conftest import FAST, compose_train
+    from tests.train.test_grpo_vllm import VLLMStub, _tiny_vocab
+
+    stub = VLLMStub(vocab=_tiny_vocab())
+    RecordSequences.rows = []
+    try:
+        run(compose_train([*FAST, *MT, "model.peft.enabled=true", "objective.rollout=vllm",
+                           f"objective.vllm.base_url={stub.url}", "trainer.max_steps=2", "env.max_turns=3",
+                           "+callbacks.rec._target_=tests.train.test_grpo_multiturn.RecordSequences"],
+                          run_dir=tmp_path / "run"))
+    finally:
+        stub.close()
+    assert len(stub.loads) == 2  # one sync per step, not per turn
+    bodies = [c["body"] for c in stub.completions]
+    assert all(b["n"] == 1 for b in bodies) and len({b["seed"] for b in bodies}) == len(bodies)
+    served = [(b["prompt"], c["rows"][0]) for b, c in zip(bodies, stub.completions)]
+    assert len(RecordSequences.rows) == 12 and len(bodies) > 12  # later turns were asked for
+    used = 0
+    for ids, labels in RecordSequences.rows:
+        # the replies served for this conversation: their prompt is the sequence so far, the reply follows it
+        replies = sorted(((p, row) for p, row in served if p == ids[:len(p)] and ids[len(p):len(p) + len(row)] == row),
+                         key=lambda r: len(r[0]))
+        assert replies and len(replies[0][0]) < len(ids)
+        used += len(replies)
+        assert [t for t in labels if t != IGNORE_INDEX] == [t for _, row in replies for t in row]
+    assert used == len(served)  # every request was one turn of one trained conversation

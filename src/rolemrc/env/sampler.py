@@ -85,10 +85,10 @@ class ConversationSampler:
 
         return self._roll(batch, step)
 
-    def sample_engine(self, engine: Engine, model: Any, step: int, batch: Mapping[str, Any],
-                      seed: int) -> tuple[list[Conversation], float]:
+    def sample_engine(self, engine: Engine, model: Any, step: int, batch: Mapping[str, Any], seed: int,
+                      pad_id: int | None = None) -> tuple[list[Conversation], float]:
         """Another engine: the policy's weights synced into it once, then per turn one seed per open
-        conversation from the stream."""
+        conversation from the stream (``pad_id``: unused, the one-turn kind's argument)."""
         device = batch["prompt_ids"].device
         engine.sync(model, step)
 

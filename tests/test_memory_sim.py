@@ -174,3 +174,22 @@ def test_grpo_rollout_is_simulated_against_the_real_generate_and_its_cache() -> 
     assert cache.get_seq_length() == prompt + completion - 1
     assert sim.rollout["kv_cache_bytes"] == real_cache == ms.kv_cache_bytes(module.model.config, n,
                                                                             prompt + completion - 1, torch.float32)
+
+
+def test_multi_turn_rollouts_are_sized_by_the_whole_conversation() -> None:
+    """With a multi-turn env the rollout phase is the last turn's generate after the longest
+    conversation before it (env.max_turns replies, env.user.max_tokens per user turn, capped at
+    env.max_tokens), and the loss step trains on whole conversations: the simulated peak grows with
+    env.max_turns; one turn is sized as the single-turn rollout."""
+    base = [*GRPO, "env=scripted", "env.user.max_tokens=24", "data.max_length=1024"]
+    one, three = (simulate(compose_train([*base, f"env.max_turns={t}"]), checkpointing=False) for t in (1, 3))
+    assert one.rollout["prompt_tokens"] == 48 and one.rollout["completion_tokens"] == 16  # as env=none
+    assert three.rollout["prompt_tokens"] == 48 + 2 * 16 + 2 * 24  # the conversation before the last reply
+    assert three.rollout["kv_cache_bytes"] > one.rollout["kv_cache_bytes"]
+    assert three.tokens == one.tokens * (48 + 3 * 16 + 2 * 24) // (48 + 16)  # the step's rows: whole conversations
+    assert three.phases["rollout"]["peak_bytes"] > one.phases["rollout"]["peak_bytes"]
+    assert three.peak_bytes > one.peak_bytes
+    from rolemrc.config import objective_settings  # the cap: env.max_tokens (null: data.max_length)
+
+    capped = compose_train([*base, "env.max_turns=3", "env.max_tokens=100"])
+    assert objective_settings(capped.objective).rollout_shape(capped.data, capped.trainer, capped.env) == (12, 84, 16)

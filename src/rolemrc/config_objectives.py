@@ -28,11 +28,12 @@ class ObjectiveConfig:
         """Whether the run builds the reference its registry entry takes (GRPO: only with ``beta > 0``)."""
         return True
 
-    def micro_batch_tokens(self, data: Any) -> int | None:
-        """Tokens of a training micro-batch for the memory formula; None: the data's rows."""
+    def micro_batch_tokens(self, data: Any, env: Any = None) -> int | None:
+        """Tokens of a training micro-batch for the memory formula; None: the data's rows. ``env``:
+        the run's ``env:`` settings (an online objective's rollouts may be whole conversations)."""
         return None
 
-    def rollout_shape(self, data: Any, trainer: Any) -> tuple[int, int, int] | None:
+    def rollout_shape(self, data: Any, trainer: Any, env: Any = None) -> tuple[int, int, int] | None:
         """(sequences, prompt tokens, completion tokens) of a step's rollout on the device; None: none."""
         return None
 
@@ -396,19 +397,34 @@ class GRPOObjectiveConfig(ObjectiveConfig):
                               f"prompt; null: num_generations), got {self.num_generations_eval}")
         check_sampling_and_rewards(self)
 
-    def micro_batch_tokens(self, data: Any) -> int:
-        """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``
-        rollouts of ``data.max_prompt_length + max_completion_length``."""
-        return int(data.batch_size) * self.num_generations * (int(data.max_prompt_length) + self.max_completion_length)
+    def conversation_tokens(self, data: Any, env: Any = None) -> int:
+        """Tokens of the longest rollout the config allows: one completion after the prompt
+        (``data.max_prompt_length + max_completion_length``), or with a multi-turn environment
+        (``env.name`` not none) the whole conversation: the opening prompt, ``env.max_turns`` replies
+        of ``max_completion_length`` and a user turn of ``env.user.max_tokens`` between each two,
+        capped at ``env.max_tokens`` (null: ``data.max_length``)."""
+        prompt, reply = int(data.max_prompt_length), self.max_completion_length
+        if env is None or env.name == "none":
+            return prompt + reply
+        turns = int(env.max_turns)
+        cap = int(env.max_tokens) if env.max_tokens is not None else int(data.max_length)
+        return max(reply + 1, min(cap, prompt + turns * reply + (turns - 1) * int(env.user.max_tokens)))
 
-    def rollout_shape(self, data: Any, trainer: Any) -> tuple[int, int, int] | None:
+    def micro_batch_tokens(self, data: Any, env: Any = None) -> int:
+        """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``
+        rollouts of :meth:`conversation_tokens` each."""
+        return int(data.batch_size) * self.num_generations * self.conversation_tokens(data, env)
+
+    def rollout_shape(self, data: Any, trainer: Any, env: Any = None) -> tuple[int, int, int] | None:
         """(sequences, prompt tokens, completion tokens) of a step's rollout, sampled at once: the
-        step's ``data.batch_size x accumulate_grad_batches`` prompts, ``num_generations`` each;
-        None where ``generate`` does not sample them (``rollout=vllm``)."""
+        step's ``data.batch_size x accumulate_grad_batches`` prompts, ``num_generations`` each; with a
+        multi-turn ``env``, its largest ``generate`` call: the last reply's, after the whole
+        conversation before it (:meth:`conversation_tokens` less one reply; each turn's prompt is the
+        conversation so far). None where ``generate`` does not sample them (``rollout=vllm``)."""
         if self.rollout != "hf":
             return None
         sequences = int(data.batch_size) * int(trainer.accumulate_grad_batches) * self.num_generations
-        return sequences, int(data.max_prompt_length), self.max_completion_length
+        return sequences, self.conversation_tokens(data, env) - self.max_completion_length, self.max_completion_length
 
     @property
     def needs_reference(self) -> bool:
@@ -496,6 +512,7 @@ class RLOOObjectiveConfig(ObjectiveConfig):
         check_sampling_and_rewards(self)
 
     # the rollout's shape, the reference rule and the run's checks are GRPO's
+    conversation_tokens = GRPOObjectiveConfig.conversation_tokens
     micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
     rollout_shape = GRPOObjectiveConfig.rollout_shape
     needs_reference = GRPOObjectiveConfig.needs_reference

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolemrc.config import objective_settings
 from rolemrc.env import make_env
 from rolemrc.env.rollout import ENV_ENDS
 from rolemrc.env.sampler import ConversationSampler, lay_out, seed_rows
@@ -463,7 +464,9 @@ class GRPOModule(PolicyModule):
     memory_note = ("objective=grpo: simulated are the rollout (transformers generate of the step's data.batch_size x "
                    "accumulate_grad_batches x num_generations completions at once, every one max_completion_length "
                    "tokens after a max_prompt_length prompt: its prefill and its last decoding step, KV cache "
-                   "included) and the loss step on data.batch_size x num_generations of them (policy and, "
+                   "included; with a multi-turn env, the last turn's generate after the longest conversation "
+                   "before it: env.max_turns replies, env.user.max_tokens per user turn, capped at env.max_tokens) "
+                   "and the loss step on data.batch_size x num_generations of them (policy and, "
                    "beta > 0, reference passes; the step's other rollouts, and with num_iterations > 1 their old "
                    "log-probs, held); not simulated: generate under FSDP2 with synced_gpus (the same memory, "
                    "plus one flag per step), the reward models and judges (not on the device), "
@@ -479,8 +482,9 @@ class GRPOModule(PolicyModule):
         if o.get("rollout", "hf") != "hf":
             return None
         n = batch_size * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
-        return {"sequences": n, "prompt": int(cfg.data.max_prompt_length), "completion": int(o.max_completion_length),
-                "sampling": Sampling.of(o)}
+        # with a multi-turn env: the last reply's generate, after the longest conversation before it
+        before = objective_settings(o).conversation_tokens(cfg.data, cfg.get("env")) - int(o.max_completion_length)
+        return {"sequences": n, "prompt": before, "completion": int(o.max_completion_length), "sampling": Sampling.of(o)}
 
     @staticmethod
     def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -500,15 +504,24 @@ class GRPOModule(PolicyModule):
     @staticmethod
     def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
         """A rollout batch of the longest shape the config allows (or of ``length`` tokens), as
-        :meth:`score` lays it out: ``batch_size x num_generations`` rows, the completion labelled."""
+        :meth:`score` lays it out: ``batch_size x num_generations`` rows, the completion labelled;
+        with a multi-turn ``env``, whole conversations (``conversation_tokens``): ``env.max_turns``
+        replies labelled, a user turn of ``env.user.max_tokens`` between each two not."""
         g = int(cfg.objective.num_generations)
-        prompt, completion = int(cfg.data.max_prompt_length), int(cfg.objective.max_completion_length)
+        prompt, reply = int(cfg.data.max_prompt_length), int(cfg.objective.max_completion_length)
+        env = cfg.get("env")
+        turns = 1 if env is None or env.name == "none" else int(env.max_turns)
+        width = objective_settings(cfg.objective).conversation_tokens(cfg.data, env)
+        user = int(env.user.max_tokens) if turns > 1 else 0
         if length is not None:
-            prompt, completion = max(1, length // 2), max(1, length - length // 2)
+            prompt, reply, turns, width = max(1, length // 2), max(1, length - length // 2), 1, length
         n, tok = batch_size * g, min(5, vocab - 1)
-        ids = torch.full((n, prompt + completion), tok, dtype=torch.long)
+        ids = torch.full((n, width), tok, dtype=torch.long)
         labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, prompt:] = tok
+        start = min(prompt, width - 1)
+        for _ in range(turns):  # the replies trained, the user turns between them context
+            labels[:, start:start + reply] = tok
+            start += reply + user
         return {"input_ids": ids, "labels": labels, "advantages": torch.ones(n),
                 "index": torch.arange(batch_size), "step_prompts": torch.tensor(float(batch_size), dtype=torch.float64)}
 

@@ -130,7 +130,8 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -
     entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
     rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
     objective = objective_settings(cfg.objective)
-    own = objective.micro_batch_tokens(cfg.data)  # an objective that says its own shape (GRPO's rollouts)
+    env = cfg.get("env")  # a multi-turn environment: GRPO's rollouts are whole conversations
+    own = objective.micro_batch_tokens(cfg.data, env)  # an objective that says its own shape (GRPO's rollouts)
     tokens = own if own is not None else cfg.data.batch_size * cfg.data.max_length * rows
     gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
     fsdp = cfg.strategy.name == "fsdp"
@@ -142,7 +143,7 @@ def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -
         qlora=cfg.model.quantization.load_in_4bit,
     )
     phase = "step"  # an online objective's rollout: the larger of the two
-    rolled = objective.rollout_shape(cfg.data, cfg.trainer) if rollout else None
+    rolled = objective.rollout_shape(cfg.data, cfg.trainer, env) if rollout else None
     if rolled is not None:
         sequences, prompt, completion = rolled
         rollout = rollout_gb(arch, gpus=gpus, fsdp=fsdp, sequences=sequences, prompt=prompt, completion=completion,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rolemrc.data.schemas import DataError
-from rolemrc.eval.bench.personagym import evaluation_scores, nonzero_mean, score_examples
+from rolemrc.eval.bench.personagym import NoScores, evaluation_scores, nonzero_mean, score_examples
 from rolemrc.eval.run import JudgeIncomplete, run
 from rolemrc import asset
 from tests.eval.test_evaluate_run import compose_eval
@@ -160,3 +160,10 @@ def test_personagym_hf_and_openai_generation_and_layout_errors(tmp_path: Path, a
             run(compose_eval(*over, f"data.personagym.root={root}", f"out_dir={tmp_path / 'bad'}"))
     with pytest.raises(ValueError, match="data.personagym is scored by judges: judge.backend is none"):
         run(compose_eval("data=personagym_sample", f"out_dir={tmp_path / 'none'}"))
+    # The local judge (the tiny model judging itself) writes no score examples: groups unscored, the
+    # report written, and the run does not end as a success on a table of n/a.
+    with pytest.raises(NoScores, match=r"none of the 0 judge answers holds a score .* and 10 group\(s\) got no usable"):
+        run(compose_eval("data=personagym_sample", "data.personagym.questions=1", "generation.max_new_tokens=2",
+                         "generation.progress=false", "judge=hf", "judge.max_tokens=3", f"out_dir={tmp_path / 'hf_judge'}"))
+    doc = json.loads((tmp_path / "hf_judge" / "metrics.json").read_text())["personagym"]
+    assert doc["counts"]["examples_unusable"] == 10 and doc["overall"]["PersonaScore"] is None

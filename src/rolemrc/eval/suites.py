@@ -97,7 +97,7 @@ def _general_meta(cfg: Any, resolved: dict[str, str]) -> dict[str, Any]:
 SUITES.register("rolebench", Suite("data.rolebench", rolebench), doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
 SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check,
                                       finish=_characterllm_finish), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
-SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check),
+SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check, finish=personagym.finish),
                 doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
 SUITES.register("charactereval", Suite("data.charactereval", charactereval, charactereval.check),
                 doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")

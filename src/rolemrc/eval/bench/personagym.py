@@ -44,6 +44,7 @@ import json
 import logging
 import re
 import string
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -52,7 +53,7 @@ from omegaconf import OmegaConf
 
 from rolemrc.api import AnswerCache, Rejected
 from rolemrc.data.schemas import DataError, TestItem
-from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
 
@@ -508,7 +509,31 @@ def summarise(rows: list[dict[str, Any]], loaded: Mapping[str, Any], tasks: Sequ
     if retry:
         res["missing"] = (f"PersonaGym: {counts['groups_scored']} of {len(rows)} groups scored, missing "
                           + ", ".join(f"{n} {s}" for s, n in retry.items()))
+    # Answers that hold no score at all (no part with a final score): the authors' reading makes them 0.
+    blank = sum(not any(j["scores"]) for j in judged)
+    check = "check the judges' models and max_tokens (raw answers in metrics.json, personagym.groups)"
+    unusable = counts["groups"] - counts["groups_scored"]
+    if not retry and rows and (blank == len(judged) or not judged):
+        res["unscored"] = (f"PersonaGym: none of the {len(judged)} judge answers holds a score ('Therefore, the final "
+                           f"score is n'){f' and {unusable} group(s) got no usable score examples' if unusable else ''}, "
+                           f"so there is no PersonaScore: {check}")
+    elif judged and blank * 2 > len(judged):
+        res["warning"] = (f"warning: PersonaGym: {blank} of {len(judged)} judge answers hold no score (read as 0, as "
+                          f"the authors' code reads them): {check}")
     return res
+
+
+def finish(res: dict[str, Any], out_dir: Path) -> Exception | None:
+    """After the report: a warning when most judge answers hold no score; an error when none does."""
+    if res.get("warning"):
+        print(res["warning"], file=sys.stderr, flush=True)
+    if res.get("unscored"):
+        return NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
+    return None
+
+
+class NoScores(UserError, RuntimeError):
+    """The judges answered, but no answer carried a score: a PersonaScore of 0 would not be a result."""
 
 
 def _f(x: float | None) -> str:

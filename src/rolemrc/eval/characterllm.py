@@ -30,7 +30,6 @@ Every scored answer is cached on disk (``<judge cache>/characterllm_cache.sqlite
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -43,8 +42,9 @@ from rolemrc.config import plain
 from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound, UserError
+from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
 
 log = logging.getLogger(__name__)
 
@@ -246,47 +246,15 @@ def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tu
     judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
                        tokenizer=ctx.tokenizer, model_id=model_label(cfg), device=cfg.generation.device)
     assert judge is not None
-    backend = judge.backend
     cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    stats: dict[str, Any] = {"judge_model": backend.model_id, "prompts": len(prompts), "cache_hits": 0, "requests": 0}
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
-    with AnswerCache(cache_dir / "characterllm_cache.sqlite") as cache:
-        sampling = backend.sampling()
-        keys = [cache_key(backend.model_id, p, sampling) for p in prompts]
-        todo: dict[str, list[int]] = {}
-        for i, k in enumerate(keys):
-            text = cache.get(k, valid=check_score)
-            if text is not None:
-                results[i] = {"status": "ok", "score": parse_score(text), "raw": text, "cached": True, "error": None}
-                stats["cache_hits"] += 1
-            else:
-                todo.setdefault(k, []).append(i)
-        asks = [prompts[idx[0]] for idx in todo.values()]
-        todo_keys = list(todo)
-
-        def record(j: int, status: str, text: str | None, attempts: int, error: str | None) -> None:
-            k = todo_keys[j]
-            n = parse_score(text) if status == "ok" else None
-            if status == "ok" and n is None:
-                status = "unparseable"
-            if status == "ok":
-                cache.put(k, text or "", backend.model_id)
-            stats["requests"] += attempts
-            for i in todo[k]:
-                results[i] = {"status": status, "score": n, "raw": text, "cached": False, "error": error}
-
-        if asks and isinstance(backend, OpenAIBackend):  # the judge's backend, asked for a score instead of a verdict
-            asyncio.run(backend.answer_all(asks, lambda j, ans: record(j, ans.status, ans.text, ans.attempts, ans.error),
-                                           check=check_score, tag="characterllm prompt"))
-        elif asks:
-            answers = asyncio.run(backend.answer_all(asks))
-            for j, ans in enumerate(answers):
-                # The hf backend checks for the binary judge's verdict line; the text is what counts here.
-                status = "failed" if ans.status == "failed" else "ok"
-                record(j, status, ans.text, ans.attempts, ans.error)
-    judge.close()
-    return [r for r in results if r is not None], stats
+    try:
+        with AnswerCache(cache_dir / "characterllm_cache.sqlite") as cache:
+            answers, counts = ask_judge(judge.backend, cache, prompts, parse_score, check_score, "characterllm prompt")
+    finally:
+        judge.close()
+    stats = {"judge_model": judge.backend.model_id, "prompts": len(prompts), **counts}
+    return [{"status": a["status"], "score": a["value"], "raw": a["text"], "cached": a["cached"], "error": a["error"]}
+            for a in answers], stats
 
 
 def summarise(scores: Sequence[Score], settings: Sequence[str], dimensions: Sequence[str]) -> dict[str, Any]:

@@ -31,21 +31,21 @@ whole file, its scale) times 5; the average: the mean over the files.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from rolemrc.api import AnswerCache, Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
+from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.bench.files import field_of, read_json_list
 from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
 
 log = logging.getLogger(__name__)
 
@@ -365,51 +365,20 @@ def check(cfg: Any, backend: Any) -> None:
     load_prompt_template(c, list(c.languages))
 
 
-def ask(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]], parse: Callable[[str | None], Any],
-        check_text: Callable[[str], Any], cache_name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One ``{"status", "text", "value", "cached"}`` per prompt from ``cfg.judge``, through an answer cache
-    (parseable answers only); identical prompts are asked once."""
+def ask(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The judge's answers to ``prompts`` (:func:`rolemrc.eval.bench.ask.ask_judge`), cached in
+    ``<judge cache>/characterbench_cache.sqlite``."""
     judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
                        tokenizer=ctx.tokenizer if ctx.model is not None else None, model_id=model_label(cfg),
                        device=cfg.generation.device)
     assert judge is not None
-    backend = judge.backend
     cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
-    stats: dict[str, Any] = {"judge_model": backend.model_id, "prompts": len(prompts), "cache_hits": 0, "requests": 0}
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
     try:
-        with AnswerCache(cache_dir / cache_name) as cache:
-            sampling = backend.sampling()
-            keys = [cache_key(backend.model_id, p, sampling) for p in prompts]
-            todo: dict[str, list[int]] = {}
-            for i, k in enumerate(keys):
-                text = cache.get(k, valid=check_text)
-                if text is not None:
-                    results[i] = {"status": "ok", "text": text, "value": parse(text), "cached": True}
-                    stats["cache_hits"] += 1
-                else:
-                    todo.setdefault(k, []).append(i)
-            todo_keys = list(todo)
-
-            def record(j: int, status: str, text: str | None, attempts: int) -> None:
-                value = parse(text) if status in ("ok", "unparseable") else None
-                status = status if status not in ("ok", "unparseable") else ("ok" if value is not None else "unparseable")
-                if status == "ok":
-                    cache.put(todo_keys[j], text or "", backend.model_id)
-                stats["requests"] += attempts
-                for i in todo[todo_keys[j]]:
-                    results[i] = {"status": status, "text": text, "value": value, "cached": False}
-
-            asks = [prompts[idx[0]] for idx in todo.values()]
-            if asks and isinstance(backend, OpenAIBackend):
-                asyncio.run(backend.answer_all(asks, lambda j, a: record(j, a.status, a.text, a.attempts),
-                                               check=check_text, tag=cache_name.split("_")[0] + " prompt"))
-            elif asks:  # hf: greedy, the text is what counts (its verdict check does not apply here)
-                for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
-                    record(j, "failed" if a.status == "failed" else "ok", a.text, a.attempts)
+        with AnswerCache(cache_dir / "characterbench_cache.sqlite") as cache:
+            answers, stats = ask_judge(judge.backend, cache, prompts, parse_score, _check_score, "characterbench prompt")
     finally:
         judge.close()
-    return [r for r in results if r is not None], stats
+    return answers, {"judge_model": judge.backend.model_id, "prompts": len(prompts), **stats}
 
 
 def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
@@ -438,7 +407,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         judged.append((s, r))
     prompts = [judge_messages(s, templates[(s.lang, s.dim)], r, c.judge_system) for s, r in judged]
     log.info("CharacterBench: %d sessions, %d judge prompts", len(sessions), len(prompts))
-    answers, stats = ask(cfg, ctx, prompts, parse_score, _check_score, "characterbench_cache.sqlite")
+    answers, stats = ask(cfg, ctx, prompts)
     rows = [{"id": s.id, "language": s.lang, "dimension": s.dim, "reply": r, "status": a["status"],
              "score": a["value"], "answer": a["text"], "gold": s.gold} for (s, r), a in zip(judged, answers)]
     table: dict[str, Any] = {}

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from rolemrc import asset
 from rolemrc.data.templates import ChatFormat
 from rolemrc.env import Fault, Reply, ScriptedEnv, converse
 from rolemrc.errors import ConfigError
-from rolemrc.eval import dialogue
+from rolemrc.eval import dialogue, generation
 from rolemrc.eval.generation import GenerationIncomplete
 from rolemrc.eval.judge import JudgeIncomplete
 from rolemrc.eval.report import log_to_loggers
 from rolemrc.eval.run import run
-from tests.eval.test_evaluate_run import compose_eval
+from tests.eval.test_evaluate_run import compose_eval, export  # noqa: F401 - the tiny export fixture
 from tests.fake_openai import FakeOpenAI, Request
 
 SEEDS = [json.loads(x) for x in Path(asset("sample/dialogues.jsonl")).read_text().splitlines()]
@@ -118,6 +119,37 @@ def test_dialogues_by_turn_then_resume_after_an_interruption(monkeypatch: pytest
         run(compose_eval(*args))
         assert server.requests == sent
         assert json.loads((out / "metrics.json").read_text())["dialogue"]["scores"] == s
+
+
+def test_vllm_backend_plumbing_with_a_stand_in_engine(export: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """generation.backend=vllm without vllm (CPU): a stand-in for vLLM's module, LLM and outputs
+    (token ids as vLLM gives them: the stop token last) runs the dialogue mode end to end; vLLM
+    itself is exercised on GPU nodes only."""
+    built: list[dict] = []
+
+    class Out:
+        def __init__(self, ids: list[int]) -> None:
+            self.outputs = [type("C", (), {"token_ids": ids})()]
+
+    class Cfg:
+        class model:
+            eot_token = None
+
+    player = ScriptedModel(Cfg, None, AutoTokenizer.from_pretrained(export), None)
+
+    fake = object()
+    monkeypatch.setattr(generation, "require_vllm", lambda *a, **k: fake)
+    monkeypatch.setattr(dialogue, "require_vllm", lambda *a, **k: fake)
+    monkeypatch.setattr(dialogue, "build_llm", lambda vllm, **kw: built.append(kw) or "llm")
+    monkeypatch.setattr(dialogue, "llm_generate", lambda vllm, llm, prompts, sampling, stops: [
+        Out(ids) for ids in player(prompts)])
+    out = tmp_path / "eval"
+    run(compose_eval(*FAST, "limit=3", "generation.backend=vllm", f"model.path={export}", f"out_dir={out}"))
+    assert built and built[0]["model"] == str(export)
+    records = [json.loads(x) for x in (out / "dialogues.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in records] == ["script_end"] * 3
+    assert all([m["content"] for m in r["messages"] if m["role"] == "assistant"] == REPLIES for r in records)
 
 
 def test_the_tiny_model_end_to_end_with_a_local_judge(tmp_path: Path) -> None:

@@ -289,3 +289,76 @@ def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path)
         used += len(replies)
         assert [t for t in labels if t != IGNORE_INDEX] == [t for _, row in replies for t in row]
     assert used == len(served)  # every request was one turn of one trained conversation
+
+
+def test_trls_grpo_trainer_given_the_same_conversations_through_rollout_func_agrees(train_cfg, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """TRL 1.16's GRPOTrainer, handed our step's conversations through its experimental ``rollout_func``
+    (prompt ids, completion ids, ``env_mask`` = the role-player's tokens) and our conversation rewards,
+    computes the same loss and the same reward, completion and loss metrics."""
+    import copy
+
+    trl = pytest.importorskip("trl")
+    assert trl.__version__ == "1.16.0", "rollout_func's contract is TRL 1.16.0's"
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rolemrc.modules.grpo import GRPOModule
+
+    monkeypatch.setattr(GRPOModule, "generate", keyed_generate)
+    parts = setup(train_cfg(*MT, "env.max_turns=3", "objective.loss_type=dapo", "data.batch_size=2"))
+    module, dm = parts.module, parts.datamodule
+    module._chat = parts.chat
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    rolled: dict[str, Any] = {}
+    score = GRPOModule.score_conversations
+
+    def spy(self, batch, convs, seconds=float("nan")):
+        out = score(self, batch, convs, seconds)
+        rolled.update(convs=convs, rewards=out["rollout_stats"]["rewards"].tolist())
+        return out
+
+    monkeypatch.setattr(GRPOModule, "score_conversations", spy)
+    theirs_model = copy.deepcopy(module.model)
+    loss, _ = module.step_loss(batch)
+    ours = {**GRPOModule._rollout_metrics(module._step_stats), **GRPOModule._loss_metrics([module._loss_stats])}
+    ours["num_tokens"] = sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in module._step_stats)  # as logged
+    convs, rewards = rolled["convs"], rolled["rewards"]
+    assert max(c.turns for c in convs) > 1 and len(set(rewards)) > 1
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        assert len(prompts) == len(convs)
+        return {"prompt_ids": [c.ids[:c.prompt_len] for c in convs], "completion_ids": [c.completion[0] for c in convs],
+                "logprobs": None, "env_mask": [c.completion[1] for c in convs]}
+
+    def conversation_reward(*, prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+        return list(rewards)
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    n = len(convs)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, fp16=False, report_to=[],
+                      per_device_train_batch_size=n, gradient_accumulation_steps=1, steps_per_generation=1,
+                      num_generations=module.objective.num_generations, max_completion_length=64, temperature=1.0,
+                      loss_type="dapo", beta=0.0, epsilon=0.2, num_iterations=1, scale_rewards="group",
+                      activation_checkpointing=False, logging_steps=1, save_strategy="no", disable_tqdm=True)
+    seeds = [{"prompt": messages} for messages in batch["prompts"]]
+    trainer = GRPOTrainer(model=theirs_model, reward_funcs=[conversation_reward], args=args,
+                          train_dataset=Dataset.from_list(seeds), processing_class=parts.chat.tokenizer,
+                          rollout_func=rollout_func)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    inputs = trainer._generate_and_score_completions([s for s in seeds for _ in range(module.objective.num_generations)])
+    expected = trainer.compute_loss(trainer.model, inputs)
+    logged = {k: v[-1] if isinstance(v, list) else v for k, v in trainer._metrics["train"].items()}
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5, abs=1e-7) and abs(float(loss)) > 1e-6
+    loss.backward()
+    expected.backward()
+    ours_grads = dict(module.model.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        assert torch.allclose(ours_grads[name].grad, p.grad, rtol=1e-4, atol=1e-7), name
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "num_tokens", "completions/mean_length",
+                 "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                 "completions/mean_terminated_length", "entropy", "clip_ratio/region_mean"):
+        assert ours[name] == pytest.approx(float(logged[name]), rel=1e-5, abs=1e-6), name

@@ -43,7 +43,8 @@ def test_sample_scored_by_a_local_reward_model_as_the_authors_format_it(tiny_rm:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     out = tmp_path / "ce"
-    res = run(compose_eval(*FILE, f"data.charactereval.reward_model.path={tiny_rm}", f"out_dir={out}"))
+    res = run(compose_eval(*FILE, f"data.charactereval.reward_model.path={tiny_rm}", "report.reference=[GPT-4]",
+                           f"out_dir={out}"))
     doc = json.loads((out / "metrics.json").read_text())["charactereval"]
     assert set(doc["metrics"]) == set(ce.METRICS) and all(v["n"] == 1 for v in doc["metrics"].values())
     assert doc["scored_examples"] == 4 and doc["scores"] == 12
@@ -67,7 +68,10 @@ def test_sample_scored_by_a_local_reward_model_as_the_authors_format_it(tiny_rm:
     dims = {d: sum(doc["metrics"][m]["mean"] for m in ms) / len(ms) for d, ms in ce.DIMENSIONS.items()}
     assert doc["dimensions"] == pytest.approx(dims)
     assert doc["overall"] == pytest.approx(sum(v["mean"] for v in doc["metrics"].values()) / 12)
-    assert "| conversational_ability | Fluency |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| conversational_ability | Fluency |" in summary
+    # The paper's row beside this run's (Table 4, shipped): Fluency ... Attr. avg, MBTI published only.
+    assert "| GPT-4 | 3.332 | 3.669 | 3.343 | 3.448 | 2.250 |" in summary and "| 2.873 | 0.694 |" in summary
     assert res["scalars"]["charactereval/overall"] == pytest.approx(doc["overall"])
     # A rerun reads every score from the cache.
     again = run(compose_eval(*FILE, f"data.charactereval.reward_model.path={tiny_rm}", f"out_dir={out}"))

@@ -29,7 +29,9 @@ Contenders, each in its own process with the same allocator settings (MALLOC_*, 
   checkpointing (their fastest setting), the loss settings equal to ours. Reference-free: the table
   sets their FLOPs per pair and peak RSS beside the DPO rows of the same run (the reference pass
   saved; against ``dpo/ours_separate`` where it ran, the same row layout as SimPO/ORPO);
-- log-prob peak memory at a 128k vocabulary (benchmarks/logprob_memory.py).
+- log-prob peak memory at a 128k vocabulary (benchmarks/logprob_memory.py);
+- rollout throughput, single-turn against multi-turn with the scripted user, conversations/s and
+  tokens/s on the tiny model (benchmarks/rollout_throughput.py; ``--only rollout`` alone).
 
 Precision is fp32 by default: this CPU has no native bf16 matmul (2.2 vs 59.5 GFLOP/s), so bf16
 timings would measure the emulation (``--precision bf16`` runs it anyway, both sides). Runs are
@@ -125,6 +127,24 @@ def run_memory(work: Path, log_dir: Path, args: argparse.Namespace) -> dict:
     result["command"] = "python " + " ".join(["benchmarks/logprob_memory.py", *cmd[2:]])
     result["wall_s"] = round(time.perf_counter() - start, 1)
     print(f"  logprob memory: {result['ratios_ours_over_full']} ({result['wall_s']:.0f} s)", flush=True)
+    return result
+
+
+def run_rollout(work: Path, log_dir: Path, args: argparse.Namespace) -> dict:
+    """benchmarks/rollout_throughput.py in its own process: single-turn against multi-turn rollouts."""
+    out = work / "results" / "rollout_throughput.json"
+    cmd = [sys.executable, str(HERE / "rollout_throughput.py"), "--repeats", str(args.rollout_repeats), "--out", str(out)]
+    if args.smoke:
+        cmd += ["--generations", "1", "--reply-tokens", "4"]
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT / "src")}
+    with (log_dir / "rollout_throughput.log").open("w") as fh:
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+    if proc.returncode != 0:
+        print(f"  rollout throughput FAILED; log {log_dir / 'rollout_throughput.log'}", flush=True)
+        return {"error": f"exit {proc.returncode}"}
+    result = json.loads(out.read_text())
+    result["command"] = "python " + " ".join(["benchmarks/rollout_throughput.py", *cmd[2:]])
+    print("  " + "\n  ".join(result["table"]), flush=True)
     return result
 
 
@@ -242,6 +262,9 @@ def report(results: dict) -> str:
                      f"N={mem['tokens']}; ours / full logits):")
         for case, r in mem["ratios_ours_over_full"].items():
             lines.append(f"  {case:21s} peak {r['peak']:.3f}x, net of output gradients {r['transient']:.3f}x")
+    rollout = results.get("rollout_throughput", {})
+    if rollout and "error" not in rollout:
+        lines.extend(rollout["table"])
     lines.append(f"FLOPs: torch.utils.flop_counter.FlopCounterMode over every step (forward, backward, a reference "
                  f"forward; a precomputed reference pass charged per pair like its time). 'of peak': achieved FLOP/s "
                  f"over this CPU's fp32 matmul rate measured in this run, {peak:.1f} GFLOP/s (2048^3 torch.mm, best of 10).")
@@ -291,6 +314,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma list like sft/ours,dpo/trl (default: all)")
     p.add_argument("--more", action="store_true", help="also: " + ", ".join(f"{k}/{n}" for k, v in MORE.items() for n in v))
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-rollout", action="store_true", help="no rollout throughput row (single- vs multi-turn)")
+    p.add_argument("--rollout-repeats", type=int, default=2)
     p.add_argument("--smoke", action="store_true",
                    help="tiny model and short rows: checks that every contender runs (figures mean nothing)")
     p.add_argument("--memory-hidden", type=int, default=4096)
@@ -310,6 +335,8 @@ def main() -> None:
                      "spec": {"cpus": os.cpu_count(), "load": round(os.getloadavg()[0], 2),
                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}  # the contenders' torch threads
     for model in models:
+        if only and not any(x.split("/")[0] in KINDS for x in only):  # e.g. --only rollout: no contender
+            continue
         spec = Spec.for_model(model, steps=args.steps, warmup=args.warmup, precision=args.precision)
         if args.smoke:
             spec.__dict__.update(SMOKE)
@@ -337,6 +364,10 @@ def main() -> None:
         log_dir = args.work / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         results["logprob_memory"] = run_memory(args.work, log_dir, args)
+    if not args.skip_rollout and (not only or "rollout" in only):
+        log_dir = args.work / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        results["rollout_throughput"] = run_rollout(args.work, log_dir, args)
     results.update({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "allocator_env": MALLOC_ENV,
                     "versions": versions()},

@@ -136,7 +136,7 @@ class OpenAIUser:
     """The user behind an OpenAI-compatible chat-completions server (:class:`rolemrc.api.ApiClient`);
     one client and one event loop for the environment's life (the budget is the run's)."""
 
-    def __init__(self, cfg: UserConfig) -> None:
+    def __init__(self, cfg: UserConfig, seed: int = 0) -> None:
         if not cfg.model:
             raise ConfigError("env.user.backend=openai needs env.user.model (the served model's name)")
         api_key(cfg.api_key_env, f"env.user (env.user.api_key_env={cfg.api_key_env})")  # now: before any rollout
@@ -180,9 +180,9 @@ class OpenAIUser:
 class HFUser:
     """The user as a local transformers model (``env.user.model``: a folder or hub id), its prompts
     rendered with its own chat template and sampled in one batch per turn through
-    :class:`rolemrc.rollout.hf.HFEngine` (seeded per call: the same run asks the same)."""
+    :class:`rolemrc.rollout.hf.HFEngine` (seeded per call from ``seed``: the same run asks the same)."""
 
-    def __init__(self, cfg: UserConfig) -> None:
+    def __init__(self, cfg: UserConfig, seed: int = 0) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -198,7 +198,7 @@ class HFUser:
         self.engine = HFEngine(stop_ids=stop_token_ids(tok, self.chat.eot), pad_id=pad_id_of(tok),
                                sampling=Sampling(cfg.max_tokens, cfg.temperature > 0, cfg.temperature or 1.0, cfg.top_p))
         self.engine.sync(model, 0)
-        self.calls = 0
+        self.seed, self.calls = int(seed), 0
 
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "max_tokens": self.cfg.max_tokens,
@@ -207,7 +207,7 @@ class HFUser:
     def answer_all(self, prompts: Sequence[list[Message]]) -> list[Answer]:
         self.calls += 1
         ids = self.chat.encode_prompts([list(p) for p in prompts])
-        rows = self.engine.generate(ids, 1, [self.calls])
+        rows = self.engine.generate(ids, 1, [self.seed + self.calls])
         stops = set(self.engine.stop_ids)
         out = []
         for row in rows:
@@ -252,13 +252,13 @@ class UserEpisode:
 
 class LLMUserEnv:
     """The simulated user (see the module docstring). ``cache_dir``: where answers are cached when
-    ``env.user.cache_dir`` is null (None: no cache)."""
+    ``env.user.cache_dir`` is null (None: no cache); ``seed``: a local model's sampling seed."""
 
     @classmethod
-    def build(cls, env: Any, *, cache_dir: str | Path | None = None, **kwargs: Any) -> "LLMUserEnv":
-        return cls(env.user, cache_dir=cache_dir)
+    def build(cls, env: Any, *, cache_dir: str | Path | None = None, seed: int = 0, **kwargs: Any) -> "LLMUserEnv":
+        return cls(env.user, cache_dir=cache_dir, seed=seed)
 
-    def __init__(self, cfg: Any, *, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Any, *, cache_dir: str | Path | None = None, seed: int = 0) -> None:
         cfg = as_schema(cfg, UserConfig)
         if not cfg.end_marker.strip():
             raise ConfigError("env.user.end_marker must not be empty (the text by which the user ends a conversation)")
@@ -266,7 +266,7 @@ class LLMUserEnv:
             raise ConfigError(f"env.user.max_tokens={cfg.max_tokens} must be >= 1")
         self.cfg = cfg
         self.templates = load_templates(cfg.template)  # checked before anything is sent
-        self.backend = USER_BACKENDS.get(cfg.backend, where="env.user.backend")(cfg)
+        self.backend = USER_BACKENDS.get(cfg.backend, where="env.user.backend")(cfg, seed)
         where = cfg.cache_dir or cache_dir
         self.cache = AnswerCache(Path(where) / CACHE_FILE) if where else None
         self.counts = self.backend.counts  # requests, faults by kind, failures; cached answers as "cached"

@@ -49,12 +49,13 @@ from rolemrc.data.schemas import DataError, Message, RecordError, check_turn_ord
 from rolemrc.env import ENVS, Conversation, Dialogue, Environment, Fault, Reply, converse, make_env, roll
 from rolemrc.errors import ConfigError
 from rolemrc.eval import pairwise
+from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.generation import (
     VLLM_MISSING, GenerationIncomplete, GenerationStore, build_judge, check_backend, check_openai, check_settings,
     generation_backend, generation_label, item_id, load_eval_model, model_label, reply_paths, restraint_hook,
 )
 from rolemrc.eval.judge import (
-    JudgeIncomplete, JudgeItem, OpenAIBackend, Verdict, aggregate, cache_key, check_judge, judge_backend, judge_config,
+    JudgeIncomplete, JudgeItem, Verdict, aggregate, check_judge, judge_backend, judge_config,
     parse_verdict, uses_evaluated_model,
 )
 from rolemrc.eval.report import _pct, log_to_loggers, print_console, write_report
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 DIALOGUES_FILE = "dialogues.jsonl"
 PLOT_FILE = "dialogue_by_turn.png"
 CACHE_FILE = "dialogue_cache.sqlite"
+CONSISTENCY_CACHE = "consistency_cache.sqlite"
 DEFAULT_TEMPLATE = "judge/consistency.txt"  # rolemrc.asset name
 TEMPLATE_FIELDS = {
     "conversation": "the whole conversation, one labelled block per message",
@@ -441,40 +443,16 @@ def check_consistency(text: str) -> int:
     return v
 
 
-def judge_consistency(judge: Any, template: str, records: Sequence[Record]) -> tuple[list[Verdict], int]:
-    """One :class:`Verdict` (dimension ``consistency``) per conversation, through the judge's cache;
-    returns them and the requests sent."""
-    backend = judge.backend
+def judge_consistency(cfg: Any, judge: Any, template: str, records: Sequence[Record]) -> tuple[list[Verdict], int]:
+    """One :class:`Verdict` (dimension ``consistency``) per conversation, through its cache
+    (``<judge cache>/consistency_cache.sqlite``); returns them and the requests sent."""
     prompts = [consistency_prompt(template, r) for r in records]
-    keys = [cache_key(backend.model_id, p, {**backend.sampling(), "mode": CONSISTENCY}) for p in prompts]
-    got: dict[str, tuple[str, str | None, int, str | None, bool]] = {}
-    if judge.cache is not None:
-        for k in set(keys):
-            text = judge.cache.get(k, valid=check_consistency)
-            if text is not None:
-                got[k] = ("ok", text, 0, None, True)
-    todo = list(dict.fromkeys(k for k in keys if k not in got))
-    asks = [prompts[keys.index(k)] for k in todo]
-
-    def record(j: int, status: str, text: str | None, attempts: int, error: str | None) -> None:
-        if status == "ok" and parse_verdict(text) is None:
-            status, error = "unparseable", error or "the answer has no 'VERDICT: 1|0' line"
-        if status == "ok" and judge.cache is not None:
-            judge.cache.put(todo[j], text or "", backend.model_id)
-        got[todo[j]] = (status, text, attempts, error, False)
-
-    if asks and isinstance(backend, OpenAIBackend):
-        asyncio.run(backend.answer_all(asks, lambda j, a: record(j, a.status, a.text, a.attempts, a.error),
-                                       check=check_consistency, tag="consistency prompt"))
-    elif asks:  # a local judge answers greedily; its own check is the five dimensions', so the text is read here
-        for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
-            record(j, "failed" if a.status == "failed" else "ok", a.text, a.attempts, a.error)
-    out = []
-    for rec, k in zip(records, keys, strict=True):
-        status, text, attempts, error, cached = got[k]
-        out.append(Verdict(rec.id, rec.task or NO_TASK, CONSISTENCY, parse_verdict(text) if status == "ok" else None,
-                           status, text, attempts, cached=cached, error=error))  # type: ignore[arg-type]
-    return out, sum(got[k][2] for k in todo)
+    with AnswerCache(Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache") / CONSISTENCY_CACHE) as cache:
+        answers, counts = ask_judge(judge.backend, cache, prompts, parse_verdict, check_consistency,
+                                    "consistency prompt")
+    return [Verdict(rec.id, rec.task or NO_TASK, CONSISTENCY, a["value"], a["status"], a["text"], a["attempts"],
+                    cached=a["cached"], error=a["error"]) for rec, a in zip(records, answers, strict=True)], \
+        counts["requests"]
 
 
 # ---------------------------------------------------------------- report
@@ -731,7 +709,7 @@ def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model
             judge_model = judge.backend.model_id
             verdicts = judge.judge(turn_items(records, seeds, strip))
             judge_stats = judge.last_stats
-            cons, cons_requests = judge_consistency(judge, template, records)
+            cons, cons_requests = judge_consistency(cfg, judge, template, records)
             final_unparseable = not getattr(judge.backend, "retries_unparseable", True)
     rows = by_turn(records, seeds, verdicts or [], strip)
     overall = aggregate(verdicts) if verdicts is not None else None

@@ -14,7 +14,7 @@ Message = dict[str, str]
 
 def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]], parse: Callable[[str | None], Any],
               check: Callable[[str], Any], tag: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """One ``{"status", "text", "value", "cached", "error"}`` per prompt, and ``{"cache_hits", "requests"}``.
+    """One ``{"status", "text", "value", "cached", "error", "attempts"}`` per prompt, and ``{"cache_hits", "requests"}``.
 
     A cached answer is served when ``check`` accepts it; identical prompts are asked once. ``value``
     is ``parse(text)``; an answer it cannot read is ``unparseable`` (the openai backend first asks
@@ -28,7 +28,8 @@ def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]]
         k = cache_key(backend.model_id, p, sampling)
         text = cache.get(k, valid=check)
         if text is not None:
-            results[i] = {"status": "ok", "text": text, "value": parse(text), "cached": True, "error": None}
+            results[i] = {"status": "ok", "text": text, "value": parse(text), "cached": True, "error": None,
+                          "attempts": 0}
             stats["cache_hits"] += 1
         else:
             todo.setdefault(k, []).append(i)
@@ -42,7 +43,8 @@ def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]]
             cache.put(keys[j], text or "", backend.model_id)
         stats["requests"] += attempts
         for i in todo[keys[j]]:
-            results[i] = {"status": status, "text": text, "value": value, "cached": False, "error": error}
+            results[i] = {"status": status, "text": text, "value": value, "cached": False, "error": error,
+                          "attempts": attempts}
 
     asks = [prompts[idx[0]] for idx in todo.values()]
     if asks and isinstance(backend, OpenAIBackend):

@@ -138,3 +138,34 @@ def test_a_local_model_plays_the_user(tmp_path) -> None:
     users = [[m["content"] for m in c.messages if m["role"] == "user"] for c in convs]
     assert all(len(u) == 3 and u[1].strip() for u in users)  # the model's sampled turns, in the conversation
     assert [c.messages for c in once()] == [c.messages for c in convs]  # seeded: the same run says the same
+
+
+def test_grpo_trains_on_conversations_with_a_served_user_from_rolemrc_seeds(train_cfg, tmp_path, fake_openai,
+                                                                          api_key_env, monkeypatch) -> None:
+    """python train.py objective=grpo env=llm_user data=rolemrc_dialogues_sample, in process, the user
+    behind the loopback server: conversations of two turns, the seeds' personas in the user's
+    prompts, every answer cached in the run's folder."""
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.run.train import run
+    from tests.train.helpers import metric_rows
+    from tests.train.test_grpo_multiturn import MT, rng_generate
+
+    monkeypatch.setattr(GRPOModule, "generate", rng_generate)
+    prompts: list[str] = []
+
+    def answer(req):
+        prompts.append(req.body["messages"][0]["content"])
+        return "And what happened next?"
+
+    fake_openai._answer = answer
+    cfg = train_cfg(*[o for o in MT if not o.startswith(("data=", "env="))], "data=rolemrc_dialogues_sample",
+                    "env=llm_user", "env.max_turns=2", "env.user.model=user-model",
+                    f"env.user.base_url={fake_openai.base_url}", f"env.user.api_key_env={api_key_env[0]}",
+                    "trainer.max_steps=1", "data.shuffle=false")
+    out = run(cfg)
+    rows = [r for r in metric_rows(Path(out["run_dir"])) if "train/loss" in r]
+    assert len(rows) == 1 and rows[0]["train/turns/max"] == 2
+    assert fake_openai.requests == len(prompts) > 0 and "user-model" in fake_openai.models
+    # the first two seeds (no shuffling): the second has its own persona, the first the config's
+    assert any("a nervous first-time baker" in p for p in prompts) and any("a curious visitor" in p for p in prompts)
+    assert list(Path(out["run_dir"]).rglob("user_cache.sqlite"))

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rolemrc import asset
 from rolemrc.config import EnvConfig
 from rolemrc.env import make_env, roll, summary
-from rolemrc.errors import ConfigError, MissingAPIKey
+from rolemrc.errors import ConfigError, MissingAPIKey, ModelSourceError
 from rolemrc.rollout.hf import stop_token_ids
 from tests.env.test_rollout import Scripted, chat_of, rows
 
@@ -138,6 +138,9 @@ def test_a_local_model_plays_the_user(tmp_path) -> None:
     users = [[m["content"] for m in c.messages if m["role"] == "user"] for c in convs]
     assert all(len(u) == 3 and u[1].strip() for u in users)  # the model's sampled turns, in the conversation
     assert [c.messages for c in once()] == [c.messages for c in convs]  # seeded: the same run says the same
+    cfg.user.model = str(tmp_path / "nothing")
+    with pytest.raises(ModelSourceError, match="env.user.model=.*nothing: cannot be loaded"):
+        make_env(cfg)
 
 
 def test_grpo_trains_on_conversations_with_a_served_user_from_rolemrc_seeds(train_cfg, tmp_path, fake_openai,

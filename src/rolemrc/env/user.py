@@ -37,10 +37,10 @@ from rolemrc import asset
 from rolemrc.api import AnswerCache, ApiClient, Budget, api_key, request_key
 from rolemrc.config import UserConfig, as_schema
 from rolemrc.data.schemas import Message
-from rolemrc.data.templates import ChatFormat
+from rolemrc.data.templates import ChatFormat, TemplateRenderError
 from rolemrc.env.base import EnvError, Step
 from rolemrc.env.scripted import script_of
-from rolemrc.errors import ConfigError
+from rolemrc.errors import ConfigError, ModelSourceError
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import HFEngine, pad_id_of, stop_token_ids
@@ -191,10 +191,22 @@ class HFUser:
         self.cfg = cfg
         self.model_id = cfg.model
         self.counts: Counter[str] = Counter()
-        tok = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype)
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype)
+        except OSError as e:
+            raise ModelSourceError(f"env.user.model={cfg.model}: cannot be loaded as a causal LM "
+                                   f"({str(e).splitlines()[0]})") from None
         model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"env.user.model={cfg.model}: its tokenizer has no chat template; the simulated user "
+                              "needs a chat model")
         self.chat = ChatFormat(tok)
+        try:  # the user's prompts are a system and a user message: the template must take both
+            self.chat.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], True)
+        except TemplateRenderError as e:
+            raise ConfigError(f"env.user.model={cfg.model}: its chat template cannot render a system and a user "
+                              f"message ({e})") from None
         self.engine = HFEngine(stop_ids=stop_token_ids(tok, self.chat.eot), pad_id=pad_id_of(tok),
                                sampling=Sampling(cfg.max_tokens, cfg.temperature > 0, cfg.temperature or 1.0, cfg.top_p))
         self.engine.sync(model, 0)

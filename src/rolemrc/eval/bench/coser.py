@@ -57,7 +57,7 @@ from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.generation import generation_backend, model_label
 from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
-    JUDGE_BACKENDS, OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge,
+    JUDGE_BACKENDS, OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge, uses_evaluated_model,
 )
 
 log = logging.getLogger(__name__)
@@ -645,7 +645,7 @@ def check(cfg: Any, backend: Any) -> None:
         raise ConfigError("data.coser is scored by a judge: add judge=openai (judge.model=gpt-4o, the key in the "
                           "environment) or judge=hf (judge.model=<local model>)")
     check_judge(j)
-    if j.backend == "hf" and j.model is None and not backend.loads_model:
+    if uses_evaluated_model(j) and not backend.loads_model:
         raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
                           f"generation.backend={backend.name} does not load: set judge.model")
     if c.max_rounds < 1 or c.end_after < 0:
@@ -655,7 +655,7 @@ def check(cfg: Any, backend: Any) -> None:
         for key in ("environment", "nsp"):
             where = f"data.coser.{key}"
             conf = side_config(c[key], where)
-            if conf.backend == "hf" and conf.model is None and not backend.loads_model:
+            if uses_evaluated_model(conf) and not backend.loads_model:
                 raise ConfigError(f"{where}.backend=hf with {where}.model=null plays it with the evaluated model, "
                                   f"which generation.backend={backend.name} does not load: set {where}.model")
             try:

@@ -298,7 +298,7 @@ def check(cfg: Any, backend: Any) -> None:
     judges = _judge_cfgs(cfg)
     ex = _examples_cfg(cfg, judges)
     for where, j in judges + ([ex] if ex else []):
-        if j.backend == "none":
+        if judge_backend(j) is None:
             raise ConfigError(f"data.personagym is scored by judges: {where}.backend is none; add judge=openai "
                               "(judge.model=...) or judge=hf, or give data.personagym.judges")
         check_judge(j, where)

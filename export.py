@@ -23,7 +23,7 @@ from pathlib import Path
 try:  # outside the project's environment: one line saying which, not a traceback
     from omegaconf import OmegaConf
 
-    from rolemrc.config import register
+    from rolemrc.config import model_head, register
     from rolemrc.entry import entry_point
     from rolemrc.errors import ConfigError, InputNotFound
 except ModuleNotFoundError as err:
@@ -74,7 +74,7 @@ def main() -> None:
     out = check_export_destination(args.out or run_dir / default, args.overwrite, keep=(args.checkpoint, run_dir))
     cfg, _ = resolve_model_sources(saved)  # the base the run started from, loadable
     merge = True if args.merge else False if args.adapter else None
-    out = export_checkpoint(cfg, args.checkpoint, out, merge_lora=merge)
+    out = export_checkpoint(cfg.model, args.checkpoint, out, merge_lora=merge, head=model_head(cfg))
     print(f"exported model: {out}")
 
 

@@ -262,7 +262,7 @@ def test_trainer_schema_holds_lightning_arguments_only() -> None:
 def test_lightning_accepts_the_trainer_args_of_every_shipped_config(overrides: list[str]) -> None:
     cfg = compose_train(overrides)
     check_train_config(cfg)
-    args = lightning_trainer_args(cfg)
+    args = lightning_trainer_args(cfg.trainer)
     assert set(args) <= _trainer_signature() and not set(args) & set(MOVED_TO_RUNTIME)
     assert None not in args.values()
     inspect.signature(L.Trainer).bind(**args)  # every key accepted, each once
@@ -288,7 +288,7 @@ def test_old_trainer_keys_move_to_runtime_with_a_warning(caplog) -> None:
     assert all(cfg.trainer[k] is None for k in MOVED_TO_RUNTIME)
     for key in MOVED_TO_RUNTIME:
         assert f"trainer.{key} is deprecated" in caplog.text and f"use runtime.{key}" in caplog.text
-    assert not set(lightning_trainer_args(cfg)) & set(MOVED_TO_RUNTIME)
+    assert not set(lightning_trainer_args(cfg.trainer)) & set(MOVED_TO_RUNTIME)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rolemrc.config"):
         check_train_config(cfg)  # idempotent: warned once
@@ -370,10 +370,8 @@ def test_no_dead_keys() -> None:
 @pytest.mark.parametrize("overrides", [[f"objective={o}"] for o in OBJECTIVES]
                          + [[f"experiment={e}", "model.path=/x"] for e in EXPERIMENTS])
 def test_typed_config_is_the_dataclasses(overrides: list[str]) -> None:
-    from types import SimpleNamespace
-
     from rolemrc.config import OptimConfig, typed
-    from rolemrc.sizing.formula import check
+    from tests.test_memory import check
 
     cfg = compose_train([*overrides, "trainer.checkpoint_every_n_steps=5"])  # an alias: mapped in the copy only
     up = upgrade_train_config(copy.deepcopy(cfg))
@@ -383,7 +381,7 @@ def test_typed_config_is_the_dataclasses(overrides: list[str]) -> None:
                           ("optim", OptimConfig), ("objective", OBJECTIVE_SCHEMAS[cfg.objective.name])):
         assert type(typed(up[group])) is schema, group
     assert typed(up.model).tokenizer == up.model.tokenizer  # interpolations resolved
-    assert lightning_trainer_args(SimpleNamespace(trainer=typed(up.trainer))) == lightning_trainer_args(up)
+    assert lightning_trainer_args(typed(up.trainer)) == lightning_trainer_args(up.trainer)
     assert check(up) == check(cfg)
 
 

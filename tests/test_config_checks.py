@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rolemrc.config import check_train_config
+from rolemrc.config import TrainStep, check_train_config
 from rolemrc.errors import ConfigError
 from rolemrc.objectives.dpo import LOSS_TYPES
 from tests.conftest import ROOT, compose_train
@@ -216,7 +216,8 @@ def test_a_precomputed_references_cache_is_checked_before_the_model_loads(train_
     fine.mkdir()
     save_file({"logps": torch.zeros(3, 2)}, str(fine / "ref_logps-0-0.safetensors"))
     for folder in (fine, tmp_path / "not-yet"):  # ours, and one this run will fill
-        rolemrc.run.train.check_files(train_cfg(*overrides[:2], f"objective.reference_cache_dir={folder}"))
+        cfg = train_cfg(*overrides[:2], f"objective.reference_cache_dir={folder}")
+        rolemrc.run.train.check_files(TrainStep.of(cfg), ckpt_path=None, run_dir=str(cfg.run_dir), export=cfg.export)
 
 
 @pytest.mark.parametrize("config_name,overrides", [

@@ -10,8 +10,19 @@ from omegaconf import OmegaConf
 import pytest
 
 from rolemrc.errors import ConfigError
-from rolemrc.sizing.formula import KNOWN, Arch, arch_of, check, check_memory, choose_checkpointing
+from rolemrc.config import TrainStep
+from rolemrc.sizing import formula
+from rolemrc.sizing.formula import KNOWN, Arch, arch_of, check_memory
 from tests.conftest import ROOT, compose_train
+
+
+def check(cfg, *args):
+    """The estimate's line for a composed config's step (as the run hands it)."""
+    return formula.check(TrainStep.of(cfg), *args)
+
+
+def choose_checkpointing(cfg, *args):
+    return formula.choose_checkpointing(TrainStep.of(cfg), *args)
 
 
 def test_parameter_counts_match_the_published_sizes() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from rolemrc.run.build import build_module
 from rolemrc.run.strategies import world_size
+from rolemrc.config import TrainStep
 from rolemrc.sizing import simulate as simulator
 from rolemrc.sizing.decide import run_spec
 from tests.conftest import ROOT, compose_train
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 def simulate(cfg, **kwargs):
     """The simulator as a training run calls it: handed the run's module builder and world size."""
-    return simulator.simulate(cfg, build=build_module, world=world_size(cfg.trainer), **kwargs)
+    return simulator.simulate(TrainStep.of(cfg), build=build_module, world=world_size(cfg.trainer), **kwargs)
 
 
 # The tiny model (conf/model/tiny.yaml) on 2 ranks, 2 rows of 256 tokens.
@@ -36,7 +37,7 @@ def _real_peak(tmp_path: Path, cfg, checkpointing: bool) -> dict:
     """Rank 0's tracked result of the step really run on 2 gloo ranks."""
     spec = tmp_path / "spec.json"
     out = tmp_path / "real.json"
-    spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, build=build_module, world=2)))
+    spec.write_text(json.dumps(run_spec(TrainStep.of(cfg), checkpointing=checkpointing, build=build_module, world=2)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -140,7 +141,7 @@ def test_grpo_rollout_is_simulated_against_the_real_generate_and_its_cache() -> 
     assert sim.peak_bytes == max(p["peak_bytes"] for p in sim.phases.values())
     assert sim.phase in sim.phases and sim.peak_bytes == sim.phases[sim.phase]["peak_bytes"]
 
-    module, vocab = ms._build(cfg, False, build_module, "cpu")
+    module, vocab = ms._build(TrainStep.of(cfg), False, build_module, "cpu")
     module._chat = build_chat(cfg.model)
     module.__dict__["stop_ids"] = []  # (the property, shadowed) no stop token: every completion runs to the end
     GRPOModule.stop_ids  # noqa: B018 (the property the instance shadows exists)

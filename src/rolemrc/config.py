@@ -299,6 +299,56 @@ class TrainConfig:
     task_name: str = "train"
 
 
+@dataclass(frozen=True)
+class TrainStep:
+    """One optimizer step of a run: the groups of the composed config that shape it, each a node
+    typed by its schema (:class:`ModelConfig`, the objective's :class:`ObjectiveConfig`,
+    :class:`DataConfig`, ...). What the module builder, the memory simulation, the sizing key and
+    an objective's memory hooks read; nothing about where the run writes or what it logs."""
+
+    model: Any  # ModelConfig
+    objective: Any  # the objective's schema (OBJECTIVES[name].schema)
+    data: Any  # DataConfig
+    optim: Any  # OptimConfig
+    trainer: Any  # TrainerConfig
+    strategy: Any  # StrategyConfig
+    runtime: Any  # RuntimeConfig (the simulation reads device_memory_gb, simulate_memory)
+
+    @classmethod
+    def of(cls, cfg: Any) -> "TrainStep":
+        """The step's groups of a composed training config (or any mapping with those keys)."""
+        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+
+    @property
+    def entry(self) -> Objective:
+        """The objective's registry entry (:data:`OBJECTIVES`)."""
+        entry = OBJECTIVES.get(self.objective.name, None)
+        if entry is None:
+            raise ConfigError(f"objective.name must be one of {', '.join(sorted(OBJECTIVES))}, "
+                              f"got {self.objective.name!r}")
+        return entry
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    """A training run's config resolved once, at the run's door (:func:`rolemrc.run.train.setup`):
+    the step (:class:`TrainStep`) and the run's own groups. Builders, sizing, export and callbacks
+    are handed the fields they need, never the composed config."""
+
+    step: TrainStep
+    export: Any  # ExportConfig
+    logger: Any  # {name: {_target_: ...}}
+    callbacks: Any  # {name: {_target_: ...}}
+    seed: int
+    run_dir: str
+    ckpt_path: Optional[str]
+
+    @classmethod
+    def of(cls, cfg: Any) -> "TrainParts":
+        return cls(step=TrainStep.of(cfg), export=cfg.export, logger=cfg.logger, callbacks=cfg.callbacks,
+                   seed=int(cfg.seed), run_dir=str(cfg.run_dir), ckpt_path=cfg.ckpt_path)
+
+
 def _deprecated(message: str) -> None:
     """One warning line per deprecated key given (console and the run's log)."""
     logging.getLogger(__name__).warning(message)
@@ -335,11 +385,9 @@ def upgrade_train_config(cfg: Any) -> Any:
     return cfg
 
 
-def lightning_trainer_args(cfg: Any) -> dict[str, Any]:
-    """``cfg.trainer`` as ``lightning.Trainer`` keyword arguments: None values (Lightning's
-    defaults) and the deprecated runtime aliases dropped. ``cfg``: the composed config or one
-    whose ``trainer`` is a :class:`TrainerConfig`."""
-    node = cfg.trainer
+def lightning_trainer_args(node: Any) -> dict[str, Any]:
+    """The ``trainer`` group (a node or a :class:`TrainerConfig`) as ``lightning.Trainer`` keyword
+    arguments: None values (Lightning's defaults) and the deprecated runtime aliases dropped."""
     trainer = (OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
                else dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node))
     return {k: v for k, v in trainer.items() if v is not None and k not in MOVED_TO_RUNTIME}

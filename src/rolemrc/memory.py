@@ -37,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rolemrc.config import check_train_config, register
+from rolemrc.config import TrainStep, check_train_config, register
 from rolemrc.entry import entry_point
 from rolemrc.sizing.formula import log_estimate, table
 from rolemrc.sizing.result import SimulationUnavailable
@@ -55,14 +55,14 @@ def compose_train_config(overrides: list[str]) -> Any:
         return compose("train", overrides=overrides)
 
 
-def simulated_report(cfg: Any) -> dict[str, Any]:
-    """The simulated per-rank peak of the run ``cfg`` (:func:`rolemrc.sizing.simulate.report`),
+def simulated_report(step: TrainStep) -> dict[str, Any]:
+    """The simulated per-rank peak of the run's step (:func:`rolemrc.sizing.simulate.report`),
     with the run's module builder and world size: the training code, imported only here."""
     from rolemrc.run.build import build_module
     from rolemrc.run.strategies import world_size
     from rolemrc.sizing.simulate import report
 
-    return report(cfg, build=build_module, world=world_size(cfg.trainer))
+    return report(step, build=build_module, world=world_size(step.trainer))
 
 
 def _print_report(r: dict[str, Any]) -> None:
@@ -123,13 +123,14 @@ def main(argv: list[str]) -> int:
             print(f"error: {err}{cause}".replace("\n", " "), file=sys.stderr)
             return 1
         check_train_config(cfg)  # what setup() refuses before loading anything, refused here too
+        step = TrainStep.of(cfg)
         if "--simulate" not in flags:
-            print(log_estimate(cfg))  # checked just above: the checks run once
+            print(log_estimate(step))  # checked just above: the checks run once
             return 0
         print("simulating one optimizer step under fake tensors: seconds for the tiny model, minutes for an 8B "
               "recipe (~5 on 2 busy CPU cores)", file=sys.stderr, flush=True)
         try:
-            report = simulated_report(cfg)
+            report = simulated_report(step)
         except SimulationUnavailable as err:
             print(f"error: cannot simulate this run: {err}", file=sys.stderr)
             return 1

@@ -40,10 +40,10 @@ def build_model(model_cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     return model
 
 
-def build_loggers(cfg: Any) -> list[Any]:
-    """``cfg.logger``: ``{name: {_target_: ...}}``; W&B without a key logs offline into the run folder."""
+def build_loggers(logger: Any) -> list[Any]:
+    """The config's ``logger``: ``{name: {_target_: ...}}``; W&B without a key logs offline into the run folder."""
     loggers = []
-    for spec in (cfg.logger or {}).values():
+    for spec in (logger or {}).values():
         spec = OmegaConf.to_container(spec, resolve=True)
         if spec.get("_target_", "").endswith("WandbLogger") and spec.get("offline") is None:
             spec["offline"] = not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online"

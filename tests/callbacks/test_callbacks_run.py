@@ -157,15 +157,15 @@ def test_resume_keeps_rounds_and_start_maps(train_cfg) -> None:
 
 def test_configs_compose_with_the_default_callbacks(tmp_path: Path) -> None:
     cfg = compose_train(["callbacks=[default,judge_scores,activation_maps]"], run_dir=tmp_path)
-    kinds = [type(c).__name__ for c in build_callbacks(cfg)]
+    kinds = [type(c).__name__ for c in build_callbacks(cfg.callbacks, run_dir=str(tmp_path))]
     assert kinds == ["ModelCheckpoint", "LearningRateMonitor", "JudgeScores", "ActivationMaps"]
-    judge = build_callbacks(compose_train(["callbacks=judge_scores"], run_dir=tmp_path))[0]
+    judge = build_callbacks(compose_train(["callbacks=judge_scores"], run_dir=tmp_path).callbacks, run_dir=str(tmp_path))[0]
     assert isinstance(judge, JudgeScores) and judge.judge.backend == "none"
     assert judge.metrics == ["bleu", "rouge1", "rougeL"]
 
     typo = compose_train(["callbacks=judge_scores", "+callbacks.judge_scores.judge.modle=x"], run_dir=tmp_path)
     with pytest.raises(Exception, match="modle"):  # a misspelt judge key fails at start-up
-        build_callbacks(typo)
+        build_callbacks(typo.callbacks, run_dir=str(tmp_path))
     with pytest.raises(ValueError, match="needs judge_scores.judge.model"):
         JudgeScores(judge={"backend": "openai"})
     with pytest.raises(ValueError, match="unknown"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rolemrc.config import TrainStep
 from rolemrc.objectives import IGNORE_INDEX
 from tests.gpu.conftest import DEVICE, ON_DEVICE
 from tests.gpu.helpers import probe, steps
@@ -84,7 +85,7 @@ def _sft_module(model: str):
     dm = ChatDataModule(cfg.data, "sft", ChatFormat(tok), share_prompt=False)
     dm.setup()
     torch.manual_seed(0)
-    module = build_module(cfg, load_model(cfg.model, tok), dm).to(DEVICE).eval()
+    module = build_module(TrainStep.of(cfg), load_model(cfg.model, tok), dm, run_dir=str(cfg.run_dir)).to(DEVICE).eval()
     return module, dm, tok.pad_token_id
 
 

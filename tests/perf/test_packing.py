@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from rolemrc.config import TrainStep
 from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.packing import best_fit_decreasing, item_length, item_pieces, pack_rows
@@ -36,7 +37,7 @@ def build(kind: str, model: str, *overrides: str):
     dm.setup()
     torch.manual_seed(0)
     net = load_model(cfg.model, tok)
-    module = build_module(cfg, net, dm)
+    module = build_module(TrainStep.of(cfg), net, dm, run_dir=str(cfg.run_dir))
     return module.eval(), dm, tok.pad_token_id
 
 

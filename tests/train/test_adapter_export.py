@@ -46,7 +46,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = compose_train([])
     torch.manual_seed(0)
     model = load_model(cfg.model, load_tokenizer(cfg.model))
-    return export_state(cfg, model.state_dict(), tmp_path_factory.mktemp("base") / "tiny")
+    return export_state(cfg.model, model.state_dict(), tmp_path_factory.mktemp("base") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,8 @@ def test_a_random_init_adapter_carries_its_base(tmp_path: Path, monkeypatch: pyt
             if "lora_B" in name:
                 p.normal_(0, 0.2)  # a trained-looking adapter (B starts at zero)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    adapter = export_state(cfg, state, tmp_path / "adapter", merge_lora=False)
-    merged = export_state(cfg, state, tmp_path / "merged", merge_lora=True)
+    adapter = export_state(cfg.model, state, tmp_path / "adapter", merge_lora=False)
+    merged = export_state(cfg.model, state, tmp_path / "merged", merge_lora=True)
     config = json.loads((adapter / "adapter_config.json").read_text())
     cached = Path(config["base_model_name_or_path"])
     assert cached.is_absolute() and cached.parent == Path(os.environ["ROLEMRC_CACHE_DIR"]).resolve() / "bases"

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from rolemrc.run.build import build_chat, build_model, build_module
-from rolemrc.config import DPOObjectiveConfig, OptimConfig, SFTObjectiveConfig, StrategyConfig
+from rolemrc.config import DPOObjectiveConfig, OptimConfig, SFTObjectiveConfig, StrategyConfig, TrainStep
 from tests.conftest import compose_train
 
 
@@ -19,7 +19,7 @@ from tests.conftest import compose_train
 def test_modules_receive_typed_parts(overrides: list[str], objective_type: type) -> None:
     cfg = compose_train(overrides)
     chat = build_chat(cfg.model)
-    module = build_module(cfg, build_model(cfg.model, chat.tokenizer))
+    module = build_module(TrainStep.of(cfg), build_model(cfg.model, chat.tokenizer), run_dir=str(cfg.run_dir))
     assert type(module.objective) is objective_type and dataclasses.is_dataclass(module.objective)
     assert type(module.optim) is OptimConfig and module.optim.lr == cfg.optim.lr
     assert module.sharding is None  # single device: nothing to shard
@@ -31,7 +31,7 @@ def test_modules_receive_typed_parts(overrides: list[str], objective_type: type)
 def test_fsdp_modules_receive_the_strategy_options() -> None:
     cfg = compose_train(["strategy=fsdp", "strategy.cpu_offload=true"])
     chat = build_chat(cfg.model)
-    module = build_module(cfg, build_model(cfg.model, chat.tokenizer))
+    module = build_module(TrainStep.of(cfg), build_model(cfg.model, chat.tokenizer), run_dir=str(cfg.run_dir))
     assert type(module.sharding) is StrategyConfig and module.sharding.cpu_offload is True
 
 
@@ -49,7 +49,7 @@ def test_setup_resolves_auto_checkpointing(train_cfg, caplog, device_gb: float, 
                     f"runtime.simulate_memory={str(simulate).lower()}")
     with caplog.at_level(logging.INFO, logger="rolemrc.sizing.decide"):
         run = setup(cfg)
-    assert run.cfg.model.gradient_checkpointing is expected
+    assert run.parts.step.model.gradient_checkpointing is expected
     assert run.module.model.is_gradient_checkpointing is expected
     assert f"activation checkpointing: {'on' if expected else 'off'}, auto: " in caplog.text
     assert ("simulated per-rank peak" in caplog.text) is simulate
@@ -80,20 +80,20 @@ def test_sizing_is_simulated_once_per_shape(train_cfg, caplog, monkeypatch, tmp_
     small = ("model.gradient_checkpointing=auto", "runtime.device_memory_gb=0.0001")
     with caplog.at_level(logging.INFO, logger="rolemrc.sizing.decide"):
         for overrides in (small, small, (*small, "optim.lr=0.5")):  # two starts, then a sweep job
-            assert setup(train_cfg(*overrides)).cfg.model.gradient_checkpointing is True
+            assert setup(train_cfg(*overrides)).parts.step.model.gradient_checkpointing is True
         assert len(calls) == 1
         assert len(list(sizing_cache_dir().glob("*.json"))) == 1
         assert caplog.text.count("simulated per-rank peak") == 3 and caplog.text.count("; stored in ") == 2
         from rolemrc.sizing.decide import resolve_checkpointing, sizing_key
 
-        assert resolve_checkpointing(train_cfg("model.gradient_checkpointing=auto"), build=build_module,
+        assert resolve_checkpointing(TrainStep.of(train_cfg("model.gradient_checkpointing=auto")), build=build_module,
                                      world=1) is False  # 80 GB: fits
         assert len(calls) == 1
     # Another shape is another key (simulated at its first start); a longer run is the same.
-    key = sizing_key(train_cfg(*small))[0]
-    assert sizing_key(train_cfg(*small, "data.max_length=32"))[0] != key
-    assert sizing_key(train_cfg(*small, "data.batch_size=2"))[0] != key
-    assert sizing_key(train_cfg(*small, "trainer.max_steps=7", "seed=1"))[0] == key
+    key = sizing_key(TrainStep.of(train_cfg(*small)))[0]
+    assert sizing_key(TrainStep.of(train_cfg(*small, "data.max_length=32")))[0] != key
+    assert sizing_key(TrainStep.of(train_cfg(*small, "data.batch_size=2")))[0] != key
+    assert sizing_key(TrainStep.of(train_cfg(*small, "trainer.max_steps=7", "seed=1")))[0] == key
     # The builder travels to the child process by its import name; one without (a lambda) cannot.
     assert decide.builder_name(build_module) == "rolemrc.run.build:build_module"
     with pytest.raises(decide.SimulationUnavailable, match="not importable by that name"):
@@ -112,17 +112,18 @@ def test_importing_the_recipe_loads_no_simulator() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_the_recipe_hands_the_whole_config_only_down_and_checks_it_once(train_cfg) -> None:
+def test_the_recipe_types_the_config_at_its_door_and_hands_on_only_parts(train_cfg) -> None:
     """Followed through setup() of a DPO run (every project function called with the root config as
-    an argument, seen by a profiler): the whole config never passes into a unit of a higher layer
-    than the one handing it on (the layers of tests/test_import_graph.py), and rolemrc.config gets
-    it twice: check_train_config (all checks, once) and lightning_trainer_args."""
+    an argument, seen by a profiler): setup() hands the whole config only to the door, that is the
+    checks (check_train_config, all of them, once), the model sources' rewrite (resolve_model_sources)
+    and the typing (TrainParts.of, TrainStep.of); the builders, the sizing and the module get parts.
+    (tests/test_import_graph.py's test_no_function_below_the_entries_takes_the_whole_config checks
+    every function of src/ statically.)"""
     import sys
 
     from omegaconf import DictConfig
 
     from rolemrc.run.train import setup
-    from tests.test_import_graph import layer_of, unit_of
 
     roots = {"model", "objective", "data", "trainer", "strategy", "optim"}
     handed: list[tuple[str, str]] = []
@@ -147,9 +148,8 @@ def test_the_recipe_hands_the_whole_config_only_down_and_checks_it_once(train_cf
         setup(cfg)
     finally:
         sys.setprofile(None)
-    across = {(a, b) for a, b in handed if unit_of(a) != unit_of(b.rpartition(".")[0])}
-    assert ("rolemrc.run.train", "rolemrc.run.build.build_module") in across  # the profiler saw the handoffs
-    up = [(a, b) for a, b in across if layer_of(unit_of(b.rpartition(".")[0])) < layer_of(unit_of(a))]
-    assert not up, up
-    into_config = sorted(b for a, b in handed if b.startswith("rolemrc.config.") and not a.startswith("rolemrc.config"))
-    assert into_config == ["rolemrc.config.check_train_config", "rolemrc.config.lightning_trainer_args"], into_config
+    from_setup = sorted({b for a, b in handed if a == "rolemrc.run.train"})
+    assert from_setup == ["rolemrc.config.check_train_config", "rolemrc.config.of",
+                          "rolemrc.models.source.resolve_model_sources"], from_setup  # of: TrainParts's, TrainStep's
+    below = sorted({b for a, b in handed if a != "rolemrc.run.train" and not a.startswith("rolemrc.config")})
+    assert not below, below

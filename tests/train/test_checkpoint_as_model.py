@@ -105,7 +105,7 @@ def test_saved_weights_bring_their_own_tokenizer(tmp_path: Path) -> None:
     qwen = compose_train(["model=tiny_qwen"])
     torch.manual_seed(0)
     model = load_model(qwen.model, load_tokenizer(qwen.model))
-    folder = export_state(qwen, model.state_dict(), tmp_path / "qwen_export")
+    folder = export_state(qwen.model, model.state_dict(), tmp_path / "qwen_export")
 
     cfg = compose_train([f"model.path={folder}"])  # model=tiny
     assert cfg.model.tokenizer is None

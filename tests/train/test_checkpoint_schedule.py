@@ -24,6 +24,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rolemrc.config import TrainStep
 from rolemrc.errors import StorageError
 from rolemrc.run.resume import NO_HYDRA_FILES, continue_run_argv
 from tests.conftest import CONF, compose_train
@@ -73,7 +74,7 @@ def test_a_checkpoint_by_time_is_written_mid_epoch_and_resumed_from(tmp_path: Pa
 
     # the default: a checkpoint every 5 minutes, on every run
     cfg = compose_train(["callbacks=none", "logger=none"], run_dir=tmp_path / "default")
-    (state,) = [c for c in build_trainer(cfg).callbacks if isinstance(c, RunState)]
+    (state,) = [c for c in build_trainer(TrainStep.of(cfg), logger=cfg.logger, callbacks=cfg.callbacks, run_dir=str(cfg.run_dir)).callbacks if isinstance(c, RunState)]
     assert cfg.runtime.checkpoint_every_minutes == 5 and state.every_s == 300
 
     run = tmp_path / "run"

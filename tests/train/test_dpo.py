@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rolemrc.config import TrainStep
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters, load_model, load_tokenizer
@@ -85,7 +86,7 @@ def test_adapter_mode_holds_no_second_copy(train_cfg) -> None:
         cfg = train_cfg(*DPO, f"objective.reference={mode}", *extra)
         tok = load_tokenizer(cfg.model)
         dm = ChatDataModule(cfg.data, "pairs", ChatFormat(tok))
-        module = build_module(cfg, load_model(cfg.model, tok), dm)
+        module = build_module(TrainStep.of(cfg), load_model(cfg.model, tok), dm, run_dir=str(cfg.run_dir))
         held = {id(p): p.numel() for p in module.model.parameters()}
         if module.ref_model is not None:
             held |= {id(p): p.numel() for p in module.ref_model.parameters()}
@@ -106,9 +107,10 @@ def test_share_prompt_must_match_the_datamodule_layout(train_cfg) -> None:
     cfg = train_cfg(*DPO, "objective.share_prompt=true")
     tok = load_tokenizer(cfg.model)
     with pytest.raises(ValueError, match="objective.share_prompt=True but the datamodule lays pairs out"):
-        build_module(cfg, load_model(cfg.model, tok), ChatDataModule(cfg.data, "pairs", ChatFormat(tok)))
+        build_module(TrainStep.of(cfg), load_model(cfg.model, tok), ChatDataModule(cfg.data, "pairs", ChatFormat(tok)),
+                     run_dir=str(cfg.run_dir))
     shared = ChatDataModule(cfg.data, "pairs", ChatFormat(tok), share_prompt=True)
-    assert build_module(cfg, load_model(cfg.model, tok), shared).packs_with_context()
+    assert build_module(TrainStep.of(cfg), load_model(cfg.model, tok), shared, run_dir=str(cfg.run_dir)).packs_with_context()
 
 
 def test_ipo_rewards_mean_what_trls_mean_and_per_token_ones_have_their_own_names(train_cfg) -> None:

@@ -41,7 +41,7 @@ def test_exported_model_computes_what_the_state_did(train_cfg, tmp_path: Path, c
     with torch.no_grad():
         want = model(input_ids=ids).logits.float()
     state = {k: v.float().clone() for k, v in model.state_dict().items()}  # e.g. fp32 master weights
-    out = export_state(cfg, state, tmp_path / "export")
+    out = export_state(cfg.model, state, tmp_path / "export")
 
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert exported.dtype == model.dtype  # cast back to the run's dtype
@@ -62,7 +62,7 @@ def test_lora_exports_as_adapter(train_cfg, tmp_path: Path) -> None:
     ids = torch.arange(3, 20).unsqueeze(0)
     with torch.no_grad():
         want = model(input_ids=ids).logits
-    out = export_state(cfg, model.state_dict(), tmp_path / "adapter", merge_lora=False)
+    out = export_state(cfg.model, model.state_dict(), tmp_path / "adapter", merge_lora=False)
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     # The base weights of a random-init tiny model are on disk nowhere: the same seed rebuilds them.
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def test_a_state_that_does_not_fit_the_run_names_the_keys(train_cfg, tmp_path: P
     state.pop("model.norm.weight")
     state["model.extra.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\], unexpected \['model.extra.weight'\]"):
-        export_state(cfg, state, tmp_path / "export", origin="ckpt.pt")
+        export_state(cfg.model, state, tmp_path / "export", origin="ckpt.pt")
     assert not (tmp_path / "export").exists()
 
 

@@ -467,8 +467,8 @@ def test_memory_simulation_runs_the_rollout_and_the_loss_step() -> None:
 
 
 def test_memory_formula_counts_rollout_tokens_and_a_reference_only_when_beta_is_positive() -> None:
-    from rolemrc.sizing.formula import check
     from tests.conftest import compose_train
+    from tests.test_memory import check
 
     assert f"{2 * 3 * (48 + 6)} tokens/micro-batch" in check(compose_train(GRPO))
     big = ["model.init.hidden_size=1024", "model.init.intermediate_size=4096", "model.init.num_hidden_layers=8"]
@@ -481,7 +481,8 @@ def test_memory_formula_counts_the_rollout_and_auto_decides_from_the_step() -> N
     """The formula's GRPO estimate is the larger of the loss step and the rollout (generate of the
     step's completions at once: KV cache, prefill); a rollout too large for the device is said, but
     does not turn activation checkpointing on (it keeps no activations)."""
-    from rolemrc.sizing.formula import arch_of, check, choose_checkpointing, rollout_gb
+    from rolemrc.sizing.formula import arch_of, rollout_gb
+    from tests.test_memory import check, choose_checkpointing
     from tests.conftest import compose_train
 
     cfg = compose_train([*GRPO, "trainer.accumulate_grad_batches=64", "objective.max_completion_length=4096",

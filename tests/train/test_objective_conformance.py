@@ -92,7 +92,7 @@ def _trl_dpo(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[f
     # not exact in float64 (test_trls_reference_forward_is_ours_within_its_float32_head).
     with torch.no_grad():
         ref = module.reference_logps(batch, "train")
-    config = DPOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+    config = DPOConfig(output_dir=str(Path(parts.parts.run_dir) / "trl"), report_to=[], use_cpu=True,
                        precompute_ref_log_probs=True,
                        per_device_train_batch_size=batch["index"].shape[0], max_length=None, save_strategy="no",
                        **args)
@@ -205,7 +205,7 @@ def _trl_reference_free(trainer_class: Any, config_class: Any, parts: Any, batch
                         **args: Any) -> tuple[float, dict[str, float]]:
     from datasets import Dataset
 
-    config = config_class(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+    config = config_class(output_dir=str(Path(parts.parts.run_dir) / "trl"), report_to=[], use_cpu=True,
                           per_device_train_batch_size=batch["index"].shape[0], save_strategy="no", **args)
     dummy = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2)
     with warnings.catch_warnings():
@@ -334,7 +334,7 @@ def _trl_kto(parts: Any, batch: dict[str, torch.Tensor], **args: Any) -> tuple[f
                     "labels": inputs["KL_input_ids"].masked_fill(inputs["KL_completion_mask"] == 0, IGNORE_INDEX),
                     "index": batch["index"]}
         inputs["ref_KL_logps"] = module.reference_logps(kl_batch, "train")
-    config = KTOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True,
+    config = KTOConfig(output_dir=str(Path(parts.parts.run_dir) / "trl"), report_to=[], use_cpu=True,
                        precompute_ref_log_probs=True, per_device_train_batch_size=n, max_length=None,
                        save_strategy="no", **args)
     dummy = Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
@@ -381,7 +381,7 @@ def test_kto_fixed_kl_pairing_is_trls(kto_unpaired) -> None:
     parts, _ = kto_unpaired
     records = [{"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}" + " ok" * (i % 3),
                 "label": i % 3 != 0} for i in range(11)]
-    config = KTOConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl_kl"), report_to=[], use_cpu=True,
+    config = KTOConfig(output_dir=str(Path(parts.parts.run_dir) / "trl_kl"), report_to=[], use_cpu=True,
                        per_device_train_batch_size=4, max_length=None, save_strategy="no")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -447,7 +447,7 @@ def test_reward_model_equals_trls_reward_trainer_first_step(reward, center: floa
     finally:
         module.objective.center_rewards_coefficient = saved
 
-    config = RewardConfig(output_dir=str(Path(parts.cfg.run_dir) / "trl"), report_to=[], use_cpu=True, bf16=False,
+    config = RewardConfig(output_dir=str(Path(parts.parts.run_dir) / "trl"), report_to=[], use_cpu=True, bf16=False,
                           per_device_train_batch_size=batch["index"].shape[0], save_strategy="no",
                           center_rewards_coefficient=center)
     dummy = Dataset.from_list([{"chosen": "a b", "rejected": "c"}] * 2)

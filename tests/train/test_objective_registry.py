@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from rolemrc.config import OBJECTIVES, Objective, ObjectiveConfig, check_train_config
+from rolemrc.config import OBJECTIVES, Objective, ObjectiveConfig, TrainStep, check_train_config
 from rolemrc.errors import ConfigError
 from rolemrc.modules.sft import SFTModule
 from rolemrc.run.train import fit, setup
@@ -56,8 +56,8 @@ def test_a_registered_objective_trains_through_the_builders(toy, train_cfg) -> N
     assert type(run.module) is ToyModule and run.module.objective == ToyObjectiveConfig(scale=0.25)
     assert run.datamodule.kind == "sft"  # pairs=False: conversations
     fit(run)
-    assert len(series(run.cfg.run_dir, "train/loss")) == 2
-    assert series(run.cfg.run_dir, "train/toy_scale") == [0.25, 0.25]  # its own step's metrics, logged
+    assert len(series(run.parts.run_dir, "train/loss")) == 2
+    assert series(run.parts.run_dir, "train/toy_scale") == [0.25, 0.25]  # its own step's metrics, logged
 
 
 def test_the_memory_simulation_runs_the_objectives_own_step(toy, train_cfg) -> None:
@@ -96,15 +96,15 @@ def test_editing_an_objectives_step_is_another_sizing_key(train_cfg, tmp_path: P
     monkeypatch.setitem(OBJECTIVES, "toy", Objective(ToyObjectiveConfig, "edited_objective:EditedModule", data="sft"))
     cfg = train_cfg()
     with_objective(cfg, OmegaConf.structured(ToyObjectiveConfig(scale=0.25)))
-    key, parts = sizing_key(cfg)
+    key, parts = sizing_key(TrainStep.of(cfg))
     assert str(source.resolve()) in parts["code"]["step"] and "modules/sft.py" in parts["code"]["step"]
     assert "objectives/logprobs.py" in parts["code"]["step"]
     source.write_text(STEP_SOURCE.format(scale=3), encoding="utf-8")  # the step edited
-    edited, edited_parts = sizing_key(cfg)
+    edited, edited_parts = sizing_key(TrainStep.of(cfg))
     assert edited != key
     assert {k: v for k, v in edited_parts.items() if k != "code"} == {k: v for k, v in parts.items() if k != "code"}
     source.write_text(STEP_SOURCE.format(scale=2), encoding="utf-8")
-    assert sizing_key(cfg)[0] == key
+    assert sizing_key(TrainStep.of(cfg))[0] == key
 
 
 def test_its_schema_checks_its_keys_before_anything_loads(toy, train_cfg) -> None:
@@ -135,9 +135,9 @@ def test_reference_free_objectives_train_without_a_reference(train_cfg, objectiv
     assert run.module.reference is None and run.module.models_to_shard() == [run.module.model]
     fit(run)
     for name in ("loss", *names):
-        values = series(run.cfg.run_dir, f"train/{name}")
+        values = series(run.parts.run_dir, f"train/{name}")
         assert len(values) == 2 and all(v == v for v in values), name  # logged each step, no NaN
-        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name  # the final validation, same names
+        assert len(series(run.parts.run_dir, f"val/{name}")) >= 1, name  # the final validation, same names
 
 
 def test_a_simpo_recipe_is_simulated_without_a_reference_copy() -> None:
@@ -173,9 +173,9 @@ def test_kto_trains_on_split_pairs_with_a_reference(train_cfg, mode: str) -> Non
     fit(run)
     for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                  "logps/rejected"):
-        values = series(run.cfg.run_dir, f"train/{name}")
+        values = series(run.parts.run_dir, f"train/{name}")
         assert len(values) == 2 and all(v == v for v in values), name
-        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
+        assert len(series(run.parts.run_dir, f"val/{name}")) >= 1, name
 
 
 def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path, caplog) -> None:
@@ -206,9 +206,9 @@ def test_kto_trains_on_unpaired_examples(train_cfg, tmp_path: Path, caplog) -> N
     assert run.datamodule.report["train"]["examples"] == 126 and len(run.datamodule.val_rows) == 14
     for name in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                  "logps/rejected"):
-        values = series(run.cfg.run_dir, f"train/{name}")
+        values = series(run.parts.run_dir, f"train/{name}")
         assert len(values) == 2 and all(v == v for v in values), name
-        assert len(series(run.cfg.run_dir, f"val/{name}")) >= 1, name
+        assert len(series(run.parts.run_dir, f"val/{name}")) >= 1, name
 
 
 @pytest.mark.parametrize(("loss_type", "data"), [("apo_zero_unpaired", "pairs"), ("apo_zero_unpaired", "unpaired"),
@@ -227,8 +227,8 @@ def test_kto_with_a_precomputed_reference_equals_the_copy(train_cfg, tmp_path: P
                               "data.max_prompt_length=96", "data.val_fraction=0.1", "data.shuffle=true",
                               f"run_dir={tmp_path / mode}"))
         fit(run)
-        losses[mode] = [*series(run.cfg.run_dir, "train/loss"), *series(run.cfg.run_dir, "val/loss"),
-                        *series(run.cfg.run_dir, "train/kl"), *series(run.cfg.run_dir, "val/kl")]
+        losses[mode] = [*series(run.parts.run_dir, "train/loss"), *series(run.parts.run_dir, "val/loss"),
+                        *series(run.parts.run_dir, "train/kl"), *series(run.parts.run_dir, "val/kl")]
         if mode == "precomputed":
             assert run.module.reference.models() == [] and set(run.module.reference.tables) == {"train", "val"}
             width = run.module.reference.tables["train"].shape[1]

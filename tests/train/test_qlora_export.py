@@ -38,7 +38,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = compose_train([])
     torch.manual_seed(0)
     model = load_model(cfg.model, load_tokenizer(cfg.model))
-    return export_state(cfg, model.state_dict(), tmp_path_factory.mktemp("base") / "tiny")
+    return export_state(cfg.model, model.state_dict(), tmp_path_factory.mktemp("base") / "tiny")
 
 
 @pytest.fixture(scope="module")

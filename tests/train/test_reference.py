@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rolemrc.config import TrainStep
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import load_model, load_tokenizer
@@ -98,7 +99,7 @@ def test_adapter_reference_runs_without_dropout(train_cfg) -> None:
     tok = load_tokenizer(cfg.model)
     dm = ChatDataModule(cfg.data, "pairs", ChatFormat(tok))
     dm.setup()
-    module = build_module(cfg, load_model(cfg.model, tok), dm)
+    module = build_module(TrainStep.of(cfg), load_model(cfg.model, tok), dm, run_dir=str(cfg.run_dir))
     batch = dm.collator()(dm.train_rows[:4])
     module.model.train()
     a, b = module.reference_logps(batch, "train"), module.reference_logps(batch, "train")

@@ -31,7 +31,7 @@ def test_a_reward_model_trains_exports_and_scores_grpo_completions(train_cfg) ->
     step_loss = run.module.step_loss
     run.module.step_loss = lambda batch: (seen.append(int(batch["attention_mask"].sum())), step_loss(batch))[1]
     fit(run)
-    run_dir = Path(run.cfg.run_dir)
+    run_dir = Path(run.parts.run_dir)
     assert len(series(run_dir, "train/loss")) == 2
     # TRL's num_tokens: the tokens trained on so far, one micro-batch per step here; kept in the checkpoint
     assert len(seen) == 2 and series(run_dir, "train/num_tokens") == [seen[0], seen[0] + seen[1]]

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from rolemrc.checkpointing.state import read_model_state
-from rolemrc.config import model_head
 from rolemrc.errors import CheckpointError, DestinationError, StorageError
 from rolemrc.fileio import atomic_dir, atomic_write_json, cache_root, partial_path, storage_error
 from rolemrc.models.loading import load_model, load_tokenizer, unwrap
@@ -306,14 +305,16 @@ def _ship_base(partial: Path) -> None:
                                                           indent=2) + "\n", encoding="utf-8")
 
 
-def export_checkpoint(run_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None) -> Path:
+def export_checkpoint(model_cfg: Any, checkpoint: str | Path, out_dir: str | Path, merge_lora: bool | None = None,
+                      head: str = "lm") -> Path:
     """Load a checkpoint's weights into the run's model and export it in HF format."""
-    return export_state(run_cfg, read_model_state(checkpoint), out_dir, merge_lora, origin=str(checkpoint))
+    return export_state(model_cfg, read_model_state(checkpoint), out_dir, merge_lora, origin=str(checkpoint), head=head)
 
 
-def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Path, merge_lora: bool | None = None,
-                 origin: str = "state dict") -> Path:
-    """Build the model skeleton from a run's config, load ``state`` (full, unsharded), export.
+def export_state(model_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Path, merge_lora: bool | None = None,
+                 origin: str = "state dict", head: str = "lm") -> Path:
+    """Build the model skeleton from a run's ``model`` group (its ``head``: the objective's, ``lm``
+    or ``score``), load ``state`` (full, unsharded), export.
 
     The skeleton's parameters live on the meta device (no pretrained weights are read, nothing
     is initialised, no second copy of an 8B model is held): ``state``'s tensors, cast to the
@@ -321,15 +322,15 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     """
     from accelerate import init_empty_weights
 
-    tokenizer = load_tokenizer(run_cfg.model)
-    merge = run_cfg.model.peft.merge_on_export if merge_lora is None else merge_lora
-    if run_cfg.model.quantization.load_in_4bit:  # QLoRA: its adapter onto the full-precision base
-        model = load_model(_unquantized(run_cfg.model), tokenizer)
+    tokenizer = load_tokenizer(model_cfg)
+    merge = model_cfg.peft.merge_on_export if merge_lora is None else merge_lora
+    if model_cfg.quantization.load_in_4bit:  # QLoRA: its adapter onto the full-precision base
+        model = load_model(_unquantized(model_cfg), tokenizer)
         trainable = {k for k, p in model.named_parameters() if p.requires_grad}
         _load_adapter(model, {k: v for k, v in state.items() if k in trainable or "lora_" in k}, origin)
-        return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path, source=origin)
+        return export_pretrained(model, tokenizer, out_dir, merge, base=model_cfg.path, source=origin)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed for real
-        model = load_model(skeleton_config(run_cfg.model), tokenizer, head=model_head(run_cfg))
+        model = load_model(skeleton_config(model_cfg), tokenizer, head=head)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -348,7 +349,7 @@ def export_state(run_cfg: Any, state: dict[str, torch.Tensor], out_dir: str | Pa
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise ValueError(f"{origin}: no weights for {still_meta[:5]} after loading")
-    return export_pretrained(model, tokenizer, out_dir, merge, base=run_cfg.model.path, source=origin)
+    return export_pretrained(model, tokenizer, out_dir, merge, base=model_cfg.path, source=origin)
 
 
 def _unquantized(model_cfg: Any) -> Any:

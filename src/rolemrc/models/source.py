@@ -19,7 +19,7 @@ from typing import Any
 
 from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
 from rolemrc.checkpointing.verify import check_checkpoint
-from rolemrc.config import register
+from rolemrc.config import model_head, register
 from rolemrc.errors import InputNotFound
 from rolemrc.fileio import atomic_write_json
 from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
@@ -85,7 +85,8 @@ def hf_model_path(path: str | None) -> str | None:
             return str(out)
         register()
         log.info("model.path %s: exporting it to %s", source, out)
-        export_checkpoint(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), source, out, merge_lora=True)
+        saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        export_checkpoint(saved.model, source, out, merge_lora=True, head=model_head(saved))
         atomic_write_json(marker, signature, indent=None)
     return str(out)
 

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from rolemrc.config import SCHEDULERS
+from rolemrc.config import SCHEDULERS, TrainStep
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head
 from rolemrc.models.precision import PrecisionPolicy, cast_trainable
@@ -137,17 +137,17 @@ class PolicyModule(L.LightningModule):
 
     # sizing (rolemrc.sizing.simulate): an objective whose step is not the collated rows it trains on says so
     @staticmethod
-    def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor] | None:
+    def memory_batch(step: TrainStep, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor] | None:
         """The simulated micro-batch, laid out by the objective (GRPO's rollouts); None: the run's collator's."""
         return None
 
     @staticmethod
-    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any] | None:
+    def memory_rollout(step: TrainStep, batch_size: int) -> dict[str, Any] | None:
         """A generation phase of the step to simulate before it (GRPO's ``generate``); None: none."""
         return None
 
     @staticmethod
-    def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def memory_resident(step: TrainStep, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors the step keeps on the device beside its micro-batch (GRPO: its other rollouts)."""
         return {}
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rolemrc.config import objective_settings
+from rolemrc.config import TrainStep, objective_settings
 from rolemrc.env import make_env
 from rolemrc.env.rollout import ENV_ENDS
 from rolemrc.env.sampler import ConversationSampler, lay_out, seed_rows
@@ -473,45 +473,45 @@ class GRPOModule(PolicyModule):
                    "objective.rollout engines other than hf")
 
     @staticmethod
-    def memory_rollout(cfg: Any, batch_size: int) -> dict[str, Any] | None:
+    def memory_rollout(step: TrainStep, batch_size: int) -> dict[str, Any] | None:
         """The step's rollout for the memory simulation (:func:`rolemrc.sizing.simulate._rollout_phase`):
         the prompts of every micro-batch of the step at once (``_step_rollouts``), each
         ``num_generations`` times, as :meth:`generate` samples them; None where another engine
         samples (``objective.rollout=vllm``: not on the trainer's memory as simulated)."""
-        o = cfg.objective
+        o = step.objective
         if o.get("rollout", "hf") != "hf":
             return None
-        n = batch_size * int(cfg.trainer.accumulate_grad_batches) * int(o.num_generations)
+        n = batch_size * int(step.trainer.accumulate_grad_batches) * int(o.num_generations)
         # with a multi-turn env: the last reply's generate, after the longest conversation before it
-        before = objective_settings(o).conversation_tokens(cfg.data, cfg.get("env")) - int(o.max_completion_length)
+        before = objective_settings(o).conversation_tokens(step.data, step.env) - int(o.max_completion_length)
         return {"sequences": n, "prompt": before, "completion": int(o.max_completion_length), "sampling": Sampling.of(o)}
 
     @staticmethod
-    def memory_resident(cfg: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def memory_resident(step: TrainStep, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the step keeps on the device beside the micro-batch it trains: the rollouts of its
         other micro-batches (views of the step's rolled tensors keep all of them: ``input_ids``,
         ``attention_mask``, ``labels``, ``position_ids``, ``advantages``) and, with
         ``num_iterations > 1``, the old log-probs of every micro-batch (``[rows, T]`` float32)."""
         n, width = batch["input_ids"].shape
-        others = n * (int(cfg.trainer.accumulate_grad_batches) - 1)
+        others = n * (int(step.trainer.accumulate_grad_batches) - 1)
         kept = {k: torch.empty((others, width), dtype=torch.long)
                 for k in ("input_ids", "attention_mask", "labels", "position_ids")}
         kept["advantages"] = torch.empty(others)
-        if int(cfg.objective.num_iterations) > 1:
-            kept["old_logps"] = torch.empty((n * int(cfg.trainer.accumulate_grad_batches), width))
+        if int(step.objective.num_iterations) > 1:
+            kept["old_logps"] = torch.empty((n * int(step.trainer.accumulate_grad_batches), width))
         return kept
 
     @staticmethod
-    def memory_batch(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
+    def memory_batch(step: TrainStep, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
         """A rollout batch of the longest shape the config allows (or of ``length`` tokens), as
         :meth:`score` lays it out: ``batch_size x num_generations`` rows, the completion labelled;
         with a multi-turn ``env``, whole conversations (``conversation_tokens``): ``env.max_turns``
         replies labelled, a user turn of ``env.user.max_tokens`` between each two not."""
-        g = int(cfg.objective.num_generations)
-        prompt, reply = int(cfg.data.max_prompt_length), int(cfg.objective.max_completion_length)
-        env = cfg.get("env")
+        g = int(step.objective.num_generations)
+        prompt, reply = int(step.data.max_prompt_length), int(step.objective.max_completion_length)
+        env = step.env
         turns = 1 if env is None or env.name == "none" else int(env.max_turns)
-        width = objective_settings(cfg.objective).conversation_tokens(cfg.data, env)
+        width = objective_settings(step.objective).conversation_tokens(step.data, env)
         user = int(env.user.max_tokens) if turns > 1 else 0
         if length is not None:
             prompt, reply, turns, width = max(1, length // 2), max(1, length - length // 2), 1, length

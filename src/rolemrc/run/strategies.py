@@ -28,21 +28,21 @@ def world_size(t: Any) -> int:
     return devices * t.num_nodes
 
 
-def build_strategy(cfg: Any) -> Any:
-    """The Lightning strategy for ``cfg.strategy`` (checked against model options first)."""
-    s = cfg.strategy
+def build_strategy(s: Any, model: Any, trainer: Any) -> Any:
+    """The Lightning strategy for the ``strategy`` group ``s`` (checked against the ``model``
+    group's options first; FSDP's mesh from the ``trainer`` group's devices)."""
     if s.name == "single":
         return "auto"
     if s.name == "ddp":
         return DDPStrategy(find_unused_parameters=False)
     if s.name == "fsdp":
-        if cfg.model.quantization.load_in_4bit:
+        if model.quantization.load_in_4bit:
             raise ValueError(
                 "strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "
                 "cannot be sharded by FSDP2); use strategy=single or ddp for QLoRA"
             )
         # Pure data parallel: every device of every node holds one shard (no tensor parallelism).
         return AtomicModelParallelStrategy(
-            data_parallel_size=world_size(cfg.trainer), tensor_parallel_size=1, save_distributed_checkpoint=True
+            data_parallel_size=world_size(trainer), tensor_parallel_size=1, save_distributed_checkpoint=True
         )
     raise ValueError(f"strategy.name must be single, ddp or fsdp, got {s.name!r}")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 from omegaconf import OmegaConf, open_dict
 
 from rolemrc import __version__
-from rolemrc.config import OBJECTIVES, checkpointing_setting
+from rolemrc.config import OBJECTIVES, TrainStep, checkpointing_setting
 from rolemrc.fileio import atomic_write_json
 from rolemrc.sizing.formula import GB, choose_checkpointing
 from rolemrc.sizing.result import HEADROOM, Simulation, SimulationUnavailable, step_peak
@@ -41,18 +42,18 @@ PACKAGE = Path(__file__).resolve().parents[1]  # src/rolemrc
 SIMULATOR = "rolemrc.sizing.simulate"  # the child process's module (python -m), and the file keyed
 
 
-def resolve_checkpointing(cfg: Any, *, build: Callable[..., Any], world: int) -> bool:
-    """Replace ``model.gradient_checkpointing: auto`` in ``cfg`` by a bool (logged), so everything
+def resolve_checkpointing(step: TrainStep, *, build: Callable[..., Any], world: int) -> bool:
+    """Replace ``model.gradient_checkpointing: auto`` in ``step.model`` by a bool (logged), so everything
     built after sees one. ``auto`` decides from the simulated per-rank peak without checkpointing
     (:func:`decide_by_simulation`: the run's module builder ``build`` on ``world`` ranks) where
     ``runtime.simulate_memory`` is on and the run can be simulated; otherwise (or when the
     simulation fails) from the formula (:func:`choose_checkpointing`), and says so."""
-    choice, why = choose_checkpointing(cfg)
-    if checkpointing_setting(cfg.model.gradient_checkpointing) == "auto" and cfg.runtime.get("simulate_memory", True):
-        choice, why = decide_by_simulation(cfg, formula=(choice, why), build=build, world=world)
+    choice, why = choose_checkpointing(step)
+    if checkpointing_setting(step.model.gradient_checkpointing) == "auto" and step.runtime.get("simulate_memory", True):
+        choice, why = decide_by_simulation(step, formula=(choice, why), build=build, world=world)
     log.info("activation checkpointing: %s, %s", "on" if choice else "off", why)
-    with open_dict(cfg):
-        cfg.model.gradient_checkpointing = choice
+    with open_dict(step.model):
+        step.model.gradient_checkpointing = choice
     return choice
 
 
@@ -83,7 +84,7 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
+def sizing_key(step: TrainStep) -> tuple[str, dict[str, Any]]:
     """(key, what it is made of): everything a simulated step without checkpointing depends on,
     that is the run's groups the simulation builds from (less :data:`NOT_SIZED`), the model's
     architecture files (``config.json`` of a local ``model.path`` / ``model.architecture``), and
@@ -92,16 +93,16 @@ def sizing_key(cfg: Any) -> tuple[str, dict[str, Any]]:
     it: the stored peak is compared with it at every start."""
     parts: dict[str, Any] = {}
     for group in SIZED_GROUPS:
-        node = OmegaConf.to_container(cfg[group], resolve=True, throw_on_missing=False)
+        node = OmegaConf.to_container(getattr(step, group), resolve=True, throw_on_missing=False)
         parts[group] = {k: v for k, v in node.items() if k not in NOT_SIZED.get(group, ())}
     files = {}
     for key in ("path", "architecture"):
-        value = OmegaConf.select(cfg.model, key, throw_on_missing=False) if OmegaConf.is_config(cfg.model) else None
+        value = OmegaConf.select(step.model, key, throw_on_missing=False) if OmegaConf.is_config(step.model) else None
         if isinstance(value, str) and value != "???":
             files[f"model.{key}"] = _digest(Path(value) / "config.json")
     parts["files"] = files
     parts["code"] = {"rolemrc": __version__, "simulate": _digest(PACKAGE / "sizing" / "simulate.py"),
-                     "step": step_sources(cfg.objective.name),
+                     "step": step_sources(step.objective.name),
                      **{name: _package_version(name) for name in ("torch", "transformers", "peft")}}
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32], parts
@@ -143,24 +144,24 @@ def builder_name(build: Callable[..., Any]) -> str:
     return name
 
 
-def run_spec(cfg: Any, *, checkpointing: bool, build: Callable[..., Any], world: int,
+def run_spec(step: TrainStep, *, checkpointing: bool, build: Callable[..., Any], world: int,
              batch_size: int | None = None) -> dict[str, Any]:
     """What a child process needs to run the step: the config's parts the simulation reads,
     resolved to plain values (a missing ``model.path`` stays ``???``), the step's settings, and
     what the run handed: its module builder by import name, its world size."""
-    parts = {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=False)
-             for key in ("model", "objective", "data", "trainer", "strategy", "optim", "runtime")}
-    return {"cfg": parts, "checkpointing": checkpointing, "batch_size": batch_size, "build": builder_name(build),
+    parts = {f.name: OmegaConf.to_container(getattr(step, f.name), resolve=True, throw_on_missing=False)
+             for f in fields(TrainStep)}
+    return {"step": parts, "checkpointing": checkpointing, "batch_size": batch_size, "build": builder_name(build),
             "world": int(world)}
 
 
-def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, build: Callable[..., Any], world: int,
+def simulate_in_subprocess(step: TrainStep, *, checkpointing: bool, build: Callable[..., Any], world: int,
                            batch_size: int | None = None, timeout: float = 1800) -> Simulation:
     """:func:`rolemrc.sizing.simulate.simulate` in a child process (``python -m
     rolemrc.sizing.simulate <spec.json>``), so the fake process group never meets this process's own."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "run.json"
-        spec.write_text(json.dumps(run_spec(cfg, checkpointing=checkpointing, build=build, world=world,
+        spec.write_text(json.dumps(run_spec(step, checkpointing=checkpointing, build=build, world=world,
                                             batch_size=batch_size)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", SIMULATOR, str(spec)], capture_output=True,
@@ -171,12 +172,12 @@ def simulate_in_subprocess(cfg: Any, *, checkpointing: bool, build: Callable[...
     return Simulation(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def simulated_peak(cfg: Any, *, build: Callable[..., Any], world: int) -> tuple[dict[str, Any] | None, str]:
+def simulated_peak(step: TrainStep, *, build: Callable[..., Any], world: int) -> tuple[dict[str, Any] | None, str]:
     """(the stored simulation of the run's step without checkpointing: ``peak_bytes``, ``ranks``,
     ``headroom``; where it came from). Simulated (:func:`simulate_in_subprocess`, the run's module
     builder ``build`` on ``world`` ranks) only when no simulation of this :func:`sizing_key` is
     stored; a simulation that fails stores nothing and gives (None, why)."""
-    key, parts = sizing_key(cfg)
+    key, parts = sizing_key(step)
     path = sizing_cache_dir() / f"{key}.json"
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
@@ -185,7 +186,7 @@ def simulated_peak(cfg: Any, *, build: Callable[..., Any], world: int) -> tuple[
     except (OSError, ValueError):
         pass  # none stored (or unreadable: simulated again and rewritten)
     try:
-        sim = simulate_in_subprocess(cfg, checkpointing=False, build=build, world=world)
+        sim = simulate_in_subprocess(step, checkpointing=False, build=build, world=world)
     except (SimulationUnavailable, OSError, subprocess.TimeoutExpired) as err:
         return None, str(err)
     stored = {"peak_bytes": sim.peak_bytes, "ranks": sim.ranks, "headroom": HEADROOM,
@@ -198,27 +199,27 @@ def simulated_peak(cfg: Any, *, build: Callable[..., Any], world: int) -> tuple[
     return stored, f"simulated, stored in {path}"
 
 
-def decide_by_simulation(cfg: Any, formula: tuple[bool, str], *, build: Callable[..., Any],
+def decide_by_simulation(step: TrainStep, formula: tuple[bool, str], *, build: Callable[..., Any],
                          world: int) -> tuple[bool, str]:
     """``auto`` from the simulated step without checkpointing (:mod:`rolemrc.sizing.simulate`, in a
     child process, once per :func:`sizing_key`): off where its per-rank peak fits its headroom of
     ``runtime.device_memory_gb``, else on. A disagreement with the formula's choice is logged;
     where the run cannot be simulated the formula's choice stands (also logged)."""
-    device_gb = cfg.runtime.device_memory_gb
-    sim, where = simulated_peak(cfg, build=build, world=world)
+    device_gb = step.runtime.device_memory_gb
+    sim, where = simulated_peak(step, build=build, world=world)
     if sim is None:
         log.warning("memory simulation unavailable (%s): the formula decides activation checkpointing", where)
         return formula
     headroom = float(sim["headroom"])
     limit = headroom * device_gb * GB
     # the training step decides: an objective's rollout (GRPO's generate) keeps no activations to checkpoint
-    step = sim.get("step_peak_bytes", sim["peak_bytes"])
-    fits = step <= limit
+    peak = sim.get("step_peak_bytes", sim["peak_bytes"])
+    fits = peak <= limit
     choice = not fits
     rollout = (f"; its rollout peaks at {sim['peak_bytes'] / GB:.1f} GiB, over {headroom:.0%} of the device either "
                "way: activation checkpointing does not lower it"
                if sim.get("phase") == "rollout" and sim["peak_bytes"] > limit else "")
-    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak of the step without it {step / GB:.1f} GiB "
+    why = (f"auto: {'on' if choice else 'off'} (simulated per-rank peak of the step without it {peak / GB:.1f} GiB "
            f"on {sim['ranks']} rank(s) {'fits' if fits else 'exceeds'} {headroom:.0%} of {device_gb:g} GB devices; "
            f"{where}{rollout})")
     if rollout:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc import ASSETS
-from rolemrc.config import OBJECTIVES, checkpointing_setting, objective_settings, source_group, upgrade_train_config
+from rolemrc.config import TrainStep, checkpointing_setting, objective_settings, source_group, upgrade_train_config
 from rolemrc.models.family import memory_shape
 
 log = logging.getLogger(__name__)
@@ -124,54 +124,54 @@ def rollout_gb(arch: Arch, *, gpus: int, fsdp: bool, sequences: int, prompt: int
     return (resident + transient + reference + kv_cache + prefill + logits) / GB
 
 
-def _estimate(cfg: Any, arch: Arch, checkpointing: bool, rollout: bool = True) -> tuple[float, int, int, str]:
+def _estimate(step: TrainStep, arch: Arch, checkpointing: bool, rollout: bool = True) -> tuple[float, int, int, str]:
     """(GB per device, devices, tokens per micro-batch, the phase that sets it: step or rollout) of
     the configured run; ``rollout=False``: of its training step alone."""
-    entry = OBJECTIVES[cfg.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
-    rows = 2 if entry.pairs and source_group(entry.data, cfg.data) != "unpaired" else 1  # unpaired examples: one row
-    objective = objective_settings(cfg.objective)
-    env = cfg.get("env")  # a multi-turn environment: GRPO's rollouts are whole conversations
-    own = objective.micro_batch_tokens(cfg.data, env)  # an objective that says its own shape (GRPO's rollouts)
-    tokens = own if own is not None else cfg.data.batch_size * cfg.data.max_length * rows
-    gpus = _devices(cfg.trainer.devices) * cfg.trainer.num_nodes
-    fsdp = cfg.strategy.name == "fsdp"
+    entry = OBJECTIVES[step.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
+    rows = 2 if entry.pairs and source_group(entry.data, step.data) != "unpaired" else 1  # unpaired examples: one row
+    objective = objective_settings(step.objective)
+    env = step.env  # a multi-turn environment: GRPO's rollouts are whole conversations
+    own = objective.micro_batch_tokens(step.data, env)  # an objective that says its own shape (GRPO's rollouts)
+    tokens = own if own is not None else step.data.batch_size * step.data.max_length * rows
+    gpus = _devices(step.trainer.devices) * step.trainer.num_nodes
+    fsdp = step.strategy.name == "fsdp"
     gb = estimate_gb(
         arch, gpus=gpus, fsdp=fsdp, tokens_per_device=tokens, checkpointing=checkpointing,
-        cpu_offload=fsdp and cfg.strategy.cpu_offload, dpo_copy=entry.reference and cfg.objective.reference == "copy"
+        cpu_offload=fsdp and step.strategy.cpu_offload, dpo_copy=entry.reference and step.objective.reference == "copy"
         and objective.needs_reference,
-        lora=cfg.model.peft.enabled and not cfg.model.quantization.load_in_4bit,
-        qlora=cfg.model.quantization.load_in_4bit,
+        lora=step.model.peft.enabled and not step.model.quantization.load_in_4bit,
+        qlora=step.model.quantization.load_in_4bit,
     )
     phase = "step"  # an online objective's rollout: the larger of the two
-    rolled = objective.rollout_shape(cfg.data, cfg.trainer, env) if rollout else None
+    rolled = objective.rollout_shape(step.data, step.trainer, env) if rollout else None
     if rolled is not None:
         sequences, prompt, completion = rolled
         rollout = rollout_gb(arch, gpus=gpus, fsdp=fsdp, sequences=sequences, prompt=prompt, completion=completion,
-                             cpu_offload=fsdp and cfg.strategy.cpu_offload,
-                             dpo_copy=cfg.objective.reference == "copy" and objective.needs_reference,
-                             lora=cfg.model.peft.enabled)
+                             cpu_offload=fsdp and step.strategy.cpu_offload,
+                             dpo_copy=step.objective.reference == "copy" and objective.needs_reference,
+                             lora=step.model.peft.enabled)
         gb, phase = (rollout, "rollout") if rollout > gb else (gb, phase)
     return gb, gpus, tokens, phase
 
 
-def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool, str]:
+def choose_checkpointing(step: TrainStep, device_gb: float | None = None) -> tuple[bool, str]:
     """``model.gradient_checkpointing`` as a bool, and why. ``true``/``false`` are taken as set;
     ``auto`` turns activation checkpointing off when the estimate without it fits 90% of a
     ``device_gb`` device (default ``runtime.device_memory_gb``): recomputing every layer's forward
     costs ~30% more compute, worth paying only where memory needs it. Without the model's
     dimensions (a hub id offline) ``auto`` keeps it on."""
 
-    value = checkpointing_setting(cfg.model.gradient_checkpointing)
+    value = checkpointing_setting(step.model.gradient_checkpointing)
     if value != "auto":
         return bool(value), "set by model.gradient_checkpointing"
-    device_gb = device_gb or cfg.runtime.device_memory_gb
-    arch = arch_of(cfg.model)
+    device_gb = device_gb or step.runtime.device_memory_gb
+    arch = arch_of(step.model)
     if arch is None:
         return True, "auto: on (model dimensions not available offline, so memory cannot be estimated)"
-    gb, _, _, _ = _estimate(cfg, arch, checkpointing=False, rollout=False)
+    gb, _, _, _ = _estimate(step, arch, checkpointing=False, rollout=False)
     # an online objective's rollout (generate, no gradient) keeps no activations: checkpointing does
     # not change it, so the step alone decides, and a rollout too large is said
-    peak, _, _, phase = _estimate(cfg, arch, checkpointing=False)
+    peak, _, _, phase = _estimate(step, arch, checkpointing=False)
     rollout = (f"; the rollout (~{peak:.1f} GB) exceeds it either way: activation checkpointing does not lower it"
                if phase == "rollout" and peak > 0.9 * device_gb else "")
     if gb <= 0.9 * device_gb:
@@ -179,15 +179,15 @@ def choose_checkpointing(cfg: Any, device_gb: float | None = None) -> tuple[bool
     return True, f"auto: on (~{gb:.1f} GB per device without it exceeds 90% of {device_gb:.0f} GB devices{rollout})"
 
 
-def check(cfg: Any, device_gb: float | None = None) -> str:
+def check(step: TrainStep, device_gb: float | None = None) -> str:
     """One line saying whether the configured run fits a ``device_gb`` GPU (default
     ``runtime.device_memory_gb``); warns if not."""
-    device_gb = device_gb or cfg.runtime.device_memory_gb
-    arch = arch_of(cfg.model)
+    device_gb = device_gb or step.runtime.device_memory_gb
+    arch = arch_of(step.model)
     if arch is None:
         return "unknown (model dimensions not available offline)"
-    checkpointing, _ = choose_checkpointing(cfg, device_gb)
-    gb, gpus, tokens, phase = _estimate(cfg, arch, checkpointing)
+    checkpointing, _ = choose_checkpointing(step, device_gb)
+    gb, gpus, tokens, phase = _estimate(step, arch, checkpointing)
     size = f"{arch.params / 1e9:.2f}B" if arch.params >= 1e9 else f"{arch.params / 1e6:.2f}M"
     line = (f"~{gb:.1f} GB per device ({size} params, {gpus} device(s), {tokens} tokens/micro-batch, "
             f"activation checkpointing {'on' if checkpointing else 'off'}"
@@ -234,13 +234,13 @@ class _Model:
 def check_memory(cfg: Any) -> str:
     """The estimate for a composed training config (deprecated keys mapped first), logged at
     INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
-    return log_estimate(upgrade_train_config(cfg))
+    return log_estimate(TrainStep.of(upgrade_train_config(cfg)))
 
 
-def log_estimate(cfg: Any) -> str:
+def log_estimate(step: TrainStep) -> str:
     """:func:`check_memory` of a config already checked (``check_train_config`` moved the
     deprecated keys): the training recipe's, which runs the config checks once."""
-    line = check(cfg)
+    line = check(step)
     if not line.startswith("WARNING"):
         log.info("memory estimate: %s", line)
     return line

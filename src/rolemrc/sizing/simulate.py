@@ -29,8 +29,8 @@ What it counts and what it does not:
 - 4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors); the formula of
   :mod:`rolemrc.sizing.formula` serves it.
 
-The simulator imports no part of the run: the caller hands it the module builder (``build(cfg,
-model) -> LightningModule``) and the world size (``trainer.devices x trainer.num_nodes`` as the run
+The simulator imports no part of the run: the caller hands it the module builder (``build(step,
+model, run_dir=...) -> LightningModule``) and the world size (``trainer.devices x trainer.num_nodes`` as the run
 counts them). The fake process group is global state of ``torch.distributed``: :func:`simulate`
 tears it down before returning, and a training run's setup simulates in a child process
 (:func:`rolemrc.sizing.decide.simulate_in_subprocess`, ``python -m rolemrc.sizing.simulate
@@ -65,7 +65,7 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from rolemrc import ASSETS
-from rolemrc.config import OBJECTIVES, checkpointing_setting, model_head, plain, register, source_group
+from rolemrc.config import TrainStep, checkpointing_setting, plain, register, source_group
 from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
 from rolemrc.models.loading import eval_mode, load_model, load_tokenizer
 from rolemrc.models.precision import cast_trainable
@@ -76,8 +76,8 @@ from rolemrc.rollout.hf import hf_generate
 from rolemrc.sizing.result import GIB, HEADROOM, Simulation, SimulationUnavailable, step_peak
 
 log = logging.getLogger(__name__)
-# What the run hands the simulator to build the objective's module: ``build(cfg, model)``, the
-# run's :func:`rolemrc.run.build.build_module`.
+# What the run hands the simulator to build the objective's module: ``build(step, model, run_dir=...)``,
+# the run's :func:`rolemrc.run.build.build_module`.
 ModuleBuilder = Callable[[Any, torch.nn.Module], Any]
 
 
@@ -120,11 +120,11 @@ class _Vocabulary:
         return self.vocab_size
 
 
-def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
+def _sim_model_cfg(step: TrainStep, checkpointing: bool) -> tuple[Any, Any]:
     """(model config that builds the run's architecture from its config, without weights; the
     tokenizer or its stand-in)."""
-    spec = architecture_config(cfg.model)
-    m = copy.deepcopy(cfg.model)
+    spec = architecture_config(step.model)
+    m = copy.deepcopy(step.model)
     with open_dict(m):
         if spec is not None and ("vocab_size" in spec or OmegaConf.is_missing(m, "path") or m.path is not None):
             init = {k: v for k, v in spec.items() if k not in ("architectures", "model_type", "torch_dtype",
@@ -137,40 +137,40 @@ def _sim_model_cfg(cfg: Any, checkpointing: bool) -> tuple[Any, Any]:
     if "vocab_size" in spec:
         tokenizer: Any = _Vocabulary(spec)
     else:  # a tiny random-init model sized by its shipped tokenizer, as training sizes it
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(step.model)
     return m, tokenizer
 
 
 # ---------------------------------------------------------------- the micro-batch
 
-def _rows(cfg: Any, batch_size: int, vocab: int, length: int | None = None) -> list[Any]:
+def _rows(step: TrainStep, batch_size: int, vocab: int, length: int | None = None) -> list[Any]:
     """``batch_size`` encoded rows (SFT) or pairs of the longest shape the config allows (or of
     ``length`` tokens)."""
-    full = int(cfg.data.max_length)
+    full = int(step.data.max_length)
     length = length or full
     tok = min(5, vocab - 1)
-    if not _entry(cfg).pairs:
+    if not _entry(step).pairs:
         return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
-    prompt = int(cfg.data.get("max_prompt_length") or full // 2) * length // full
+    prompt = int(step.data.get("max_prompt_length") or full // 2) * length // full
     response = max(1, length - prompt)
-    if _unpaired(cfg):  # one row per example (KTO on data.unpaired), desirable and not alternating
+    if _unpaired(step):  # one row per example (KTO on data.unpaired), desirable and not alternating
         return [{"prompt_ids": [tok] * prompt, "completion_ids": [tok] * response, "label": i % 2 == 0, "index": i}
                 for i in range(batch_size)]
     return [{"prompt_ids": [tok] * prompt, "chosen_ids": [tok] * response, "rejected_ids": [tok] * response,
              "index": i} for i in range(batch_size)]
 
 
-def _batch(cfg: Any, module: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
+def _batch(step: TrainStep, module: Any, batch_size: int, vocab: int, length: int | None = None) -> dict[str, torch.Tensor]:
     """The micro-batch as the run's collator makes it, with the step totals the losses divide by."""
-    own = module.memory_batch(cfg, batch_size, vocab, length)  # an objective that lays out its own (GRPO's rollouts)
+    own = module.memory_batch(step, batch_size, vocab, length)  # an objective that lays out its own (GRPO's rollouts)
     if own is not None:
         return own
-    rows = _rows(cfg, batch_size, vocab, length)
-    pairs = _entry(cfg).pairs
-    share = pairs and bool(cfg.objective.get("share_prompt", False))
-    if _unpaired(cfg):
+    rows = _rows(step, batch_size, vocab, length)
+    pairs = _entry(step).pairs
+    share = pairs and bool(step.objective.get("share_prompt", False))
+    if _unpaired(step):
         batch = UnpairedCollator(0)(rows)
-    elif cfg.data.get("packing") or share:
+    elif step.data.get("packing") or share:
         batch = PackedCollator(0, share)(rows)
     else:
         batch = (PairCollator(0) if pairs else SFTCollator(0))(rows)
@@ -183,7 +183,7 @@ def _batch(cfg: Any, module: Any, batch_size: int, vocab: int, length: int | Non
     if "attention_mask" in batch and bool(batch["attention_mask"].all()):
         del batch["attention_mask"]
     totals = [row_totals(r) for r in rows]
-    if _unpaired(cfg):
+    if _unpaired(step):
         batch["step_examples"] = torch.tensor(float(len(rows)), dtype=torch.float64)
         batch["step_desirable"] = torch.tensor(float(sum(t[1] for t in totals)), dtype=torch.float64)
     elif not pairs:
@@ -241,14 +241,14 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
 
 # ---------------------------------------------------------------- the step
 
-def _unpaired(cfg: Any) -> bool:
+def _unpaired(step: TrainStep) -> bool:
     """Whether the run's rows are single examples (data kind unpaired with ``data.unpaired`` given)."""
-    return source_group(_entry(cfg).data, cfg.data) == "unpaired"
+    return source_group(_entry(step).data, step.data) == "unpaired"
 
 
-def _entry(cfg: Any) -> Any:
+def _entry(step: TrainStep) -> Any:
     """The objective's registry entry: what it trains on (pairs or not), whether it has a reference."""
-    return OBJECTIVES[cfg.objective.name]
+    return step.entry
 
 
 def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -304,24 +304,22 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _build(cfg: Any, checkpointing: bool, build: ModuleBuilder, device: str = "meta") -> tuple[Any, Any]:
+def _build(step: TrainStep, checkpointing: bool, build: ModuleBuilder, device: str = "meta") -> tuple[Any, Any]:
     """(the run's module on ``device`` (meta; cpu for a real validation step), built by ``build``;
     its vocabulary size)."""
-    if cfg.model.quantization.load_in_4bit:
+    if step.model.quantization.load_in_4bit:
         raise SimulationUnavailable("4-bit QLoRA cannot be simulated (bitsandbytes quantizes real tensors)")
-    model_cfg, tokenizer = _sim_model_cfg(cfg, checkpointing)
+    model_cfg, tokenizer = _sim_model_cfg(step, checkpointing)
     with torch.device(device):
-        model = load_model(model_cfg, tokenizer, head=model_head(cfg))  # a reward model: its score head
-    run_cfg = copy.deepcopy(cfg)
-    with open_dict(run_cfg):
-        run_cfg.model = model_cfg
-        # build_module names a precomputed reference's cache folder after it; nothing is written
-        # (the simulation holds no precomputed reference) and no run folder exists.
-        run_cfg.run_dir = tempfile.gettempdir()
-        precomputed = _entry(cfg).reference and cfg.objective.reference == "precomputed"
-        if precomputed:
-            run_cfg.objective.reference = "adapter" if cfg.model.peft.enabled else "copy"
-    module = build(run_cfg, model)
+        model = load_model(model_cfg, tokenizer, head=step.entry.head)  # a reward model: its score head
+    objective = copy.deepcopy(step.objective)
+    precomputed = _entry(step).reference and step.objective.reference == "precomputed"
+    if precomputed:
+        with open_dict(objective):
+            objective.reference = "adapter" if step.model.peft.enabled else "copy"
+    # build_module names a precomputed reference's cache folder after the run folder; nothing is
+    # written (the simulation holds no precomputed reference) and no run folder exists.
+    module = build(replace(step, model=model_cfg, objective=objective), model, run_dir=tempfile.gettempdir())
     if precomputed:
         module.reference = _TableStandIn()  # no reference weights held
     _simulated_reference(module)
@@ -484,23 +482,23 @@ def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, to
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake: bool,
+def run_step(step: TrainStep, *, checkpointing: bool, batch_size: int, world: int, fake: bool,
              build: ModuleBuilder) -> Simulation:
     """Build the run (its module by ``build``) under an initialised process group of ``world``
     ranks (fake or real) and track one optimizer step. ``fake``: under ``FakeTensorMode`` (no
     memory allocated)."""
-    fsdp = cfg.strategy.name == "fsdp"
+    fsdp = step.strategy.name == "fsdp"
     mesh = None
     if fsdp:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))  # before fake mode
-    module, vocab = _build(cfg, checkpointing, build, "meta" if fake else "cpu")
+    module, vocab = _build(step, checkpointing, build, "meta" if fake else "cpu")
     module.model.train()
     for m in module.models_to_shard()[1:]:
         m.eval()
     # a tiny step first: AdamW's states exist in the tracked step; each batch as the trainer hands
     # it to the module (its on_before_batch_transfer: KTO's KL rows are built there)
-    warm = module.on_before_batch_transfer(_batch(cfg, module, 1, vocab, 16), 0)
-    batch = module.on_before_batch_transfer(_batch(cfg, module, batch_size, vocab), 0)
+    warm = module.on_before_batch_transfer(_batch(step, module, 1, vocab, 16), 0)
+    batch = module.on_before_batch_transfer(_batch(step, module, batch_size, vocab), 0)
     counts = {**_mask_counts(module, warm), **_mask_counts(module, batch)}
     _configure(module, mesh)
     if fake:
@@ -511,8 +509,8 @@ def run_step(cfg: Any, *, checkpointing: bool, batch_size: int, world: int, fake
             warm = {k: mode.from_tensor(v) for k, v in warm.items()}
             batch = {k: mode.from_tensor(v) for k, v in batch.items()}
             with _KnownMasks(counts) as known:
-                return _track(cfg, module, warm, batch, fsdp, world, checkpointing, "fake", batch_size, known)
-    return _track(cfg, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "",
+                return _track(step, module, warm, batch, fsdp, world, checkpointing, "fake", batch_size, known)
+    return _track(step, module, warm, batch, fsdp, world, checkpointing, dist.get_backend() if world > 1 else "",
                   batch_size)
 
 
@@ -524,7 +522,7 @@ def _peak(tracker: Any) -> tuple[Any, int, dict[str, int]]:
     return device, snap.pop("Total"), snap
 
 
-def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: int, checkpointing: bool,
+def _track(step: TrainStep, module: Any, warm: dict, batch: dict, fsdp: bool, world: int, checkpointing: bool,
            kind: str, batch_size: int, known: _KnownMasks | None = None) -> Simulation:
     """The tracked phases of one optimizer step after a warm-up step (AdamW's states exist, the
     gradients are freed as the trainer's ``zero_grad`` leaves them): an objective's rollout first
@@ -532,14 +530,14 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     with the tensors the objective keeps through the step (its ``memory_resident``) allocated
     first. The peak is the larger phase's."""
     optimizer = _optimizer(module)
-    _one_step(module, optimizer, warm, cfg.trainer.precision)
+    _one_step(module, optimizer, warm, step.trainer.precision)
     phases: dict[str, dict[str, Any]] = {}
     rollout: dict[str, Any] = {}
-    spec = module.memory_rollout(cfg, batch_size)  # None: no rollout (or not on this device: vLLM)
+    spec = module.memory_rollout(step, batch_size)  # None: no rollout (or not on this device: vLLM)
     if spec is not None:
         tracker = _tracker(module, optimizer, fsdp)
         with tracker:
-            rollout = _rollout_phase(module, spec, cfg.trainer.precision, known)
+            rollout = _rollout_phase(module, spec, step.trainer.precision, known)
         _, total, snap = _peak(tracker)
         phases["rollout"] = {"peak_bytes": total, "by_category": snap}
     tracker = _tracker(module, optimizer, fsdp)
@@ -547,8 +545,8 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
         tracker.track_inputs((batch,))
     seen: dict[str, Any] = {}
     with tracker:
-        kept = module.memory_resident(cfg, batch)  # noqa: F841 (held through the step)
-        _one_step(module, optimizer, batch, cfg.trainer.precision,
+        kept = module.memory_resident(step, batch)  # noqa: F841 (held through the step)
+        _one_step(module, optimizer, batch, step.trainer.precision,
                   after_backward=lambda: seen.update(tracker.get_tracker_snapshot("current")))
         del kept
     device, total, snap = _peak(tracker)
@@ -558,7 +556,7 @@ def _track(cfg: Any, module: Any, warm: dict, batch: dict, fsdp: bool, world: in
     rows = batch["input_ids"].shape[0]
     return Simulation(ranks=world, peak_bytes=phases[phase]["peak_bytes"], by_category=phases[phase]["by_category"],
                       checkpointing=checkpointing, rows=rows, tokens=int(batch["input_ids"].numel()),
-                      strategy=cfg.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
+                      strategy=step.strategy.name, tracker="FSDPMemTracker" if fsdp else "MemTracker",
                       after_backward=after, kind=kind, note=module.memory_note,
                       phase=phase, phases=phases if spec is not None else {}, rollout=rollout)
 
@@ -578,29 +576,29 @@ def fake_process_group(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def simulate(cfg: Any, *, checkpointing: bool, build: ModuleBuilder, world: int,
+def simulate(step: TrainStep, *, checkpointing: bool, build: ModuleBuilder, world: int,
              batch_size: int | None = None) -> Simulation:
-    """One optimizer step of the run ``cfg`` (a composed training config) at micro-batch
+    """One optimizer step of the run ``step`` (a composed training config) at micro-batch
     ``batch_size`` (default ``data.batch_size``), with activation checkpointing on or off,
     simulated on ``world`` fake ranks (the run's ``trainer.devices x trainer.num_nodes``), its
     module built by ``build`` (the run's ``build_module``); per-rank peak."""
-    batch_size = int(batch_size or cfg.data.batch_size)
+    batch_size = int(batch_size or step.data.batch_size)
     with fake_process_group(world):
-        return run_step(cfg, checkpointing=checkpointing, batch_size=batch_size, world=world, fake=True, build=build)
+        return run_step(step, checkpointing=checkpointing, batch_size=batch_size, world=world, fake=True, build=build)
 
 
-def report(cfg: Any, *, build: ModuleBuilder, world: int) -> dict[str, Any]:
-    """The simulated per-rank peak of the run ``cfg`` (:func:`simulate`) at its configured
+def report(step: TrainStep, *, build: ModuleBuilder, world: int) -> dict[str, Any]:
+    """The simulated per-rank peak of the run ``step`` (:func:`simulate`) at its configured
     activation checkpointing; for ``auto`` both with and without it, the choice being what setup
     would make (off where the peak without it fits). Keys: ``ranks``, ``peak_gib``,
     ``by_category`` (GiB, the tracker's names), ``gradient_checkpointing`` (``on``/``off`` peaks in
     GiB, null where not simulated), ``fits``, and what the step was."""
-    device_gb = float(cfg.runtime.device_memory_gb)
+    device_gb = float(step.runtime.device_memory_gb)
     limit = HEADROOM * device_gb * GIB
-    setting = checkpointing_setting(cfg.model.gradient_checkpointing)
+    setting = checkpointing_setting(step.model.gradient_checkpointing)
     sims = {}
     for on in ((False, True) if setting == "auto" else (bool(setting),)):
-        sims[on] = simulate(cfg, checkpointing=on, build=build, world=world)
+        sims[on] = simulate(step, checkpointing=on, build=build, world=world)
     if setting == "auto":  # the step decides: a rollout (generate) keeps no activations to checkpoint
         chosen = False if step_peak(sims[False]) <= limit else True
     else:
@@ -648,16 +646,16 @@ def _child(argv: list[str]) -> int:
     register()
     real = argv[0] == "--real"
     spec = json.loads(Path(argv[1 if real else 0]).read_text())
-    cfg = OmegaConf.create(spec["cfg"])
+    step = TrainStep.of(OmegaConf.create(spec["step"]))
     build = resolve_builder(spec["build"])
     if not real:
-        sim = simulate(cfg, checkpointing=spec["checkpointing"], build=build, world=int(spec["world"]),
+        sim = simulate(step, checkpointing=spec["checkpointing"], build=build, world=int(spec["world"]),
                        batch_size=spec["batch_size"])
         print(json.dumps(asdict(sim)))
         return 0
     dist.init_process_group("gloo")
     try:
-        sim = run_step(cfg, checkpointing=spec["checkpointing"], batch_size=int(spec["batch_size"] or cfg.data.batch_size),
+        sim = run_step(step, checkpointing=spec["checkpointing"], batch_size=int(spec["batch_size"] or step.data.batch_size),
                        world=dist.get_world_size(), fake=False, build=build)
     finally:
         dist.destroy_process_group()

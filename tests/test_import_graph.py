@@ -548,3 +548,124 @@ def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "b.py").write_text("def g(module):\n    return hasattr(module, 'sinks')\n", encoding="utf-8")
     assert [p.split(":")[1] for p in contract_probes(tmp_path)] == ["2", "3", "4"]
+
+
+# ---------------------------------------------------------------- the config typed once
+# train.py's config is resolved once, at the run's door (rolemrc.run.train.setup), into
+# rolemrc.config.TrainParts; below the door every function is handed the parts it reads (a group
+# node, a value, or rolemrc.config.TrainStep: the groups one optimizer step is made of, for the
+# module builder, sizing and an objective's memory hooks), never the composed config. Statically:
+# a *config parameter* (named cfg, run_cfg, config or conf, or annotated DictConfig/TrainConfig, and
+# not annotated with a part type) *takes the whole config* when the function reads two or more
+# top-level keys of TrainConfig from it (``p.model``, ``p["data"]``, ``p.get("seed")``,
+# ``OmegaConf.select(p, "trainer...")``), or hands it on as it is to a parameter that takes it (any
+# function of src/ of that name). Only the door and the entries may.
+CONFIG_PARAMETER_NAMES = {"cfg", "run_cfg", "config", "conf"}
+WHOLE_CONFIG_TYPES = {"DictConfig", "TrainConfig"}
+PART_TYPES = {"TrainStep"}
+# module:qualified name (fnmatch patterns) of the functions that may take the whole config
+CONFIG_DOOR = [
+    "rolemrc.run.train:setup", "rolemrc.run.train:run",  # the training recipe's entry and door
+    "rolemrc.config:*",  # the checks run at the door (check_train_config, ...) and the typing (TrainParts.of)
+    "rolemrc.config_objectives:*.check_run",  # an objective's rules across groups, from check_train_config
+    "rolemrc.models.source:resolve_model_sources",  # rewrites model.path (and compare.path) at every entry's door
+    "rolemrc.run.resume:*",  # before Hydra starts, and the record of what a continuation changed
+    "rolemrc.sizing.formula:check_memory",  # the estimate of a composed config (python API), typed there
+    "rolemrc.memory:*",  # python -m rolemrc.memory: its own entry
+    "rolemrc.eval.run:run", "rolemrc.eval.suites:run_suites", "rolemrc.probing.run:run",  # the other recipes' entries
+]
+# Below evaluate.py's and probe.py's entries, functions that still take their whole config (the
+# same rule, with the keys they share with train.py's: model, data, logger, seed, run_dir); strict:
+# a function that stops taking it must leave this list.
+CONFIG_NOT_YET = {
+    "rolemrc.eval.generation:_local_model_label", "rolemrc.eval.generation:load_eval_model",
+    "rolemrc.eval.generation:prepare_generation", "rolemrc.eval.generation:LocalBackend.generate_local",
+    "rolemrc.probing.run:summary_markdown", "rolemrc.rewards.evaluation:held_out_pairs",
+}
+
+
+def _root_keys(src: Path = SRC / PROJECT) -> set[str]:
+    tree = ast.parse((src / "config.py").read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig"]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _annotation(arg: ast.arg) -> str:
+    return "" if arg.annotation is None else ast.unparse(arg.annotation).strip("'\"").rpartition(".")[2]
+
+
+def whole_config_parameters(src: Path = SRC / PROJECT, project: str = PROJECT) -> set[str]:
+    """``module:function(parameter)`` of every config parameter that takes the whole config (above)."""
+    roots = _root_keys(src)
+    functions: list[tuple[str, ast.FunctionDef, list[ast.arg]]] = []  # (module:qualname, node, parameters)
+    for path in sorted(src.rglob("*.py")):
+        parts = [project, *path.relative_to(src).with_suffix("").parts]
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = child.args
+                    params = [p for p in [*a.posonlyargs, *a.args, *a.kwonlyargs] if p.arg not in ("self", "cls")]
+                    functions.append((f"{module}:{prefix}{child.name}", child, params))
+                    visit(child, f"{prefix}{child.name}.")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
+        visit(ast.parse(path.read_text(encoding="utf-8")), "")
+
+    def is_config(p: ast.arg) -> bool:
+        kind = _annotation(p)
+        return kind not in PART_TYPES and (p.arg in CONFIG_PARAMETER_NAMES or kind in WHOLE_CONFIG_TYPES)
+
+    def reads(fn: ast.AST, name: str) -> set[str]:
+        keys = set()
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name:
+                keys.add(n.attr)
+            elif (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == name
+                  and isinstance(n.slice, ast.Constant)):
+                keys.add(n.slice.value)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args:
+                first = n.args[0]
+                if (n.func.attr == "get" and isinstance(n.func.value, ast.Name) and n.func.value.id == name
+                        and isinstance(first, ast.Constant)):
+                    keys.add(first.value)
+                elif (n.func.attr == "select" and isinstance(first, ast.Name) and first.id == name
+                      and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)):
+                    keys.add(str(n.args[1].value).split(".")[0])
+        return keys & roots
+
+    taking = {(q, p.arg) for q, fn, params in functions for p in params if is_config(p) and len(reads(fn, p.arg)) >= 2}
+    by_name: dict[str, list[tuple[str, list[ast.arg]]]] = {}
+    for q, _, params in functions:
+        by_name.setdefault(q.rpartition(".")[2].rpartition(":")[2], []).append((q, params))
+    changed = True
+    while changed:  # hands it on as it is to a parameter that takes it
+        changed = False
+        for q, fn, params in functions:
+            for p in params:
+                if (q, p.arg) in taking or not is_config(p):
+                    continue
+                for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+                    for callee, cparams in by_name.get(name, []):
+                        positional = [c.arg for c in cparams]
+                        handed = [positional[i] for i, a in enumerate(call.args)
+                                  if isinstance(a, ast.Name) and a.id == p.arg and i < len(positional)]
+                        handed += [k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == p.arg]
+                        if any((callee, h) in taking for h in handed):
+                            taking.add((q, p.arg))
+                            changed = True
+    return {f"{q}({p})" for q, p in taking}
+
+
+def test_no_function_below_the_entries_takes_the_whole_config() -> None:
+    from fnmatch import fnmatch
+
+    taking = whole_config_parameters()
+    below = sorted(t for t in taking if not any(fnmatch(t.partition("(")[0], d) for d in CONFIG_DOOR))
+    unexpected = [t for t in below if t.partition("(")[0] not in CONFIG_NOT_YET]
+    assert not unexpected, ("functions below the entries that take the whole config (hand them the parts they "
+                            "read: rolemrc.config.TrainParts / TrainStep, a group, a value):\n  " + "\n  ".join(unexpected))
+    gone = sorted(CONFIG_NOT_YET - {t.partition("(")[0] for t in below})
+    assert not gone, f"no longer taking the whole config: remove from CONFIG_NOT_YET: {gone}"

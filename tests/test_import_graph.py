@@ -578,9 +578,15 @@ CONFIG_DOOR = [
 # same rule, with the keys they share with train.py's: model, data, logger, seed, run_dir); strict:
 # a function that stops taking it must leave this list.
 CONFIG_NOT_YET = {
-    "rolemrc.eval.generation:_local_model_label", "rolemrc.eval.generation:load_eval_model",
-    "rolemrc.eval.generation:prepare_generation", "rolemrc.eval.generation:LocalBackend.generate_local",
+    "rolemrc.eval.bench.personagym:_ask", "rolemrc.eval.bench.personagym:evaluate",
+    "rolemrc.eval.characterllm:evaluate", "rolemrc.eval.characterllm:score_all", "rolemrc.eval.general:evaluate",
+    "rolemrc.eval.generation:OpenAIGeneration.generate_remote", "rolemrc.eval.generation:VLLMGeneration.generate_local",
+    "rolemrc.eval.generation:_Local.model_label", "rolemrc.eval.generation:_local_model_label",
+    "rolemrc.eval.generation:generate", "rolemrc.eval.generation:generate_remote",
+    "rolemrc.eval.generation:load_eval_model", "rolemrc.eval.generation:model_label",
+    "rolemrc.eval.generation:prepare_generation", "rolemrc.eval.run:build_judge",
     "rolemrc.probing.run:summary_markdown", "rolemrc.rewards.evaluation:held_out_pairs",
+    "rolemrc.rewards.evaluation:run_reward_model",
 }
 
 

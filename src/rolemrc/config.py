@@ -313,11 +313,12 @@ class TrainStep:
     trainer: Any  # TrainerConfig
     strategy: Any  # StrategyConfig
     runtime: Any  # RuntimeConfig (the simulation reads device_memory_gb, simulate_memory)
+    env: Any = None  # EnvConfig: multi-turn rollouts (objective=grpo/rloo)
 
     @classmethod
     def of(cls, cfg: Any) -> "TrainStep":
         """The step's groups of a composed training config (or any mapping with those keys)."""
-        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+        return cls(**{f.name: cfg[f.name] for f in fields(cls) if f.name in cfg})
 
     @property
     def entry(self) -> Objective:

@@ -150,7 +150,7 @@ def run_spec(step: TrainStep, *, checkpointing: bool, build: Callable[..., Any],
     resolved to plain values (a missing ``model.path`` stays ``???``), the step's settings, and
     what the run handed: its module builder by import name, its world size."""
     parts = {f.name: OmegaConf.to_container(getattr(step, f.name), resolve=True, throw_on_missing=False)
-             for f in fields(TrainStep)}
+             for f in fields(TrainStep) if getattr(step, f.name) is not None}
     return {"step": parts, "checkpointing": checkpointing, "batch_size": batch_size, "build": builder_name(build),
             "world": int(world)}
 

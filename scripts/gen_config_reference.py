@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib
 import inspect
 import io
 import re
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # this checkout's schemas, whatever is installed
 
 from rolemrc import config as train_config  # noqa: E402
-from rolemrc.registry import registries  # noqa: E402
+from rolemrc.registry import all_registries  # noqa: E402
 from rolemrc.synth import config as synth_config  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
@@ -61,18 +60,9 @@ SCRIPTS = (
 )
 # Keys whose value names an entry of a registry (rolemrc.registry): the names listed beside them,
 # and every registry in the page's last section.
-REGISTRY_MODULES = ("rolemrc.rewards", "rolemrc.eval.generation", "rolemrc.eval.judge", "rolemrc.eval.suites",
-                    "rolemrc.models.family", "rolemrc.rollout", "rolemrc.env")
 NAMED_BY = {"objective.rewards": ("objective.rewards.<name>.type", "a reward's `type`"),
             "generation.backend": ("generation.backend", "registered"),
             "judge.backend": ("judge.backend", "registered")}
-
-
-def all_registries() -> dict[str, Any]:
-    """Every registry of the project (importing the modules that fill them), by config key."""
-    for module in REGISTRY_MODULES:
-        importlib.import_module(module)
-    return registries()
 
 
 LONG = 60  # a composed value longer than this is not written out: `--cfg job` prints it

@@ -155,6 +155,15 @@ def test_cfg_job_shows_a_deprecated_key_that_is_given_and_help_offers_no_schema(
     # the shipped objective files, as Hydra lists a group's options (sorted), and no schema entry
     shipped = sorted(p.stem for p in (CONF / "objective").glob("*.yaml"))
     assert len(shipped) >= 5 and f"objective: {', '.join(shipped)}\n" in shown and "_schema" not in shown
+    # and the registered names of every extension point, read from the registries themselves
+    from rolemrc.registry import all_registries
+
+    listed = shown.split("== Extension points ==")[1].split("== Config ==")[0]
+    registries = all_registries()
+    assert {"objective.name", "objective.rewards.<name>.type", "rollout engine", "generation.backend",
+            "judge.backend", "judge.protocol", "suite", "model_type", "stages"} <= set(registries)
+    for key, registry in registries.items():
+        assert f"\n{key}: {', '.join(registry)}\n" in listed, key
 
 
 def test_schema_option_is_not_an_objective() -> None:

@@ -30,6 +30,7 @@ from rolemrc.config_suites import (
 )
 from rolemrc.errors import ConfigError
 from rolemrc.hydra_errors import SCHEMA_SUFFIX, install as _hydra_errors_in_one_line, live_options
+from rolemrc.registry import help_text
 
 
 @dataclass
@@ -710,6 +711,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("asset", _asset)
     if not OmegaConf.has_resolver("asset_unless_path"):
         OmegaConf.register_new_resolver("asset_unless_path", _asset_unless_path)
+    if not OmegaConf.has_resolver("registered_names"):  # --help's extension points (conf/hydra/default.yaml)
+        OmegaConf.register_new_resolver("registered_names", help_text)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     for name, objective in OBJECTIVES.items():  # conf/objective/<name>.yaml: defaults: [<name>_schema]

@@ -10,6 +10,7 @@ names, with the nearest one offered. The configuration reference lists every reg
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -99,4 +100,25 @@ class Registry(Generic[T]):
 def registries() -> dict[str, Registry[Any]]:
     """Every registry created so far (those of the modules imported), by config key."""
     return dict(_ALL)
+
+
+# The modules that create and fill the project's registries (importing one registers its entries):
+# what ``--help`` and the configuration reference list. Named, not imported, here: importing them
+# is the listing's business (:func:`all_registries`), not this module's.
+REGISTRY_MODULES = ("rolemrc.config_objectives", "rolemrc.rewards", "rolemrc.eval.generation", "rolemrc.eval.judge",
+                    "rolemrc.eval.suites", "rolemrc.models.family", "rolemrc.rollout", "rolemrc.env",
+                    "rolemrc.synth.pipeline")
+
+
+def all_registries() -> dict[str, Registry[Any]]:
+    """Every registry of the project (importing the modules that fill them), by config key."""
+    for module in REGISTRY_MODULES:
+        importlib.import_module(module)
+    return registries()
+
+
+def help_text() -> str:
+    """The registered names of every extension point, one line each: the ``--help`` section
+    (``${registered_names:}`` in conf/hydra/default.yaml's help template)."""
+    return "\n".join(f"{key}: {', '.join(reg)}" for key, reg in sorted(all_registries().items()))
 

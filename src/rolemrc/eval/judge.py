@@ -453,19 +453,18 @@ class Protocol:
         return v
 
 
-PROTOCOLS: dict[str, Protocol] = {
-    "verdict": Protocol("verdict", judge_messages, parse_verdict, retry_unparseable=True),
-    "paper": Protocol("paper", paper_messages, parse_score, retry_unparseable=False, paper=True),
-}
+PROTOCOLS: Registry[Protocol] = Registry("judge.protocol", doc="how the judge is asked and its answer read")
+PROTOCOLS.register("verdict", Protocol("verdict", judge_messages, parse_verdict, retry_unparseable=True),
+                   doc="a verdict per dimension (VERDICT: yes/no), unparseable answers asked again")
+PROTOCOLS.register("paper", Protocol("paper", paper_messages, parse_score, retry_unparseable=False, paper=True),
+                   doc="the paper's score-only prompts (judge=paper), each answer scored as the authors' script does")
 
 
 def protocol_of(name: str, where: str = "judge", templates: str | Path | None = None) -> Protocol:
     """The protocol ``name``; ``templates`` (``judge.templates``, paper protocol only): the user's prompts."""
     from dataclasses import replace
 
-    if name not in PROTOCOLS:
-        raise ValueError(f"{where}.protocol must be one of {', '.join(PROTOCOLS)}, got {name!r}")
-    proto = PROTOCOLS[name]
+    proto = PROTOCOLS.get(name, where=f"{where}.protocol")
     if templates is None:
         return proto
     if not proto.paper:

@@ -37,12 +37,13 @@ from rolemrc.synth import profiles as prof
 from rolemrc.api import BudgetExhausted, api_key
 from rolemrc.data.schemas import DataError
 from rolemrc.errors import UserError
+from rolemrc.registry import Registry
 from rolemrc.synth import roleplay
 from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import (
     Cache, ChatRequest, ChatResult, Generator, RemoteEmbedder, Usage, make_budget,
 )
-from rolemrc.synth.config import ROLEMRC_STAGES, STAGES, SynthConfig
+from rolemrc.synth.config import ROLELLM_STAGES, ROLEMRC_STAGES, STAGES, SynthConfig
 from rolemrc.synth.embed import LocalEmbedder
 from rolemrc.synth.records import check_pair, check_sft, check_test
 from rolemrc.synth.search import extreme_inner_product
@@ -401,14 +402,14 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
     return {"sft": len(sft), "pairs": len(pairs), "test": len(test_recs), "mixed": mixed, "counts": counts}
 
 
-RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "personas": run_personas,
-    "profiles": run_profiles,
-    "match": run_match,
-    "dialogues": run_dialogues,
-    "assemble": run_assemble,
-    **roleplay.RUNNERS,  # context_instruct, rolegpt (RoleLLM)
-}
+RUNNERS: Registry[Callable[[Context], dict[str, Any]]] = Registry("stages", doc="synthesize.py's stages (stages=[...])")
+RUNNERS.register("personas", run_personas)
+RUNNERS.register("profiles", run_profiles)
+RUNNERS.register("match", run_match)
+RUNNERS.register("dialogues", run_dialogues)
+RUNNERS.register("assemble", run_assemble)
+RUNNERS.register("context_instruct", roleplay.run_context_instruct)  # RoleLLM's two
+RUNNERS.register("rolegpt", roleplay.run_rolegpt)
 
 
 def stage_fingerprint(ctx: Context, name: str) -> str:
@@ -425,7 +426,7 @@ def stage_fingerprint(ctx: Context, name: str) -> str:
         return fingerprint(name, ctx.upstream("match"), _generator_fp(cfg), asdict(cfg.dialogues), ctx.assets.fingerprint(), cfg.seed)
     if name == "assemble":
         return fingerprint(name, ctx.upstream("dialogues"), asdict(cfg.assemble), cfg.seed)
-    if name in roleplay.RUNNERS:
+    if name in ROLELLM_STAGES:
         return roleplay.stage_fingerprint(ctx, name, _generator_fp(cfg))
     raise ValueError(name)
 
@@ -529,7 +530,7 @@ def train_commands(out: Path, results: dict[str, Any], train_py: str = "train.py
         if stats.get("sft", 0) or stats.get("pairs", 0):
             data_dir = (out / "assemble").resolve()
             commands.append(shlex.join(["python", train_py, "data=local", f"data.dir={_hydra_path(data_dir)}"]))
-    for stage in roleplay.RUNNERS:
+    for stage in ROLELLM_STAGES:
         sft = (out / stage / "sft.jsonl").resolve()
         if stage in results and sft.is_file() and sft.stat().st_size > 0:
             commands.append(shlex.join(["python", train_py, f"data.sft=[{{path: {_hydra_path(sft)}}}]"]))
@@ -566,7 +567,7 @@ def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[l
         names = [s for s in STAGES if s in cfg.stages]
         if not cfg.dry_run:
             # A key the run will need is checked before any stage starts, naming its variable.
-            if {"profiles", "dialogues", *roleplay.RUNNERS} & set(names):
+            if {"profiles", "dialogues", *ROLELLM_STAGES} & set(names):
                 api_key(cfg.generator.api_key_env, "generator")
             if "match" in names and cfg.embedder.backend == "openai":
                 api_key(cfg.embedder.api_key_env, "embedder")

@@ -306,5 +306,3 @@ def stage_fingerprint(ctx: Any, name: str, generator_fp: dict[str, Any]) -> str:
                            generator_fp, prompts)
     raise ValueError(name)
 
-
-RUNNERS = {"context_instruct": run_context_instruct, "rolegpt": run_rolegpt}

@@ -302,19 +302,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class TrainStep:
-    """One optimizer step of a run: the groups of the composed config that shape it, each a node
-    typed by its schema (:class:`ModelConfig`, the objective's :class:`ObjectiveConfig`,
-    :class:`DataConfig`, ...). What the module builder, the memory simulation, the sizing key and
-    an objective's memory hooks read; nothing about where the run writes or what it logs."""
+    """The groups of a training config that shape one optimizer step, each its schema's node: what
+    the module builder, the memory simulation, the sizing key and an objective's memory hooks read."""
 
     model: Any  # ModelConfig
-    objective: Any  # the objective's schema (OBJECTIVES[name].schema)
+    objective: Any  # OBJECTIVES[name].schema
     data: Any  # DataConfig
     optim: Any  # OptimConfig
     trainer: Any  # TrainerConfig
     strategy: Any  # StrategyConfig
-    runtime: Any  # RuntimeConfig (the simulation reads device_memory_gb, simulate_memory)
-    env: Any = None  # EnvConfig: multi-turn rollouts (objective=grpo/rloo)
+    runtime: Any  # RuntimeConfig
+    env: Any = None  # EnvConfig
 
     @classmethod
     def of(cls, cfg: Any) -> "TrainStep":
@@ -333,9 +331,8 @@ class TrainStep:
 
 @dataclass(frozen=True)
 class TrainParts:
-    """A training run's config resolved once, at the run's door (:func:`rolemrc.run.train.setup`):
-    the step (:class:`TrainStep`) and the run's own groups. Builders, sizing, export and callbacks
-    are handed the fields they need, never the composed config."""
+    """A training config typed once, at the run's door (:func:`rolemrc.run.train.setup`): the step
+    and the run's own groups; what is below the door is handed the fields it reads, never ``cfg``."""
 
     step: TrainStep
     export: Any  # ExportConfig

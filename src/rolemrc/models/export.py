@@ -66,12 +66,6 @@ def _foreign_entries(folder: Path) -> list[str]:
     return foreign
 
 
-def is_export(folder: str | Path) -> bool:
-    """``folder`` is an export folder (rolemrc's manifest, or only what an HF export holds)."""
-    folder = Path(folder)
-    return folder.is_dir() and not folder.is_symlink() and not _foreign_entries(folder)
-
-
 def _describe(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names)} entries)" if len(names) > n else "")
 

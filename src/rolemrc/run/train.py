@@ -164,10 +164,10 @@ def last_checkpoint(run_dir: str | Path) -> Path | None:
     return check_checkpoint(found) if found is not None else None
 
 
-def grpo_cpu_hint(step: TrainStep) -> str:
-    """How long GRPO (or RLOO) takes on a CPU, said when it starts: sampling dominates its steps."""
-    o = step.objective
-    n = int(step.data.batch_size) * int(step.trainer.accumulate_grad_batches) * int(o.num_generations)
+def grpo_cpu_hint(o: Any, data: Any, trainer: Any) -> str:
+    """How long GRPO (or RLOO) takes on a CPU, said when it starts: sampling dominates its steps
+    (``o``, ``data``, ``trainer``: the objective, data and trainer groups)."""
+    n = int(data.batch_size) * int(trainer.accumulate_grad_batches) * int(o.num_generations)
     name = str(o.get("name", "grpo")).upper()
     return (f"{name} on CPU: each step samples {n} completions of up to {o.max_completion_length} tokens "
             "before it learns; at make demo-rl's settings (32 of 48 tokens, the tiny model) a step takes 10-20 s on 2 "
@@ -204,7 +204,7 @@ def setup(cfg: DictConfig, last: Path | None = None) -> TrainRun:
     log.info("precision: trainable weights and optimizer states %s, frozen weights %s, compute %s",
              *(str(d).removeprefix("torch.") for d in (policy.master, policy.frozen, policy.compute)))
     if step.entry.data == "prompts" and isinstance(trainer.accelerator, CPUAccelerator):
-        log.info(grpo_cpu_hint(step))
+        log.info(grpo_cpu_hint(step.objective, step.data, step.trainer))
     model = build_model(step.model, chat.tokenizer, head=step.entry.head)
     module = build_module(step, model, datamodule, run_dir=parts.run_dir)
     ckpt = resolve_ckpt_path(parts.ckpt_path, parts.run_dir, step.strategy.name, last)

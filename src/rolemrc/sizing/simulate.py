@@ -149,7 +149,7 @@ def _rows(step: TrainStep, batch_size: int, vocab: int, length: int | None = Non
     full = int(step.data.max_length)
     length = length or full
     tok = min(5, vocab - 1)
-    if not _entry(step).pairs:
+    if not step.entry.pairs:
         return [{"input_ids": [tok] * length, "labels": [tok] * length, "index": i} for i in range(batch_size)]
     prompt = int(step.data.get("max_prompt_length") or full // 2) * length // full
     response = max(1, length - prompt)
@@ -166,7 +166,7 @@ def _batch(step: TrainStep, module: Any, batch_size: int, vocab: int, length: in
     if own is not None:
         return own
     rows = _rows(step, batch_size, vocab, length)
-    pairs = _entry(step).pairs
+    pairs = step.entry.pairs
     share = pairs and bool(step.objective.get("share_prompt", False))
     if _unpaired(step):
         batch = UnpairedCollator(0)(rows)
@@ -243,12 +243,7 @@ def _mask_counts(module: Any, batch: dict[str, torch.Tensor]) -> dict[tuple[int,
 
 def _unpaired(step: TrainStep) -> bool:
     """Whether the run's rows are single examples (data kind unpaired with ``data.unpaired`` given)."""
-    return source_group(_entry(step).data, step.data) == "unpaired"
-
-
-def _entry(step: TrainStep) -> Any:
-    """The objective's registry entry: what it trains on (pairs or not), whether it has a reference."""
-    return step.entry
+    return source_group(step.entry.data, step.data) == "unpaired"
 
 
 def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -313,7 +308,7 @@ def _build(step: TrainStep, checkpointing: bool, build: ModuleBuilder, device: s
     with torch.device(device):
         model = load_model(model_cfg, tokenizer, head=step.entry.head)  # a reward model: its score head
     objective = copy.deepcopy(step.objective)
-    precomputed = _entry(step).reference and step.objective.reference == "precomputed"
+    precomputed = step.entry.reference and step.objective.reference == "precomputed"
     if precomputed:
         with open_dict(objective):
             objective.reference = "adapter" if step.model.peft.enabled else "copy"

@@ -23,7 +23,8 @@ SCRIPT = ROOT / "scripts" / "gen_config_reference.py"
 SCHEMA_MODULES = (rolemrc.config, rolemrc.config_suites, rolemrc.synth.config, rolemrc.synth.roleplay_config)
 # Dataclasses of those modules that are no config node: the objective registry's entry, and the
 # base whose keys each objective's own table lists.
-NOT_NODES = {rolemrc.config.Objective, rolemrc.config.ObjectiveConfig}
+NOT_NODES = {rolemrc.config.Objective, rolemrc.config.ObjectiveConfig,
+             rolemrc.config.TrainStep, rolemrc.config.TrainParts}  # the typed parts of a composed config, not nodes
 
 
 def _generator():

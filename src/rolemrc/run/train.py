@@ -21,12 +21,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from rolemrc.callbacks.run_summary import RunSummary
 from rolemrc.checkpointing import full_state_dict, read_checkpoint_entries
 from rolemrc.checkpointing.verify import check_checkpoint, reading
-from rolemrc.config import TrainParts, TrainStep, check_train_config, model_head, source_group
+from rolemrc.config import TrainParts, TrainStep, check_train_config, source_group
 from rolemrc.data.datamodule import ChatDataModule
 from rolemrc.data.readers import local_files, source_config
 from rolemrc.data.templates import ChatFormat

@@ -2,7 +2,9 @@
 
 1. **compose and check the config**: ``train.py`` composes it (Hydra) and checks it once before
    the slow imports (:func:`rolemrc.config.check_train_config`, unknown ``+`` keys included);
-   :func:`rolemrc.run.train.check_files` names the files the config reads before the model loads.
+   :func:`rolemrc.run.train.check_files` names the files the config reads before the model loads;
+   :func:`rolemrc.run.train.setup` then types it once (:class:`rolemrc.config.TrainParts`), and
+   everything below is handed the parts it reads.
 2. **choose or continue the run folder**: ``ckpt_path=last`` picks the folder to continue before
    Hydra starts, records what a continuation changes, holds the folder's lock and says when a run
    is finished (:mod:`rolemrc.run.resume`).

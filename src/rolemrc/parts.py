@@ -40,7 +40,12 @@ def build_model(model_cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     return model
 
 
-def build_loggers(logger: Any) -> list[Any]:
+def build_loggers(cfg: Any) -> list[Any]:
+    """evaluate.py's and probe.py's ``cfg.logger``, built (:func:`make_loggers`)."""
+    return make_loggers(cfg.logger)
+
+
+def make_loggers(logger: Any) -> list[Any]:
     """The config's ``logger``: ``{name: {_target_: ...}}``; W&B without a key logs offline into the run folder."""
     loggers = []
     for spec in (logger or {}).values():

@@ -264,7 +264,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     columns = ["id", "task", "question", "reply", "reference"]
     rows = [[i, it.task, it.question[-1]["content"], r, it.reference] for i, it, r in zip(ids, items, replies)]
-    log_to_loggers(build_loggers(cfg.logger) if cfg.logger else [], scalars, rows, columns,
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, rows, columns,
                    tables=reference.logger_tables(refs, scalars))
 
     print_console(paths["summary.md"], metrics=metrics, judge=table, sections=sections)

@@ -217,7 +217,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
         sections.append(ref_section)
         doc["reference"] = reference.logger_rows(refs, scalars)
     paths = write_report(out_dir, meta=meta, extra=doc, sections=sections)
-    log_to_loggers(build_loggers(cfg.logger) if cfg.logger else [], scalars, [[k, v] for k, v in scalars.items()],
+    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, [[k, v] for k, v in scalars.items()],
                    ["metric", "value"], tables=reference.logger_tables(refs, scalars))
 
     print_console(paths["summary.md"], sections=sections)

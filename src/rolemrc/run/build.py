@@ -40,7 +40,7 @@ from rolemrc.data.templates import ChatFormat
 from rolemrc.models.loading import count_parameters
 from rolemrc.models.precision import precision_policy
 from rolemrc.modules.reference import make_reference
-from rolemrc.parts import build_chat, build_loggers, build_model
+from rolemrc.parts import build_chat, build_loggers, build_model, make_loggers
 from rolemrc.run.requeue import SlurmRequeue
 from rolemrc.run.state import RunState
 from rolemrc.run.strategies import build_strategy
@@ -144,7 +144,7 @@ def build_trainer(step: TrainStep, *, logger: Any, callbacks: Any, run_dir: str)
     runtime = step.runtime
     strategy = build_strategy(step.strategy, step.model, step.trainer)
     plugins: list[Any] = [] if step.strategy.name == "fsdp" else [AtomicCheckpointIO()]
-    loggers = build_loggers(logger)
+    loggers = make_loggers(logger)
     callbacks = [*build_callbacks(callbacks, run_dir=run_dir, has_logger=bool(loggers),
                                   every_n_steps=runtime.checkpoint_every_n_steps),
                  RunState(checkpoint_every_minutes=runtime.checkpoint_every_minutes),

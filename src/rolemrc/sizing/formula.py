@@ -127,7 +127,7 @@ def rollout_gb(arch: Arch, *, gpus: int, fsdp: bool, sequences: int, prompt: int
 def _estimate(step: TrainStep, arch: Arch, checkpointing: bool, rollout: bool = True) -> tuple[float, int, int, str]:
     """(GB per device, devices, tokens per micro-batch, the phase that sets it: step or rollout) of
     the configured run; ``rollout=False``: of its training step alone."""
-    entry = OBJECTIVES[step.objective.name]  # pairs: a chosen and a rejected row per item; a reference copy or not
+    entry = step.entry  # pairs: a chosen and a rejected row per item; a reference copy or not
     rows = 2 if entry.pairs and source_group(entry.data, step.data) != "unpaired" else 1  # unpaired examples: one row
     objective = objective_settings(step.objective)
     env = step.env  # a multi-turn environment: GRPO's rollouts are whole conversations

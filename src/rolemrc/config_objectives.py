@@ -347,6 +347,12 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     rewards: dict[str, Any] = field(default_factory=_default_rewards)
     rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
     vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
+    # rollout=vllm: weight each token's (or sequence's) policy term by exp(trainer's - vLLM's log-probs) of the
+    # sampled tokens, truncated or masked to [clip_min, clip_max] (TRL's names and defaults)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    vllm_importance_sampling_clip_min: Optional[float] = None
 
     def __post_init__(self) -> None:
         from rolemrc.objectives.grpo import (
@@ -354,6 +360,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
             IMPORTANCE_SAMPLING_LEVELS,
             MULTI_OBJECTIVE_AGGREGATIONS,
             SCALE_REWARDS,
+            VLLM_IMPORTANCE_SAMPLING_MODES,
         )
 
         one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
@@ -374,6 +381,7 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         if self.entropy_coef_delta < 0:
             raise ConfigError(f"objective.entropy_coef_delta must be >= 0 (the adaptive coefficient's step), "
                               f"got {self.entropy_coef_delta}")
+        self._check_vllm_correction(VLLM_IMPORTANCE_SAMPLING_MODES)
         one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("objective.reference", self.reference, ("copy", "adapter"))
         one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
@@ -409,6 +417,24 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         turns = int(env.max_turns)
         cap = int(env.max_tokens) if env.max_tokens is not None else int(data.max_length)
         return max(reply + 1, min(cap, prompt + turns * reply + (turns - 1) * int(env.user.max_tokens)))
+
+    def _check_vllm_correction(self, modes: tuple[str, ...]) -> None:
+        """The vLLM importance-sampling keys (TRL's checks)."""
+        one_of("objective.vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, modes)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and not low < high:
+            raise ConfigError(f"objective.vllm_importance_sampling_clip_min ({low}) must be less than "
+                              f"objective.vllm_importance_sampling_clip_max ({high})")
+        if not (self.rollout == "vllm" and self.vllm_importance_sampling_correction):
+            return
+        mode = self.vllm_importance_sampling_mode
+        if mode.endswith("truncate") and low is None and high is None:
+            raise ConfigError(f"objective.vllm_importance_sampling_mode={mode} clips the weights: set "
+                              "objective.vllm_importance_sampling_clip_max (e.g. 3.0) or _clip_min")
+        if self.loss_type == "vespo" and not mode.startswith("token"):
+            raise ConfigError(f"objective.loss_type=vespo takes the vLLM correction's per-token weights: set "
+                              f"objective.vllm_importance_sampling_mode=token_truncate or token_mask (got {mode}), "
+                              "or objective.vllm_importance_sampling_correction=false")
 
     def micro_batch_tokens(self, data: Any, env: Any = None) -> int:
         """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``

@@ -36,6 +36,8 @@ from rolemrc.objectives.grpo import (  # noqa: E402
     high_entropy_mask,
     normalized_sum_advantages,
     off_policy_mask,
+    vllm_importance_weights,
+    vllm_sampling_stats,
 )
 
 assert trl.__version__ == "1.16.0", "these tests restate TRL 1.16.0's lines; re-read them for another version"
@@ -408,3 +410,102 @@ def test_entropy_bonus_equals_trl(loss_type, rho):
             assert logged["policy_loss"] == pytest.approx(out.loss.item())  # one rank, no accumulation
         if adaptive:  # the gate opened and the coefficient moved
             assert trainer.entropy_coef != 0.3 and trainer._last_world_entropy <= 1.4
+
+
+def trl_vllm_is_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,
+                      clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL 1.16.0 grpo_trainer.py 2660-2707 (vLLM importance sampling), restated."""
+    import math
+
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def _vllm_case(seed: int):
+    logps, old, _, adv, mask = _tensors(seed, 2, 0.0)
+    g = torch.Generator().manual_seed(seed + 3)
+    sampling = old + 0.4 * torch.randn(B, T, generator=g, dtype=F64)
+    sampling[1, 0] = float("nan")  # a token vLLM could not score: ratio 1 for it
+    return logps, old, sampling, adv, mask
+
+
+MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip", [(None, 3.0), (0.5, 1.5), (0.8, None)])
+def test_vllm_importance_weights_equal_trl(mode, clip):
+    """Every mode and bound against TRL's lines; the weights are exp(old - sampling) per token or per
+    sequence, truncated or masked; what TRL logs of them (``sampling/*``) from the pooled sums."""
+    _, old, sampling, _, mask = _vllm_case(13)
+    want = trl_vllm_is_ratio(old, sampling, mask, mode, *clip)
+    got = vllm_importance_weights(old, sampling, mask, mode=mode, clip_min=clip[0], clip_max=clip[1])
+    torch.testing.assert_close(got, want)
+    assert got.shape == ((B, 1) if mode.startswith("sequence") else (B, T))
+    stats = vllm_sampling_stats(old, sampling, mask, got)
+    keep = mask.bool()
+    delta = torch.abs(old - sampling)[keep & ~torch.isnan(sampling)]  # TRL 2860-2895, restated
+    flat = got.flatten() if mode.startswith("sequence") else got[keep]
+    assert stats["delta_sum"] / stats["delta_count"] == pytest.approx(delta.mean().item())
+    assert stats["delta_max"].item() == pytest.approx(delta.max().item())
+    assert stats["ratio_sum"] / stats["ratio_count"] == pytest.approx(flat.mean().item())
+    assert (stats["ratio_min"].item(), stats["ratio_max"].item()) == pytest.approx((flat.min().item(),
+                                                                                     flat.max().item()))
+
+
+def test_vllm_importance_weights_by_hand():
+    old = torch.tensor([[0.0, -1.0], [-2.0, -1.0]], dtype=F64)
+    sampling = torch.tensor([[-1.0, -1.0], [-1.0, float("nan")]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    e = torch.e
+    torch.testing.assert_close(vllm_importance_weights(old, sampling, mask, mode="token_truncate", clip_max=2.0),
+                               torch.tensor([[2.0, 1.0], [1 / e, 1.0]], dtype=F64))  # e clipped to 2
+    torch.testing.assert_close(vllm_importance_weights(old, sampling, mask, mode="token_mask", clip_max=2.0),
+                               torch.tensor([[0.0, 1.0], [1 / e, 1.0]], dtype=F64))  # e dropped
+    torch.testing.assert_close(vllm_importance_weights(old, sampling, mask, mode="sequence_mask", clip_max=3.0),
+                               torch.tensor([[e], [1 / e]], dtype=F64))
+    with pytest.raises(ValueError, match="needs clip_min or clip_max"):
+        vllm_importance_weights(old, sampling, mask, mode="token_truncate", clip_max=None)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_with_the_vllm_correction_equals_trl(loss_type, mode):
+    """grpo_loss with the weights (and vLLM's log-probs for the off-policy mask) against TRL's
+    _compute_loss with ``use_vllm`` and the correction on: loss, gradient, metrics (vespo takes the
+    token weights into its sequence weight, TRL refuses it with sequence modes)."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL refuses vespo with sequence-level vLLM weights (objective=grpo too)")
+    logps, old, sampling, adv, mask = _vllm_case(17)
+    ratio = trl_vllm_is_ratio(old, sampling, mask, mode, None, 3.0)
+    config = dict(loss_type=loss_type, use_vllm=True, vllm_importance_sampling_mode=mode,
+                  off_policy_mask_threshold=0.1, max_completion_length=MAX_LEN,
+                  epsilon_high=1.3 if loss_type == "cispo" else None)
+    trainer = trl_trainer(logps, **config)
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "num_items_in_batch": mask.sum(), "old_per_token_logps": old, "importance_sampling_ratio": ratio,
+              "sampling_per_token_logps": sampling}
+    theirs = GRPOTrainer._compute_loss(trainer, None, inputs)
+    expected = {k: v[0] for k, v in trainer._metrics["train"].items()}
+    ours = grpo_loss(logps, adv, mask, old_per_token_logps=old, loss_type=loss_type, max_completion_length=MAX_LEN,
+                     off_policy_mask_threshold=0.1, sampling_per_token_logps=sampling,
+                     importance_sampling_ratio=vllm_importance_weights(old, sampling, mask, mode=mode),
+                     epsilon_high=config["epsilon_high"])
+    torch.testing.assert_close(ours.loss, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours.loss, logps)[0], torch.autograd.grad(theirs, logps)[0])
+    expected.pop("entropy")
+    assert set(ours.metrics) == set(expected)
+    for name, value in expected.items():
+        assert ours.metrics[name].item() == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    plain = grpo_loss(logps, adv, mask, old_per_token_logps=old, loss_type=loss_type, max_completion_length=MAX_LEN,
+                      off_policy_mask_threshold=0.1, sampling_per_token_logps=sampling,
+                      epsilon_high=config["epsilon_high"])
+    assert not torch.allclose(plain.loss, ours.loss)  # the weights change the loss: the test can fail

@@ -36,8 +36,11 @@ class VLLMStub:
     ``POST /v1/completions`` (prompt token ids, ``n``, ``seed``, ``max_tokens``, ``stop_token_ids``,
     ``return_token_ids``; the tokens drawn from the seed: random non-stop tokens, ended by the first
     stop id or cut at ``max_tokens``), ``/v1/load_lora_adapter`` (reads the adapter folder) and
-    ``/v1/unload_lora_adapter``; a request naming a model not loaded gets 404, as vLLM's.
-    ``fail_completions``: every completion request gets 500."""
+    ``/v1/unload_lora_adapter``; a request naming a model not loaded gets 404, as vLLM's. With
+    ``logprobs: 0`` each choice carries ``logprobs.token_logprobs``, the sampled tokens' log-probs
+    (:func:`stub_logprob` of each token; None for the first token of every third choice, as vLLM
+    gives for a token it could not score). ``fail_completions``: every completion request gets 500;
+    ``omit_logprobs``: no log-probs however asked."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -46,6 +49,7 @@ class VLLMStub:
         self.unloads: list[str] = []
         self.completions: list[dict[str, Any]] = []  # body, the adapter loaded last then, rows
         self.fail_completions = False
+        self.omit_logprobs = False
         self.lock = threading.Lock()
         stub = self
 
@@ -103,12 +107,24 @@ class VLLMStub:
                        if t not in stops][:min(length, limit)]
                 if length < limit:
                     row.append(stops[0])
+                logprobs = None
+                if body.get("logprobs") is not None and not self.omit_logprobs:
+                    values = [stub_logprob(t) for t in row]
+                    if j % 3 == 2 and values:
+                        values[0] = None
+                    logprobs = {"tokens": [""] * len(row), "token_logprobs": values, "top_logprobs": None,
+                                "text_offset": [0] * len(row)}
                 choices.append({"index": j, "text": "", "finish_reason": "stop" if length < limit else "length",
-                                "logprobs": None, "token_ids": row, "prompt_token_ids": body["prompt"]})
+                                "logprobs": logprobs, "token_ids": row, "prompt_token_ids": body["prompt"]})
             self.completions.append({"body": body, "adapter": self.loads[-1][0] if self.loads else None,
                                      "rows": [c["token_ids"] for c in choices]})
             return 200, {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
                          "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def stub_logprob(token: int) -> float:
+    """The log-prob the stub server reports for a sampled token."""
+    return -1.0 - (token % 7) / 10
 
 
 class Record(L.Callback):
@@ -117,6 +133,7 @@ class Record(L.Callback):
 
     adapters: list[dict[str, torch.Tensor]] = []
     trained: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    sampling: list[tuple[list[int], list[float]]] = []  # each completion's ids and the sampling log-probs laid out
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         from rolemrc.rollout.weights import adapter_weights
@@ -128,6 +145,10 @@ class Record(L.Callback):
             start = int((lab != IGNORE_INDEX).int().argmax())
             prompt = ids[:start][att[:start].bool()]
             Record.trained.append((tuple(prompt.tolist()), tuple(lab[lab != IGNORE_INDEX].tolist())))
+        if "sampling_logps" in batch:  # at the positions that predict the completion tokens (shifted labels)
+            for lab, lp in zip(batch["labels"], batch["sampling_logps"]):
+                keep = lab[1:] != IGNORE_INDEX
+                Record.sampling.append((lab[1:][keep].tolist(), lp[:-1][keep].tolist()))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +156,7 @@ def server_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[VLLMStub, Path
     from tests.conftest import FAST, compose_train
 
     stub = VLLMStub(vocab=_tiny_vocab())
-    Record.adapters, Record.trained = [], []
+    Record.adapters, Record.trained, Record.sampling = [], [], []
     run_dir = tmp_path_factory.mktemp("vllm") / "run"
     try:
         run(compose_train([*FAST, *GRPO, f"objective.vllm.base_url={stub.url}", "trainer.max_steps=2",
@@ -176,6 +197,22 @@ def test_a_run_trains_on_exactly_the_servers_tokens_and_syncs_each_step(server_r
     assert sorted(Record.trained) == served
     tps = series(run_dir, "train/completion_tokens_per_s")
     assert len(tps) == 2 and all(t > 0 for t in tps)
+    # TRL's vLLM importance-sampling correction (on by default): the server's log-probs asked for, laid out
+    # beside the tokens they score (NaN where it gave none), and what TRL logs of the weights
+    assert all(c["body"]["logprobs"] == 0 for c in stub.completions)
+    assert len(Record.sampling) == len(Record.trained)
+    nan = 0
+    for ids, lps in Record.sampling:
+        for t, lp in zip(ids, lps):
+            nan += lp != lp
+            assert lp != lp or lp == pytest.approx(stub_logprob(t)), (t, lp)
+    assert nan > 0
+    for name in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                 "sampling/importance_sampling_ratio/max"):
+        values = series(run_dir, f"train/{name}")
+        assert len(values) == 2 and all(v >= 0 for v in values), name
+    assert all(0 < v for v in series(run_dir, "train/sampling/sampling_logp_difference/mean"))
 
 
 def test_a_dead_server_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
@@ -202,6 +239,15 @@ def test_failing_completions_raise_after_the_retries_never_a_rollout() -> None:
         stub.loaded["m"] = {}
         engine.model_name = "m"
         assert len(engine.generate([[1, 2], [3]], 2, [5, 6])) == 4  # served: 2 prompts x 2
+        rows = engine.generate([[1, 2], [3]], 3, [5, 6])
+        assert [[stub_logprob(t) for t in row] for row in rows][:2] == engine.sampled_logprobs[:2]
+        assert engine.sampled_logprobs[2][0] != engine.sampled_logprobs[2][0]  # None -> NaN
+        stub.omit_logprobs = True  # the correction needs them: a malformed answer, retried, then the run stops
+        engine.require_logprobs = True
+        with pytest.raises(RolloutError, match=r"no logprobs\.token_logprobs.*3 attempt"):
+            engine.generate([[1, 2]], 2, [5])
+        engine.require_logprobs = False  # without the correction the rows are trained as they are
+        assert len(engine.generate([[1, 2]], 2, [5])) == 2 and all(v != v for v in engine.sampled_logprobs[0])
         stub.fail_completions = True
         with pytest.raises(RolloutError, match=r"2 of 2 completion requests .* failed .*server_error: HTTP 500.*3 attempt"):
             engine.generate([[1, 2], [3]], 2, [5, 6])
@@ -251,7 +297,10 @@ class FakeLLM:
         for p, sp in zip(prompts, params):
             ids = torch.tensor([p["prompt_token_ids"]])
             new = self.hf.generate(ids, max_new_tokens=sp.kwargs["max_tokens"], do_sample=False)[0, ids.shape[1]:]
-            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(index=j, token_ids=new.tolist())
+            lps = [{t: types.SimpleNamespace(logprob=stub_logprob(t))} for t in new.tolist()]  # logprobs=0's
+            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(index=j, token_ids=new.tolist(),
+                                                                            logprobs=lps if sp.kwargs.get("logprobs") == 0
+                                                                            else None)
                                                       for j in range(sp.kwargs["n"])]))
         return out
 
@@ -298,6 +347,9 @@ def test_colocate_loads_the_policys_merged_weights_before_generating(tmp_path: P
     with torch.no_grad():
         greedy = policy.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)[0, 3:]
     assert rows == [greedy.tolist()] * 2
+    # the sampled tokens' log-probs (logprobs=0), after temperature as the trainer scores them
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert engine.sampled_logprobs == [[stub_logprob(t) for t in greedy.tolist()]] * 2
 
 
 def test_colocate_without_vllm_says_how_to_get_it(monkeypatch) -> None:
@@ -332,3 +384,50 @@ def test_every_engine_follows_the_protocol_and_the_hf_engine_continues_prompt_id
     sampled = engine.generate(prompts, 3, [11, 12])
     assert len(sampled) == 6 and sampled == engine.generate(prompts, 3, [11, 12])  # the seed fixes the draw
     assert all(len(r) == 6 or r[-1] == 3 for r in sampled)
+
+
+def test_the_correction_weights_are_the_trainers_over_vllms_logprobs_and_resume_mid_reuse(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """``vllm_importance_sampling_mode=token_truncate`` (at most 1.5), ``num_iterations=2``: at a rollout's first use the
+    weights are exp(the policy's log-probs of the sampled tokens - the server's), clipped, with the policy
+    that trains on them; its reuse keeps those weights (TRL computes them once, at generation) and a run
+    crashed mid-reuse resumes on them, as the uninterrupted run."""
+    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.objectives.grpo import vllm_importance_weights
+    from tests.conftest import FAST, compose_train
+    from tests.train.helpers import series
+    from tests.train.test_grpo import CrashAt  # noqa: F401  (the crash callback)
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # each micro-batch's weights and the recomputed ones
+    real = GRPOModule.step_loss
+
+    def spy(self: Any, batch: dict[str, Any]) -> Any:
+        out = real(self, batch)
+        with torch.no_grad():
+            logps, mask, _ = self.token_logps(self.model, batch)
+        want = vllm_importance_weights(logps, batch["sampling_logps"], mask, mode="token_truncate", clip_max=1.5)
+        seen.append((batch["is_ratio"].clone(), want))
+        return out
+
+    monkeypatch.setattr(GRPOModule, "step_loss", spy)
+    stub = VLLMStub(vocab=_tiny_vocab())
+    common = [*FAST, *GRPO, f"objective.vllm.base_url={stub.url}", "trainer.max_steps=4", "objective.num_iterations=2",
+              "objective.vllm_importance_sampling_mode=token_truncate", "objective.vllm_importance_sampling_clip_max=1.5",
+              "model.peft.dropout=0", "runtime.checkpoint_every_n_steps=1"]  # no dropout: the recomputation is exact
+    try:
+        reference = Path(run(compose_train(common, run_dir=tmp_path / "reference"))["run_dir"])
+        assert len(seen) == 4
+        for step in (0, 2):  # first uses: the weights of this policy; reuses: the first use's, kept
+            torch.testing.assert_close(seen[step][0], seen[step][1])
+            assert torch.equal(seen[step + 1][0], seen[step][0])
+            assert not torch.equal(seen[step + 1][1], seen[step][0])  # the policy moved: recomputing would differ
+        assert any(((w != 1) & (w > 0) & (w < 1.5)).any() for w, _ in seen)
+        crashed = tmp_path / "crashed"
+        with pytest.raises(RuntimeError, match="crash at step 3"):
+            run(compose_train([*common, "+callbacks.crash._target_=tests.train.test_grpo.CrashAt",
+                               "+callbacks.crash.step=3"], run_dir=crashed))
+        run(compose_train([*common, "ckpt_path=last"], run_dir=crashed))
+    finally:
+        stub.close()
+    for key in ("train/loss", "train/sampling/importance_sampling_ratio/mean", "train/reward"):
+        assert series(crashed, key) == pytest.approx(series(reference, key), abs=1e-6), key

@@ -77,6 +77,8 @@ from rolemrc.objectives.grpo import (
     high_entropy_mask,
     nanstd,
     normalized_sum_advantages,
+    vllm_importance_weights,
+    vllm_sampling_stats,
 )
 from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
@@ -318,7 +320,26 @@ class GRPOModule(PolicyModule):
                 batch, self._sampling_seed(), pad_id_of(self.chat.tokenizer))
         else:  # the policy samples (self.generate)
             sampled, seconds = self.sampler.sample_hf(self.generate, batch, self._sampling_seed())
-        return self.score(batch, sampled, seconds)
+        scored = self.score(batch, sampled, seconds)
+        logprobs = self.rollout_engine.sampled_logprobs if o.rollout != "hf" else None
+        if logprobs is not None and self.env_settings is None:  # one turn: vLLM's log-probs of the sampled tokens
+            scored["sampling_logps"] = self._sampling_logps(logprobs, batch["prompt_ids"].shape[1],
+                                                            scored["input_ids"].shape[1])
+        return scored
+
+    def _sampling_logps(self, rows: list[list[float]], prompt_width: int, width: int) -> torch.Tensor:
+        """vLLM's log-probs of the sampled tokens laid out as :meth:`token_logps` lays out the
+        trainer's (``[N, T]``, the value at the position that predicts the token; NaN elsewhere)."""
+        out = torch.full((len(rows), width), math.nan, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            values = torch.tensor(row[:width - prompt_width], dtype=torch.float32)
+            out[i, prompt_width - 1:prompt_width - 1 + values.numel()] = values
+        return out.to(self.device)
+
+    def _vllm_correction(self) -> bool:
+        """Whether the loss weights vLLM's rollouts by TRL's importance-sampling correction (RLOO: never,
+        TRL's RLOOConfig has none)."""
+        return self.objective.rollout == "vllm" and bool(self.objective.vllm_importance_sampling_correction)
 
     @property
     def rollout_engine(self) -> Any:
@@ -335,7 +356,8 @@ class GRPOModule(PolicyModule):
                 run_dir=getattr(trainer, "default_root_dir", None) if trainer is not None else None,
                 model_path=str(base.config._name_or_path), tokenizer_path=self.chat.tokenizer.name_or_path,
                 max_model_len=prompt_len + int(self.objective.max_completion_length), seed=torch.initial_seed(),
-                world_size=trainer.world_size if trainer is not None else 1)
+                world_size=trainer.world_size if trainer is not None else 1,
+                require_logprobs=self._vllm_correction() and self.env_settings is None)
         return self._engine
 
     def score(self, batch: dict[str, Any], new_ids: Any, seconds: float = float("nan")) -> dict[str, Any]:
@@ -609,7 +631,8 @@ class GRPOModule(PolicyModule):
             rows = slice(start * g, (start + size) * g)
             attention = rolled["attention_mask"][rows]
             left = int(attention.any(dim=0).int().argmax())  # left padding no row of this part needs
-            part = {k: rolled[k][rows, left:] for k in ("input_ids", "attention_mask", "labels", "position_ids")}
+            part = {k: rolled[k][rows, left:] for k in ("input_ids", "attention_mask", "labels", "position_ids",
+                                                          "sampling_logps") if k in rolled}
             part.update(advantages=rolled["advantages"][rows], index=step["index"][start:start + size],
                         step_completion_tokens=total)
             parts.append(part)
@@ -655,6 +678,16 @@ class GRPOModule(PolicyModule):
         if part is not None and self.reuse.num_iterations > 1 and "old_logps" not in part:
             part["old_logps"] = logps.detach()  # the first use's: the policy that sampled them (TRL records these)
         ref = self.reference_token_logps(batch) if self.reference is not None else None
+        sampling, is_ratio, sampling_stats = batch.get("sampling_logps"), batch.get("is_ratio"), None
+        if sampling is not None and self._vllm_correction() and is_ratio is None:  # first use: once per rollout
+            old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+            is_ratio = vllm_importance_weights(old, sampling, mask, mode=o.vllm_importance_sampling_mode,
+                                               clip_min=o.vllm_importance_sampling_clip_min,
+                                               clip_max=o.vllm_importance_sampling_clip_max)
+            sampling_stats = vllm_sampling_stats(old, sampling, mask, is_ratio)
+            batch["is_ratio"] = is_ratio
+            if part is not None:
+                part["is_ratio"] = is_ratio  # kept with the rollouts for their reuse, as TRL computes it once
         n = batch["input_ids"].shape[0]
         step_sequences = batch["step_prompts"] * o.num_generations if "step_prompts" in batch else n
         num_tokens = batch["step_completion_tokens"] if "step_completion_tokens" in batch else self._num_tokens(mask)
@@ -671,7 +704,8 @@ class GRPOModule(PolicyModule):
                         sapo_temperature_pos=o.sapo_temperature_pos, sapo_temperature_neg=o.sapo_temperature_neg,
                         vespo_k_pos=o.vespo_k_pos, vespo_lambda_pos=o.vespo_lambda_pos, vespo_k_neg=o.vespo_k_neg,
                         vespo_lambda_neg=o.vespo_lambda_neg, token_mask=token_mask,
-                        off_policy_mask_threshold=o.off_policy_mask_threshold)
+                        off_policy_mask_threshold=o.off_policy_mask_threshold, sampling_per_token_logps=sampling,
+                        importance_sampling_ratio=is_ratio)
         loss = out.loss
         accumulation = self.trainer.accumulate_grad_batches * self.trainer.world_size if self._trainer is not None else 1
         if o.loss_type == "bnpo":  # the local token mean, divided as TRL's trainer
@@ -684,6 +718,8 @@ class GRPOModule(PolicyModule):
             loss = loss - coef * term.mean / accumulation
             extra = {"policy_loss": self._trl_policy_loss(out.loss, n, step_sequences),
                      "entropy_window": (term.total, term.tokens)}
+        if sampling_stats is not None:
+            extra["sampling"] = sampling_stats
         self._record_stats(batch, rolled_here, out, mask, entropy, extra)
         return loss, {}
 
@@ -712,9 +748,11 @@ class GRPOModule(PolicyModule):
             metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)  # type: ignore[operator]
             weights = {k: float(v) for k, v in out.weights.items()}
             entry: dict[str, Any] = {"tokens": tokens, "weights": weights, "metrics": metrics}
-            if extra:
+            if "policy_loss" in (extra or {}):
                 metrics["policy_loss"], weights["policy_loss"] = float(extra["policy_loss"]), 1.0
                 entry["entropy_window"] = tuple(float(x) for x in extra["entropy_window"])
+            if "sampling" in (extra or {}):  # vLLM's correction: logged with the step's rollout metrics
+                entry["sampling"] = {k: float(v) for k, v in extra["sampling"].items()}
             self._loss_stats.append(entry)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -745,6 +783,7 @@ class GRPOModule(PolicyModule):
             self.summary_notes["train/reward"] = (f"last step: {rewards.numel()} sampled completions, "
                                                   f"{int((~torch.isnan(rewards)).sum())} scored")
             self.tokens_seen.count += int(sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in stats))
+            metrics.update(self._sampling_metrics(per_rank))
             self.reuse.metrics = dict(metrics)
         else:  # a reuse step: its rollouts' metrics again (a resumed run has them from the checkpoint)
             metrics = dict(self.reuse.metrics) if self.reuse.parts is not None else {}
@@ -756,6 +795,34 @@ class GRPOModule(PolicyModule):
             # num_tokens in float64: Lightning stores a plain number in float32, exact only up to 2**24
             logged = torch.tensor(float(value), dtype=torch.float64) if key == "num_tokens" else float(value)
             self.log(f"train/{key}", logged, batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
+
+    @staticmethod
+    def _sampling_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
+        """TRL's ``sampling/*`` of vLLM's correction: each rank's over its rollouts (every micro-batch's
+        first use), then the mean of the ranks' means and the extremes over ranks (0 where a rank has none)."""
+        ranks = [[e["sampling"] for e in part if "sampling" in e] for part in per_rank]
+        if not any(ranks):
+            return {}
+        values: dict[str, list[float]] = {"delta_mean": [], "delta_max": [], "ratio_min": [], "ratio_mean": [],
+                                          "ratio_max": []}
+        for entries in ranks:
+            def total(key: str) -> float:
+                return sum(e[key] for e in entries)
+
+            def pick(key: str, fn: Any) -> float:
+                kept = [e[key] for e in entries if not math.isnan(e[key])]
+                return fn(kept) if kept else 0.0
+
+            values["delta_mean"].append(total("delta_sum") / total("delta_count") if total("delta_count") else 0.0)
+            values["delta_max"].append(pick("delta_max", max))
+            values["ratio_mean"].append(total("ratio_sum") / total("ratio_count") if total("ratio_count") else 0.0)
+            values["ratio_min"].append(pick("ratio_min", min))
+            values["ratio_max"].append(pick("ratio_max", max))
+        return {"sampling/sampling_logp_difference/mean": sum(values["delta_mean"]) / len(ranks),
+                "sampling/sampling_logp_difference/max": max(values["delta_max"]),
+                "sampling/importance_sampling_ratio/min": min(values["ratio_min"]),
+                "sampling/importance_sampling_ratio/mean": sum(values["ratio_mean"]) / len(ranks),
+                "sampling/importance_sampling_ratio/max": max(values["ratio_max"])}
 
     def _update_entropy_control(self, per_rank: list[list[dict[str, Any]]]) -> float:
         """After the optimizer step: adaptive control (Skywork-OR1, as TRL) moves the coefficient by the

@@ -45,6 +45,10 @@ class RLOOModule(GRPOModule):
         """No entropy bonus: TRL's RLOOConfig has none."""
         return None
 
+    def _vllm_correction(self) -> bool:
+        """No vLLM importance-sampling correction: TRL's RLOOConfig has none."""
+        return False
+
     def _advantages(self, rewards: torch.Tensor, per_reward: torch.Tensor | None = None,
                     names: list[str] | None = None) -> GroupAdvantages:
         """A placeholder: :meth:`score` computes the advantages once the KL is known."""

@@ -37,6 +37,10 @@ Two steps, as TRL 1.16's ``GRPOTrainer`` computes them (conformance: tests/objec
   ``top_entropy_quantile``) and ``off_policy_mask_threshold`` (:func:`off_policy_mask`) drop tokens or
   sequences from the policy term, not from the KL term, as TRL.
 
+vLLM rollouts (``vllm_importance_sampling_correction``): :func:`vllm_importance_weights` of the sampled
+tokens' log-probs as vLLM returned them and as the trainer scores them, a weight on each token's (or
+sequence's) policy term (``importance_sampling_ratio``); :func:`vllm_sampling_stats` what TRL logs of it.
+
 The entropy bonus (``entropy_coef``, TRL 1.16's): ``loss - coef * H`` with ``H`` the token mean of the
 per-token entropies (with gradient) over the tokens the policy term acts on (:func:`entropy_term`), never
 rescaled by a loss type's normaliser; Skywork-OR1's adaptive control (``use_adaptive_entropy``) applies the
@@ -61,13 +65,14 @@ from torch import Tensor
 GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 GRPO_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+VLLM_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 MULTI_OBJECTIVE_AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 ADVANTAGE_EPS = 1e-4  # TRL 1.16's constant in the advantages' denominator
 
 __all__ = ["ADVANTAGE_EPS", "GRPO_LOSS_TYPES", "EntropyTerm", "adaptive_entropy_coef", "applied_entropy_coef",
-           "entropy_term", "IMPORTANCE_SAMPLING_LEVELS", "MULTI_OBJECTIVE_AGGREGATIONS",
+           "entropy_term", "VLLM_IMPORTANCE_SAMPLING_MODES", "vllm_importance_weights", "vllm_sampling_stats", "IMPORTANCE_SAMPLING_LEVELS", "MULTI_OBJECTIVE_AGGREGATIONS",
            "SCALE_REWARDS", "GRPOLossType", "GRPOOutput", "GroupAdvantages", "ScaleRewards", "group_advantages",
            "grpo_loss", "high_entropy_mask", "nanstd", "normalized_sum_advantages", "off_policy_mask", "vespo_weights"]
 
@@ -232,14 +237,64 @@ def adaptive_entropy_coef(coef: float, entropy: float, *, target: float, delta: 
     return max(coef - delta, coef_min)
 
 
+def vllm_importance_weights(old_per_token_logps: Tensor, sampling_per_token_logps: Tensor, completion_mask: Tensor,
+                            *, mode: str = "sequence_mask", clip_min: float | None = None,
+                            clip_max: float | None = 3.0) -> Tensor:
+    """TRL 1.16's vLLM importance-sampling correction (``vllm_importance_sampling_correction``): the
+    weights of the rollouts' tokens for the gap between the policy that sampled them as the trainer
+    scores them (``old``) and as vLLM scored them (``sampling``). ``token_*`` modes: one ratio per token
+    ``exp(old - sampling)`` ``[B, T]``; ``sequence_*``: one per sequence, ``exp`` of the sum of those
+    differences over its completion tokens ``[B, 1]`` (a NaN sampling log-prob counts 0: ratio 1).
+    ``*_truncate`` clamps the ratios to ``[clip_min, clip_max]`` (truncated IS); ``*_mask`` sets those
+    outside it to 0 (masked IS). ``None`` bounds are open. No gradient."""
+    if mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(VLLM_IMPORTANCE_SAMPLING_MODES)}, "
+                         f"got {mode!r}")
+    with torch.no_grad():
+        diff = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps)
+                                * completion_mask.to(old_per_token_logps.dtype), nan=0.0)
+        if mode.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if mode.endswith("truncate"):
+            if clip_min is None and clip_max is None:
+                raise ValueError(f"vllm_importance_sampling_mode={mode} needs clip_min or clip_max")
+            return torch.clamp(ratio, min=clip_min, max=clip_max)
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def vllm_sampling_stats(old_per_token_logps: Tensor, sampling_per_token_logps: Tensor, completion_mask: Tensor,
+                        ratio: Tensor) -> dict[str, Tensor]:
+    """What TRL logs of the correction (``sampling/*``), as sums and extremes a caller pools over
+    micro-batches: ``|old - sampling|`` over the completion tokens vLLM scored (``delta_sum``,
+    ``delta_count``, ``delta_max``) and the weights (per token over the completion tokens, or one per
+    sequence: ``ratio_sum``, ``ratio_count``, ``ratio_min``, ``ratio_max``)."""
+    with torch.no_grad():
+        keep = completion_mask.bool()
+        delta = torch.abs(old_per_token_logps - sampling_per_token_logps)
+        delta = delta[keep & ~torch.isnan(delta)]
+        flat = ratio.flatten() if ratio.shape[1] == 1 else ratio[keep]
+        none = torch.tensor(float("nan"), dtype=ratio.dtype, device=ratio.device)
+        return {"delta_sum": delta.sum(), "delta_count": torch.tensor(float(delta.numel())),
+                "delta_max": delta.max() if delta.numel() else none,
+                "ratio_sum": flat.sum(), "ratio_count": torch.tensor(float(flat.numel())),
+                "ratio_min": flat.min() if flat.numel() else none, "ratio_max": flat.max() if flat.numel() else none}
+
+
 def vespo_weights(advantages: Tensor, log_ratio: Tensor, completion_mask: Tensor, *, k_pos: float = 2.0,
-                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
+                  importance_sampling_ratio: Tensor | None = None) -> Tensor:
     """VESPO's sequence weight ``[B, 1]`` (no gradient): ``phi(w) = exp(lambda + k ln w - lambda w)``
     (``phi(1) = 1``) of the sequence ratio ``w = exp(sum of the token log-ratios)`` (each clamped to
-    +-20, the sum to [ln 1e-8, 20]), ``k, lambda`` by the advantage's sign (``>= 0``: the ``_pos`` ones)."""
+    +-20, the sum to [ln 1e-8, 20]), ``k, lambda`` by the advantage's sign (``>= 0``: the ``_pos`` ones);
+    with the vLLM correction's token weights, ``w`` also takes the sum of their logs (each in [ln 1e-8, 20])."""
     with torch.no_grad():
         low = math.log(1e-8)
         seq = (torch.clamp(log_ratio, -20.0, 20.0) * completion_mask.to(log_ratio.dtype)).sum(-1, keepdim=True)
+        if importance_sampling_ratio is not None:  # log(pi/pi_old) + log(pi_old/pi_sampler), TRL's sum (unmasked)
+            seq = seq + torch.clamp(torch.log(importance_sampling_ratio), low, 20.0).sum(-1, keepdim=True)
         log_w = torch.clamp(seq, low, 20.0)
         nonneg = advantages.reshape(-1, 1) >= 0
         k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
@@ -257,9 +312,12 @@ def _validate(per_token_logps: Tensor, advantages: Tensor, mask: Tensor, others:
                          f"got {importance_sampling_level!r}")
     if per_token_logps.dim() != 2:
         raise ValueError(f"per_token_logps must be [B, T], got shape {tuple(per_token_logps.shape)}")
-    for name, t in (("completion_mask", mask), *others.items()):
+    for name, t in (("completion_mask", mask), *((k, v) for k, v in others.items() if k != "importance_sampling_ratio")):
         if t is not None and t.shape != per_token_logps.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, per_token_logps {tuple(per_token_logps.shape)}")
+    ratio = others.get("importance_sampling_ratio")
+    if ratio is not None and ratio.shape not in (per_token_logps.shape, (per_token_logps.shape[0], 1)):
+        raise ValueError(f"importance_sampling_ratio must be [B, T] or [B, 1], got {tuple(ratio.shape)}")
     if advantages.shape not in ((per_token_logps.shape[0],), (per_token_logps.shape[0], 1)):
         raise ValueError(f"advantages must be [B] = [{per_token_logps.shape[0]}], got {tuple(advantages.shape)}")
     if beta < 0:
@@ -282,12 +340,14 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
               vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
               vespo_lambda_neg: float = 2.0, token_mask: Tensor | None = None,
               off_policy_mask_threshold: float | None = None,
-              sampling_per_token_logps: Tensor | None = None) -> GRPOOutput:
+              sampling_per_token_logps: Tensor | None = None,
+              importance_sampling_ratio: Tensor | None = None) -> GRPOOutput:
     """The GRPO-family loss (see the module docstring) of one micro-batch."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     _validate(per_token_logps, advantages, completion_mask,
               {"old_per_token_logps": old_per_token_logps, "ref_per_token_logps": ref_per_token_logps,
-               "token_mask": token_mask, "sampling_per_token_logps": sampling_per_token_logps},
+               "token_mask": token_mask, "sampling_per_token_logps": sampling_per_token_logps,
+               "importance_sampling_ratio": importance_sampling_ratio},
               loss_type, beta, epsilon, eps_high, max_completion_length, importance_sampling_level)
     mask = completion_mask.to(per_token_logps.dtype)
     adv = advantages.to(per_token_logps.dtype).reshape(-1, 1)
@@ -313,7 +373,8 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
         per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
     elif loss_type == "vespo":
         phi = vespo_weights(adv, log_ratio, mask, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos,
-                            k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg)
+                            k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg,
+                            importance_sampling_ratio=importance_sampling_ratio)
         per_token_loss = -phi * adv * per_token_logps
     else:  # the clipped surrogate: grpo, bnpo, dr_grpo, dapo, luspo
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
@@ -325,6 +386,8 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
                                                           off_policy_mask_threshold)
     if token_mask is not None:
         per_token_loss = per_token_loss * token_mask.to(per_token_loss.dtype)
+    if importance_sampling_ratio is not None and loss_type != "vespo":  # vLLM's correction (vespo: in its weight)
+        per_token_loss = per_token_loss * importance_sampling_ratio.to(per_token_loss.dtype)
     if kl is not None:
         per_token_loss = per_token_loss + beta * kl
     per_token_loss = per_token_loss.expand_as(mask)  # [B, 1] (a sequence-level ratio) broadcast over the tokens

@@ -6,8 +6,10 @@ new name with ``POST /v1/load_lora_adapter`` (the server runs with ``--enable-lo
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), then unloads the previous step's
 (``/v1/unload_lora_adapter``). Every rank then sends one ``POST /v1/completions`` per prompt,
 naming that adapter: the prompt as token ids, ``n = num_generations``, the sampling keys, a seed
-from the run's sampling RNG, ``stop_token_ids`` and ``return_token_ids`` (vLLM >= 0.10.2), and trains
-on the ``token_ids`` it returns. Requests go through :class:`rolemrc.api.ApiClient` (retries with
+from the run's sampling RNG, ``stop_token_ids``, ``return_token_ids`` (vLLM >= 0.10.2) and
+``logprobs: 0``, and trains on the ``token_ids`` it returns; the sampled tokens' log-probs
+(``logprobs.token_logprobs``) are kept in ``sampled_logprobs`` for GRPO's importance-sampling
+correction (``require_logprobs``: an answer without them is malformed). Requests go through :class:`rolemrc.api.ApiClient` (retries with
 backoff on 429/5xx/timeouts/connection errors/malformed answers); a request that still fails stops
 the run with :class:`RolloutError` (never a rollout from stale weights, never a zero reward).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import uuid
@@ -80,8 +83,11 @@ class ServerEngine:
     of ``sync_dir``."""
 
     def __init__(self, objective: Any, *, stop_ids: Sequence[int], vocab: int, rank: int = 0,
-                 broadcast: Broadcast = lambda x: x, run_dir: str | Path | None = None) -> None:
+                 broadcast: Broadcast = lambda x: x, run_dir: str | Path | None = None,
+                 require_logprobs: bool = False) -> None:
         v = objective.vllm
+        self.require_logprobs = require_logprobs
+        self.sampled_logprobs: list[list[float]] | None = None  # the last generate's, NaN where vLLM gave none
         self.objective, self.cfg = objective, v
         self.stop_ids, self.vocab, self.rank, self.broadcast = list(stop_ids), int(vocab), rank, broadcast
         self.sync_dir = Path(v.sync_dir) if v.sync_dir else Path(run_dir or ".") / "vllm_adapters"
@@ -93,7 +99,7 @@ class ServerEngine:
 
     @classmethod
     def build(cls, objective: Any, **kwargs: Any) -> "ServerEngine":
-        keys = ("stop_ids", "vocab", "rank", "broadcast", "run_dir")
+        keys = ("stop_ids", "vocab", "rank", "broadcast", "run_dir", "require_logprobs")
         return cls(objective, **{k: kwargs[k] for k in keys if k in kwargs})
 
     # ---- sync --------------------------------------------------------------------------------
@@ -147,23 +153,26 @@ class ServerEngine:
         if self.model_name is None:
             raise RuntimeError("ServerEngine.generate before sync: the server's weights would be stale")
         seeds = seeds if seeds is not None else [0] * len(prompts)
-        return self._run(self._generate(prompts, n, seeds, sampling or Sampling.of(self.objective)))
+        rows, self.sampled_logprobs = self._run(self._generate(prompts, n, seeds,
+                                                               sampling or Sampling.of(self.objective)))
+        return rows
 
     async def _generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int],
-                        sampling: Sampling) -> list[list[int]]:
+                        sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
         client = self._client()
         fields = sampling.vllm()
         fields.setdefault("top_k", -1)
         top_k = fields.pop("top_k")
 
-        def check(choices: list[dict[str, Any]]) -> list[list[int]]:
+        def check(choices: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]]]:
             rows = [c.get("token_ids") for c in choices]
             check_rows(rows, n=n, max_tokens=fields["max_tokens"], stop_ids=self.stop_ids, vocab=self.vocab)
-            return rows
+            return rows, [sampled_logprobs(c.get("logprobs"), len(row), i, self.require_logprobs)
+                          for i, (c, row) in enumerate(zip(choices, rows))]
 
         async def one(i: int) -> Any:
             body = {"model": self.model_name, "prompt": [int(t) for t in prompts[i]], "n": n, "seed": int(seeds[i]),
-                    **fields, "extra_body": {"top_k": top_k, "stop_token_ids": self.stop_ids, "return_token_ids": True,
+                    "logprobs": 0, **fields, "extra_body": {"top_k": top_k, "stop_token_ids": self.stop_ids, "return_token_ids": True,
                                              "skip_special_tokens": True}}
             return await client.completions(body, tag=f"prompt {i}", check=check)
 
@@ -177,7 +186,7 @@ class ServerEngine:
             raise RolloutError(f"objective.vllm: {len(failed)} of {len(outs)} completion requests to "
                                f"{self.cfg.base_url} failed (prompt {i}: {out.error}; {out.attempts} attempt(s), "
                                f"objective.vllm.max_attempts={self.cfg.max_attempts}): the run stops here")
-        return [row for out in outs for row in out.value]
+        return ([row for out in outs for row in out.value[0]], [lp for out in outs for lp in out.value[1]])
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -203,6 +212,21 @@ class ServerEngine:
             self.loaded = None
 
 
+def sampled_logprobs(logprobs: Any, length: int, index: int, required: bool) -> list[float]:
+    """The sampled tokens' log-probs of one completion as ``/v1/completions`` returns them with
+    ``logprobs: 0`` (``logprobs.token_logprobs``, one per token; ``None`` -> NaN); all NaN where the
+    answer has none, unless ``required`` (a malformed answer: the request is retried)."""
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if values is None:
+        if required:
+            raise ValueError(f"completion {index}: no logprobs.token_logprobs (asked with logprobs=0): "
+                             "objective.vllm_importance_sampling_correction needs the sampled tokens' log-probs")
+        return [math.nan] * length
+    if len(values) != length or not all(v is None or isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"completion {index}: logprobs.token_logprobs has {len(values)} entries for {length} tokens")
+    return [math.nan if v is None else float(v) for v in values]
+
+
 def require_vllm(missing: str = VLLM_EXTRA_MISSING, error: type[Exception] = RolloutError) -> Any:
     """The vllm module, or ``error(missing)`` (what to do to get it) where it is not installed."""
     try:
@@ -218,10 +242,14 @@ def build_llm(vllm: Any, *, model: str, tokenizer: str | None, max_model_len: in
 
 
 def llm_generate(vllm: Any, llm: Any, prompts: Sequence[Sequence[int]], sampling: Sampling, stop_ids: Sequence[int],
-                 *, n: int | None = None, seeds: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+                 *, n: int | None = None, seeds: Sequence[int] | None = None, logprobs: bool = False,
+                 **kwargs: Any) -> list[Any]:
     """vLLM's outputs for the prompts (token ids), one ``SamplingParams`` per prompt with its seed
-    and ``n`` where seeds are given, one for all otherwise; ``kwargs``: ``LLM.generate``'s others."""
+    and ``n`` where seeds are given, one for all otherwise; ``logprobs``: each sampled token's log-prob
+    too (``logprobs=0``); ``kwargs``: ``LLM.generate``'s others."""
     fields = dict(stop_token_ids=list(stop_ids), skip_special_tokens=True, **sampling.vllm())
+    if logprobs:
+        fields["logprobs"] = 0
     if seeds is None:
         params: Any = vllm.SamplingParams(**fields)
     else:
@@ -234,7 +262,7 @@ class ColocateEngine:
     ``vllm.LLM`` is built from (its architecture; its weights are replaced at the first sync)."""
 
     def __init__(self, objective: Any, *, model_path: str, tokenizer_path: str | None, stop_ids: Sequence[int],
-                 max_model_len: int, seed: int, world_size: int = 1) -> None:
+                 max_model_len: int, seed: int, world_size: int = 1, require_logprobs: bool = False) -> None:
         vllm = require_vllm()
         if not torch.cuda.is_available():
             raise RolloutError("objective.vllm.mode=colocate runs vLLM on the trainer's GPU: no CUDA device here")
@@ -245,7 +273,11 @@ class ColocateEngine:
                                       enable_sleep_mode=bool(v.enable_sleep_mode))
         if world_size > 1:  # one engine per rank, inside the trainer's process group (as torchrun launches it)
             kwargs["distributed_executor_backend"] = "external_launcher"
+        # the sampled tokens' log-probs after temperature and the other processing, as the trainer scores them
+        kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(dict(v.llm_kwargs))
+        self.require_logprobs = require_logprobs
+        self.sampled_logprobs: list[list[float]] | None = None  # the last generate's, NaN where vLLM gave none
         self.vllm, self.objective, self.stop_ids = vllm, objective, list(stop_ids)
         self.sampling = Sampling.of(objective)
         self.llm = build_llm(vllm, model=model_path, tokenizer=tokenizer_path, seed=int(seed),
@@ -255,7 +287,7 @@ class ColocateEngine:
 
     @classmethod
     def build(cls, objective: Any, **kwargs: Any) -> "ColocateEngine":
-        keys = ("model_path", "tokenizer_path", "stop_ids", "max_model_len", "seed", "world_size")
+        keys = ("model_path", "tokenizer_path", "stop_ids", "max_model_len", "seed", "world_size", "require_logprobs")
         return cls(objective, **{k: kwargs[k] for k in keys if k in kwargs})
 
     def sync(self, model: nn.Module, step: int) -> None:
@@ -275,8 +307,17 @@ class ColocateEngine:
     def generate(self, prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[int] | None,
                  sampling: Sampling | None = None) -> list[list[int]]:
         outs = llm_generate(self.vllm, self.llm, prompts, sampling or self.sampling, self.stop_ids, n=n,
-                            seeds=seeds if seeds is not None else [0] * len(prompts), use_tqdm=False)
-        rows = [list(c.token_ids) for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
+                            seeds=seeds if seeds is not None else [0] * len(prompts), logprobs=True, use_tqdm=False)
+        choices = [c for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
+        rows = [list(c.token_ids) for c in choices]
+        self.sampled_logprobs = []
+        for i, c in enumerate(choices):  # per position {token id: Logprob}; the sampled token's entry
+            per = getattr(c, "logprobs", None)
+            if per is None and self.require_logprobs:
+                raise RolloutError(f"objective.vllm: vLLM returned no log-probs for completion {i} (asked with "
+                                   "logprobs=0): objective.vllm_importance_sampling_correction needs them")
+            self.sampled_logprobs.append([math.nan] * len(rows[i]) if per is None else
+                                         [float(d[t].logprob) if t in d else math.nan for d, t in zip(per, rows[i])])
         if self.objective.vllm.enable_sleep_mode:  # the KV cache and weights freed for the training step
             self.llm.sleep(level=2)
             self.sleeping = True

@@ -502,13 +502,15 @@ def test_one_generation_layer() -> None:
 # where ``x`` is a module or an objective: a name in PROBED_NAMES, an attribute in PROBED_ATTRIBUTES
 # (``self.reference``, ``cfg.objective``), a call turning a node into settings (``typed(...)``,
 # ``objective_settings(...)``), or ``self`` in the files that define modules and objectives.
+# The environments' contract is held the same way: an episode's hooks (``together``) are declared
+# with their defaults on rolemrc.env.base.Episode; env/ never asks an episode or environment for one.
 # ``getattr(module, name)`` without a default reads a declared hook by name (the simulation's
 # ``no_grad_passes``): not a probe. Files outside CONTRACT_FILES hold other kinds of "module"
 # (attention layers, Python modules) and are not looked at.
-PROBED_NAMES = {"module", "pl_module", "objective", "reference", "entry"}
+PROBED_NAMES = {"module", "pl_module", "objective", "reference", "entry", "episode", "env"}
 PROBED_ATTRIBUTES = {"objective", "reference", "module"}
 SETTINGS_CALLS = {"typed", "objective_settings", "as_schema"}
-CONTRACT_FILES = ("run/", "sizing/", "modules/", "objectives/", "checkpointing/", "callbacks/", "config.py",
+CONTRACT_FILES = ("run/", "sizing/", "modules/", "objectives/", "checkpointing/", "callbacks/", "env/", "config.py",
                   "config_objectives.py")
 SELF_IS_CONTRACT = ("modules/", "objectives/", "config_objectives.py")
 
@@ -535,8 +537,8 @@ def contract_probes(src: Path = SRC / PROJECT) -> list[str]:
 
 def test_no_probe_of_a_module_or_objective_outside_the_contract() -> None:
     probes = contract_probes()
-    assert not probes, ("hooks asked for instead of declared (declare them with a default on PolicyModule or "
-                        "ObjectiveConfig and call them):\n  " + "\n  ".join(probes))
+    assert not probes, ("hooks asked for instead of declared (declare them with a default on PolicyModule, "
+                        "ObjectiveConfig or rolemrc.env.base.Episode and call them):\n  " + "\n  ".join(probes))
 
 
 def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
@@ -547,7 +549,11 @@ def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
         "    e = getattr(cfg, 'x', None)\n", encoding="utf-8")
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "b.py").write_text("def g(module):\n    return hasattr(module, 'sinks')\n", encoding="utf-8")
-    assert [p.split(":")[1] for p in contract_probes(tmp_path)] == ["2", "3", "4"]
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "c.py").write_text("def h(episode):\n    return getattr(episode, 'together', None)\n",
+                                           encoding="utf-8")
+    assert [":".join(p.split(":")[:2]) for p in contract_probes(tmp_path)] == ["env/c.py:2", "run/a.py:2", "run/a.py:3",
+                                                                               "run/a.py:4"]
 
 
 # ---------------------------------------------------------------- the config typed once

@@ -8,7 +8,7 @@ next message, or the end, with the reason and any per-turn reward information). 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,30 +42,34 @@ class Step:
 FAILED_ENDS = ("user_failed", "user_budget")
 
 
+Call = tuple[Any, list[Message], str]  # (episode, messages, reply): one reply to answer
+
+
 @runtime_checkable
 class Episode(Protocol):
     """One conversation: ``opening``, its first messages (ending with the user's turn);
     ``step(messages, reply)``: the answer to ``reply`` given after ``messages`` (the conversation so
-    far, without the reply)."""
+    far, without the reply); ``together``: None (the default: each reply answered on its own by
+    ``step``), or the environment's function answering many calls at once (an API user's concurrent
+    requests, a local model's batch), which :func:`step_all` calls once for all the open
+    conversations that share it. Episodes subclass this class to take the default."""
 
     opening: list[Message]
+    together: Callable[[Sequence[Call]], list[Step]] | None = None
 
     def step(self, messages: list[Message], reply: str) -> Step: ...
 
 
-def step_all(calls: Sequence[tuple[Any, list[Message], str]]) -> list[Step]:
-    """Each ``(episode, messages, reply)``'s :class:`Step`. Episodes with a ``together`` attribute
-    (their environment's function answering many ``calls`` at once: an API user's concurrent
-    requests, a local model's batch) are asked together, one call per such function; the others
-    one by one."""
+def step_all(calls: Sequence[Call]) -> list[Step]:
+    """Each ``(episode, messages, reply)``'s :class:`Step`: the calls whose episodes share a
+    ``together`` function are answered by one call of it, the others one by one (``step``)."""
     out: list[Step | None] = [None] * len(calls)
     groups: dict[Any, list[int]] = {}
     for k, (episode, messages, reply) in enumerate(calls):
-        together = getattr(episode, "together", None)
-        if together is None:
+        if episode.together is None:
             out[k] = episode.step(messages, reply)
         else:
-            groups.setdefault(together, []).append(k)
+            groups.setdefault(episode.together, []).append(k)
     for together, ks in groups.items():
         for k, step in zip(ks, together([calls[k] for k in ks]), strict=True):
             out[k] = step

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolemrc.data.schemas import Message
-from rolemrc.env.base import EnvError, Step
+from rolemrc.env.base import EnvError, Episode, Step
 
 SCRIPT_FIELD = "user_turns"
 
@@ -28,7 +28,9 @@ def script_of(row: Mapping[str, Any]) -> list[str]:
 
 
 @dataclass
-class ScriptedEpisode:
+class ScriptedEpisode(Episode):
+    """The row's script, said one turn per reply (``together``: None, nothing to batch)."""
+
     opening: list[Message]
     script: list[str]
     said: int = 0

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import string
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from rolemrc.api import AnswerCache, ApiClient, Budget, api_key, request_key
 from rolemrc.config import UserConfig, as_schema
 from rolemrc.data.schemas import Message
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
-from rolemrc.env.base import EnvError, Step
+from rolemrc.env.base import Call, EnvError, Episode, Step
 from rolemrc.env.scripted import script_of
 from rolemrc.errors import ConfigError, ModelSourceError
 from rolemrc.registry import Registry
@@ -245,7 +245,7 @@ USER_BACKENDS.register("hf", HFUser, doc="a local transformers model (rolemrc.ro
 
 
 @dataclass
-class UserEpisode:
+class UserEpisode(Episode):
     """One conversation with the simulated user; ``together``: its environment's batch step."""
 
     opening: list[Message]
@@ -255,7 +255,7 @@ class UserEpisode:
     env: "LLMUserEnv" = field(repr=False)
 
     @property
-    def together(self) -> Any:
+    def together(self) -> Callable[[Sequence[Call]], list[Step]]:  # type: ignore[override]
         return self.env.step_many
 
     def step(self, messages: list[Message], reply: str) -> Step:
@@ -304,7 +304,7 @@ class LLMUserEnv:
         return [{"role": "system", "content": self.templates["system"].format(**values)},
                 {"role": "user", "content": self.templates["prompt"].format(**values)}]
 
-    def step_many(self, calls: Sequence[tuple[Any, list[Message], str]]) -> list[Step]:
+    def step_many(self, calls: Sequence[Call]) -> list[Step]:
         """The user's answers to many conversations' replies: cached ones served, the rest asked together."""
         prompts = [self.prompt(e, m, r) for e, m, r in calls]
         keys = [request_key({"model": self.backend.model_id, "messages": p, "sampling": self.backend.sampling(),

@@ -780,7 +780,8 @@ class GRPOModule(PolicyModule):
         if stats:
             metrics = self._rollout_metrics(stats)
             rewards = torch.cat([s["rewards"] for s in stats])
-            self.summary_notes["train/reward"] = (f"last step: {rewards.numel()} sampled completions, "
+            what = "conversations" if self.env_settings is not None else "completions"
+            self.summary_notes["train/reward"] = (f"last step: {rewards.numel()} sampled {what}, "
                                                   f"{int((~torch.isnan(rewards)).sum())} scored")
             self.tokens_seen.count += int(sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in stats))
             metrics.update(self._sampling_metrics(per_rank))
@@ -968,6 +969,7 @@ class GRPOModule(PolicyModule):
         out["completions/mean_length"] = lengths.mean()
         out["completions/clipped_ratio"] = truncated.mean()
         scored = int((~torch.isnan(rewards)).sum())
-        self.summary_notes["val/reward"] = (f"{values.shape[0]} validation prompts x {g} completions sampled as in "
+        what = "conversations" if self.env_settings is not None else "completions"
+        self.summary_notes["val/reward"] = (f"{values.shape[0]} validation prompts x {g} {what} sampled as in "
                                             f"training, {scored} scored")
         return out

@@ -576,7 +576,6 @@ CONFIG_DOOR = [
     "rolemrc.config_objectives:*.check_run",  # an objective's rules across groups, from check_train_config
     "rolemrc.models.source:resolve_model_sources",  # rewrites model.path (and compare.path) at every entry's door
     "rolemrc.run.resume:*",  # before Hydra starts, and the record of what a continuation changed
-    "rolemrc.sizing.formula:check_memory",  # the estimate of a composed config (python API), typed there
     "rolemrc.memory:*",  # python -m rolemrc.memory: its own entry
     "rolemrc.eval.run:run", "rolemrc.eval.suites:run_suites", "rolemrc.probing.run:run",  # the other recipes' entries
 ]

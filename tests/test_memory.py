@@ -1,5 +1,5 @@
 """The memory estimate knows the target models and warns when a run cannot fit; a run calls it
-explicitly (``check_memory``), and ``python -m rolemrc.memory <overrides>`` prints it."""
+explicitly (``log_estimate``), and ``python -m rolemrc.memory <overrides>`` prints it."""
 
 import logging
 import subprocess
@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 import pytest
 
 from rolemrc.errors import ConfigError
-from rolemrc.config import TrainStep
+from rolemrc.config import TrainStep, upgrade_train_config
 from rolemrc.sizing import formula
-from rolemrc.sizing.formula import KNOWN, Arch, arch_of, check_memory
+from rolemrc.sizing.formula import KNOWN, Arch, arch_of, log_estimate
 from tests.conftest import ROOT, compose_train
 
 
@@ -41,6 +41,11 @@ def test_paper_recipe_fits_and_no_checkpointing_warns(caplog) -> None:
     assert bad.startswith("WARNING") and "exceeds 80 GB" in caplog.text
     more_gpus = check(compose_train(["experiment=rolemrc_llama_sft", "trainer.devices=8"]))
     assert float(more_gpus.split("~")[1].split()[0]) < float(ok.split("~")[1].split()[0])
+
+
+def check_memory(cfg):
+    """The estimate of a composed config, its deprecated keys mapped first (as the run's checks do)."""
+    return log_estimate(TrainStep.of(upgrade_train_config(cfg)))
 
 
 def test_check_memory_logs_the_estimate_and_reads_runtime(caplog) -> None:

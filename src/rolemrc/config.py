@@ -185,7 +185,7 @@ class RuntimeConfig:
     # 0: off. What a kill (SIGKILL, OOM, a node lost) loses at most.
     checkpoint_every_minutes: float = 5.0
     checkpoint_every_n_steps: int = 0  # N > 0: also every N optimizer steps (besides epoch ends and the end of training)
-    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.sizing.formula.check_memory)
+    device_memory_gb: float = 80.0  # for the memory estimate's warning (rolemrc.sizing.formula.log_estimate)
     # model.gradient_checkpointing=auto decides from a simulated step (``rolemrc.sizing.simulate``, a child process,
     # ~1-2 CPU-minutes for an 8B model); false: from the formula alone.
     simulate_memory: bool = True
@@ -321,12 +321,8 @@ class TrainStep:
 
     @property
     def entry(self) -> Objective:
-        """The objective's registry entry (:data:`OBJECTIVES`)."""
-        entry = OBJECTIVES.get(self.objective.name, None)
-        if entry is None:
-            raise ConfigError(f"objective.name must be one of {', '.join(sorted(OBJECTIVES))}, "
-                              f"got {self.objective.name!r}")
-        return entry
+        """The objective's registry entry (:data:`OBJECTIVES`; an unknown name is refused there)."""
+        return OBJECTIVES[self.objective.name]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rolemrc import ASSETS
-from rolemrc.config import TrainStep, checkpointing_setting, objective_settings, source_group, upgrade_train_config
+from rolemrc.config import TrainStep, checkpointing_setting, objective_settings, source_group
 from rolemrc.models.family import memory_shape
 
 log = logging.getLogger(__name__)
@@ -231,15 +231,9 @@ class _Model:
     init: Any = None
 
 
-def check_memory(cfg: Any) -> str:
-    """The estimate for a composed training config (deprecated keys mapped first), logged at
-    INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
-    return log_estimate(TrainStep.of(upgrade_train_config(cfg)))
-
-
 def log_estimate(step: TrainStep) -> str:
-    """:func:`check_memory` of a config already checked (``check_train_config`` moved the
-    deprecated keys): the training recipe's, which runs the config checks once."""
+    """The estimate of a checked run's step (``check_train_config`` moved the deprecated keys), logged
+    at INFO, or at WARNING when it exceeds ``runtime.device_memory_gb``; returns the line."""
     line = check(step)
     if not line.startswith("WARNING"):
         log.info("memory estimate: %s", line)

@@ -106,7 +106,7 @@ def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_e
         over = ["data=coser_sample", "generation.backend=file", f"generation.path={SAMPLE / 'simulation.json'}",
                 "judge=openai", "judge.model=fake-judge", f"judge.base_url={server.base_url}",
                 f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=2", "judge.backoff_s=0",
-                "judge.max_backoff_s=0", "judge.timeout_s=10", f"out_dir={out}"]
+                "judge.max_backoff_s=0", "judge.timeout_s=10", f"out_dir={out}", "report.reference=[gpt-4o]"]
         run(compose_eval(*over))
         assert server.requests == 8 + 2
         doc = json.loads((out / "metrics.json").read_text())["coser"]
@@ -124,7 +124,10 @@ def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_e
         assert 0 < sc["bleu"] < 1 and 0 < sc["rouge_l"] < 1
         summary = (out / "summary.md").read_text()
         assert "| this model | 78.75 | 100.00 | 0.00 | 98.75 | 69.38 |" in summary
-        assert "| GPT-4o (CoSER paper) | 59.43 |" in summary
+        # the published row comes from the shipped reference table (assets/reference/coser.yaml), with its source
+        assert "| this run | 78.75 | 100.00 | 0.00 | 98.75 | 69.38 |" in summary
+        assert "| gpt-4o | 59.43 |" in summary and "branch rebuttal, exp/evaluation/id_set_gpt-4o.json" in summary
+        assert summary.count("59.43") == 1
         run(compose_eval(*over))  # rerun: every critique from the cache
         assert server.requests == 10
 

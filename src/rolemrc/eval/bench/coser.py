@@ -68,10 +68,6 @@ END = "<END CHAT>"
 DIMENSIONS = ("Storyline Consistency", "Anthropomorphism", "Character Fidelity", "Storyline Quality")
 KEYS = {"Storyline Consistency": "storyline_consistency", "Anthropomorphism": "anthropomorphism",
         "Character Fidelity": "character_fidelity", "Storyline Quality": "storyline_quality"}
-# Published figures set beside the model's: the CoSER paper's GCA row for GPT-4o (actor, environment
-# and judge GPT-4o), on the 200-scene test set.
-PUBLISHED = {"GPT-4o (CoSER paper)": {"Storyline Consistency": 59.43, "Anthropomorphism": 46.965,
-                                      "Character Fidelity": 49.84, "Storyline Quality": 80.98, "avg": 59.304}}
 
 # placeholder -> meaning, per template; the character/environment/nsp ones are needed to simulate only
 TEMPLATE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -793,8 +789,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         sims = read_simulations(cfg.generation, scenes)
     res = score(cfg, ctx, scenes, sims)
     res.update({"scenes": len(scenes), "simulated": backend.generates, "stalled": stalled,
-                "nsp_fallbacks": fallbacks, "not_in_file": sum(v is None for k, v in sims.items() if k not in stalled),
-                "published": PUBLISHED})
+                "nsp_fallbacks": fallbacks, "not_in_file": sum(v is None for k, v in sims.items() if k not in stalled)})
     missing = []
     if stalled:
         missing.append(f"{len(stalled)} of {len(scenes)} scenes stopped early (side model unanswered; first: "
@@ -836,9 +831,6 @@ def render(res: dict[str, Any]) -> str:
              head, "|---|" + "---|" * (len(DIMENSIONS) + 3),
              "| this model | " + " | ".join(_f(sc[d]) for d in DIMENSIONS) + f" | {_f(sc['avg'])} | "
              f"{_f(sc['bleu'], 4)} | {_f(sc['rouge_l'], 4)} |"]
-    for name, row in res["published"].items():
-        lines.append(f"| {name} | " + " | ".join(_f(row.get(d)) for d in DIMENSIONS) + f" | {_f(row.get('avg'))} | "
-                     "n/a | n/a |")
     n = len(res["cases"])
     lines += ["", f"{n} of {res['scenes']} scenes scored ({'simulated here' if res['simulated'] else 'simulations read from generation.path'}"
               f"; {len(res['stalled'])} stopped early, {res['not_in_file']} without a simulation in the file; "

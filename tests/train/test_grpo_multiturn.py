@@ -6,10 +6,15 @@ micro-batches; a crash and resume gives the uninterrupted run."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
@@ -243,20 +248,21 @@ def test_a_failed_user_is_neither_scored_nor_trained_and_all_failing_stops() -> 
         GRPOModule._dialogue_scores(module, [failed], {"task": ["t"]})
 
 
-class RecordSequences:
-    """Lightning callback: every trained row's tokens (padding dropped) and labels."""
+class RecordSequences(L.Callback):
+    """Every trained row's tokens (padding dropped) and labels."""
 
     rows: list[tuple[list[int], list[int]]] = []
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        import lightning as L
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for ids, att, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+            RecordSequences.rows.append((ids[att.bool()].tolist(), lab[att.bool()].tolist()))
 
-        class _Record(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                for ids, att, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
-                    RecordSequences.rows.append((ids[att.bool()].tolist(), lab[att.bool()].tolist()))
 
-        return _Record()
+class KeyedRollouts(L.Callback):
+    """The policy's replies are :func:`keyed_generate`'s (in a train.py process, on every rank)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        pl_module.generate = types.MethodType(keyed_generate, pl_module)
 
 
 def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path) -> None:
@@ -362,3 +368,36 @@ def test_trls_grpo_trainer_given_the_same_conversations_through_rollout_func_agr
                  "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                  "completions/mean_terminated_length", "entropy", "clip_ratio/region_mean"):
         assert ours[name] == pytest.approx(float(logged[name]), rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_give_one_ranks_update(tmp_path: Path, monkeypatch) -> None:
+    """DDP on two CPU ranks (2 seeds each) and one rank with their 4 seeds a step, conversations that
+    depend on the conversation only: the same losses, conversation and reward metrics (gathered over
+    the ranks) and weights."""
+    from rolemrc.modules.grpo import GRPOModule
+    from tests.conftest import FAST, ROOT, compose_train
+
+    args = [*FAST, *MT, "env.max_turns=3", "trainer.max_steps=2", "optim.eps=1.0", "optim.lr=1.0",
+            "trainer.gradient_clip_val=null"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *args, "trainer.devices=2", "trainer.accelerator=cpu",
+                           "strategy=ddp", "+callbacks.keyed._target_=tests.train.test_grpo_multiturn.KeyedRollouts",
+                           f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    monkeypatch.setattr(GRPOModule, "generate", keyed_generate)
+    run(compose_train([*args, "data.batch_size=4"], run_dir=tmp_path / "one"))
+    ddp, one = ([r for r in metric_rows(tmp_path / name) if "train/loss" in r] for name in ("ddp", "one"))
+    assert len(ddp) == len(one) == 2
+    keys = [k for k in one[0] if k.startswith("train/") and k not in ("train/completion_tokens_per_s", "train/lr")]
+    assert {"train/turns/mean", "train/rewards/vowels/turn_2", "train/ends/truncated"} <= set(keys)
+    for key in keys:
+        assert [r[key] for r in ddp] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
+    assert one[0]["train/turns/max"] > 1
+    states = [torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+              for name in ("ddp", "one")]
+    for name, w in states[1].items():
+        torch.testing.assert_close(states[0][name], w, rtol=1e-4, atol=1e-5, msg=name)

@@ -586,6 +586,41 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
     seq = [[{"tokens": 10.0, "weights": {"clip_ratio/high_mean": 1.0}, "metrics": {"clip_ratio/high_mean": 1.0}}],
            [{"tokens": 1.0, "weights": {"clip_ratio/high_mean": 3.0}, "metrics": {"clip_ratio/high_mean": 0.0}}]]
     assert GRPOModule._loss_metrics(seq)["clip_ratio/high_mean"] == pytest.approx(1 / 4)
+    # TRL's policy_loss: a plain mean over ranks (gather().nanmean()), then over the micro-batches
+    pol = [[{"tokens": 10.0, "weights": {"policy_loss": 1.0}, "metrics": {"policy_loss": 1.0}},
+            {"tokens": 1.0, "weights": {"policy_loss": 1.0}, "metrics": {"policy_loss": 3.0}}],
+           [{"tokens": 1.0, "weights": {"policy_loss": 1.0}, "metrics": {"policy_loss": 2.0}},
+            {"tokens": 5.0, "weights": {"policy_loss": 1.0}, "metrics": {"policy_loss": 0.0}}]]
+    assert GRPOModule._loss_metrics(pol)["policy_loss"] == pytest.approx((1.5 + 1.5) / 2)
+    # vLLM's correction: each rank's values over its rollouts (micro-batches pooled), then the ranks' mean
+    # and extremes (TRL: a rank's generation batch, gathered)
+    def sampled(d_sum: float, d_n: float, d_max: float, r_sum: float, r_n: float, r_min: float, r_max: float):
+        return {"sampling": {"delta_sum": d_sum, "delta_count": d_n, "delta_max": d_max, "ratio_sum": r_sum,
+                             "ratio_count": r_n, "ratio_min": r_min, "ratio_max": r_max}}
+
+    got = GRPOModule._sampling_metrics([[sampled(1.0, 2, 0.8, 2.0, 2, 0.5, 1.5), sampled(2.0, 2, 1.2, 4.0, 2, 1.0, 3.0)],
+                                        [sampled(3.0, 1, 3.0, 0.0, 1, 0.0, 0.0)]])
+    assert got == pytest.approx({"sampling/sampling_logp_difference/mean": (3 / 4 + 3 / 1) / 2,
+                                 "sampling/sampling_logp_difference/max": 3.0,
+                                 "sampling/importance_sampling_ratio/min": 0.0,
+                                 "sampling/importance_sampling_ratio/mean": (6 / 4 + 0) / 2,
+                                 "sampling/importance_sampling_ratio/max": 3.0})
+
+
+def test_adaptive_control_pools_the_steps_entropy_over_micro_batches_and_ranks(train_cfg) -> None:
+    """Skywork-OR1's update takes the step's token-weighted entropy over every micro-batch and rank
+    (TRL reduces the window's sum and token count), not a mean of means."""
+    parts = setup(train_cfg(*GRPO, "objective.entropy_coef=0.1", "objective.use_adaptive_entropy=true",
+                            "objective.entropy_target=2.0", "objective.entropy_coef_delta=0.05"))
+    module = parts.module
+    per_rank = [[{"entropy_window": (1.0, 1.0)}, {"entropy_window": (30.0, 10.0)}],  # 3 nats over 10 tokens
+                [{"entropy_window": (0.0, 9.0)}]]  # (1 + 30 + 0) / 20 = 1.55 <= 2: up
+    assert module._update_entropy_control(per_rank) == pytest.approx(0.15)
+    assert module.entropy_control.last_entropy == pytest.approx(1.55)  # not the micro-batches' mean of means (4/3)
+    per_rank = [[{"entropy_window": (50.0, 10.0)}], [{"entropy_window": (0.0, 10.0)}]]  # 2.5 > 2: down
+    assert module._update_entropy_control(per_rank) == pytest.approx(0.10)
+    assert module.entropy_control.state_dict()["grpo_entropy_control"] == {"entropy_coef": pytest.approx(0.10),
+                                                                           "last_entropy": 2.5}
 
 
 def test_a_broken_reward_stops_train_py_with_one_line(tmp_path: Path) -> None:

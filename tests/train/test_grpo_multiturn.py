@@ -265,13 +265,18 @@ class KeyedRollouts(L.Callback):
         pl_module.generate = types.MethodType(keyed_generate, pl_module)
 
 
-def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path) -> None:
+def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path, monkeypatch) -> None:
     """objective.rollout=vllm (a loopback server): the adapter synced once per step, one request per open
     conversation per turn (n=1, its own seed from the rollout's stream), each turn's prompt the
-    conversation so far, and the labels exactly the server's replies, turn after turn."""
+    conversation so far, and the labels exactly the server's replies, turn after turn. The engine is
+    built for the longest turn (a reply after env.max_tokens, default data.max_length, of conversation)."""
+    import rolemrc.modules.grpo as grpo
     from tests.conftest import FAST, compose_train
     from tests.train.test_grpo_vllm import VLLMStub, _tiny_vocab
 
+    made: list[dict[str, Any]] = []
+    make_engine = grpo.make_engine
+    monkeypatch.setattr(grpo, "make_engine", lambda objective, **kw: made.append(kw) or make_engine(objective, **kw))
     stub = VLLMStub(vocab=_tiny_vocab())
     RecordSequences.rows = []
     try:
@@ -282,6 +287,7 @@ def test_another_engine_syncs_once_per_step_and_seeds_every_turn(tmp_path: Path)
     finally:
         stub.close()
     assert len(stub.loads) == 2  # one sync per step, not per turn
+    assert [kw["max_model_len"] for kw in made] == [1024 + REPLY]  # data=sample_dialogues: max_length 1024
     bodies = [c["body"] for c in stub.completions]
     assert all(b["n"] == 1 for b in bodies) and len({b["seed"] for b in bodies}) == len(bodies)
     served = [(b["prompt"], c["rows"][0]) for b, c in zip(bodies, stub.completions)]

@@ -350,12 +350,15 @@ class GRPOModule(PolicyModule):
             data = getattr(getattr(trainer, "datamodule", None), "cfg", None) if trainer is not None else None
             prompt_len = int(getattr(data, "max_prompt_length", 0) or 0)
             base = getattr(self.model, "get_base_model", lambda: self.model)()
+            longest = prompt_len + int(self.objective.max_completion_length)
+            if self.env_settings is not None:  # a turn continues the conversation so far (< env.max_tokens)
+                longest = max(longest, int(self.env_settings.max_tokens or 0) + int(self.objective.max_completion_length))
             self._engine = make_engine(
                 self.objective, stop_ids=self.stop_ids, vocab=int(base.config.vocab_size), rank=self.global_rank,
                 broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0)) if multi else (lambda obj: obj),
                 run_dir=getattr(trainer, "default_root_dir", None) if trainer is not None else None,
                 model_path=str(base.config._name_or_path), tokenizer_path=self.chat.tokenizer.name_or_path,
-                max_model_len=prompt_len + int(self.objective.max_completion_length), seed=torch.initial_seed(),
+                max_model_len=longest, seed=torch.initial_seed(),
                 world_size=trainer.world_size if trainer is not None else 1,
                 require_logprobs=self._vllm_correction() and self.env_settings is None)
         return self._engine

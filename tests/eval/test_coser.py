@@ -15,6 +15,7 @@ from rolemrc import asset
 from rolemrc.data.schemas import DataError
 from rolemrc.errors import ConfigError
 from rolemrc.eval.bench import coser
+from rolemrc.eval.generation import generation_backend
 from rolemrc.eval.run import JudgeIncomplete, run
 from tests.eval.test_evaluate_run import compose_eval
 from tests.fake_openai import FakeOpenAI, Request
@@ -97,7 +98,8 @@ def _judge(req: Request) -> str:
     return f"Noted.\n```json\n{json.dumps({dim: {'flaws': JUDGE_FLAWS[dim]}})}\n```"
 
 
-def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_env: tuple[str, str]) -> None:
+def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_env: tuple[str, str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     def faults(req: Request) -> str | None:  # Storyline Quality's first answers carry no JSON: asked again
         return "invalid_content" if _dimension(req) == "Storyline Quality" and req.attempt == 1 else None
 
@@ -107,7 +109,11 @@ def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_e
                 "judge=openai", "judge.model=fake-judge", f"judge.base_url={server.base_url}",
                 f"judge.api_key_env={api_key_env[0]}", "judge.max_attempts=2", "judge.backoff_s=0",
                 "judge.max_backoff_s=0", "judge.timeout_s=10", f"out_dir={out}", "report.reference=[gpt-4o]"]
-        run(compose_eval(*over))
+        with caplog.at_level("WARNING", logger="rolemrc.eval.bench.coser"):
+            run(compose_eval(*over))
+        # judge.max_tokens=256 (judge=openai's default): one line at the start, before any request
+        assert [r.message.split(" is below")[0] for r in caplog.records
+                if "CoSER's critiques may need" in r.message] == ["judge.max_tokens=256"]
         assert server.requests == 8 + 2
         doc = json.loads((out / "metrics.json").read_text())["coser"]
         # actor turns (non-Environment, non-NSP messages): 3 and 2
@@ -130,6 +136,10 @@ def test_evaluate_coser_sample_file_backend_end_to_end(tmp_path: Path, api_key_e
         assert summary.count("59.43") == 1
         run(compose_eval(*over))  # rerun: every critique from the cache
         assert server.requests == 10
+    caplog.clear()
+    roomy = compose_eval(*over, f"judge.max_tokens={coser.JUDGE_MAX_TOKENS}")
+    coser.check(roomy, generation_backend(roomy))  # the recommended room: no warning
+    assert not [r for r in caplog.records if "CoSER's critiques may need" in r.message]
 
 
 def test_simulation_loop_against_loopback_server_and_rerun(tmp_path: Path, api_key_env: tuple[str, str]) -> None:

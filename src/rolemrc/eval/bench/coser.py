@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 ENVIRONMENT = "Environment"
 NSP = "NSP"
 END = "<END CHAT>"
+# The critic answers with a JSON list of flaws per dimension, often thousands of tokens: the
+# judge's answer length docs/coser.md recommends (judge.max_tokens); below it answers may be cut off.
+JUDGE_MAX_TOKENS = 8192
 DIMENSIONS = ("Storyline Consistency", "Anthropomorphism", "Character Fidelity", "Storyline Quality")
 KEYS = {"Storyline Consistency": "storyline_consistency", "Anthropomorphism": "anthropomorphism",
         "Character Fidelity": "character_fidelity", "Storyline Quality": "storyline_quality"}
@@ -641,6 +644,10 @@ def check(cfg: Any, backend: Any) -> None:
         raise ConfigError("data.coser is scored by a judge: add judge=openai (judge.model=gpt-4o, the key in the "
                           "environment) or judge=hf (judge.model=<local model>)")
     check_judge(j)
+    if j.max_tokens < JUDGE_MAX_TOKENS:
+        log.warning("judge.max_tokens=%d is below the %d tokens CoSER's critiques may need (long JSON lists of "
+                    "flaws): an answer cut off holds no critique and is counted unparseable; set "
+                    "judge.max_tokens=%d", j.max_tokens, JUDGE_MAX_TOKENS, JUDGE_MAX_TOKENS)
     if uses_evaluated_model(j) and not backend.loads_model:
         raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
                           f"generation.backend={backend.name} does not load: set judge.model")

@@ -275,3 +275,20 @@ def test_entropy_gradient_equals_autograd_on_full_logits(chunk_size, vocab_chunk
                                              vocab_chunk_size=vocab_chunk_size, entropy_grad=True)
     (gh,) = torch.autograd.grad(only_ent.entropy.sum(), [hidden])
     torch.testing.assert_close(gh, torch.autograd.grad(want_ent.sum(), [hidden])[0])
+
+
+def test_the_head_gives_entropies_with_gradient_from_the_chunked_pass_even_with_liger():
+    """``LogprobHead(entropy=True, entropy_grad=True)`` (GRPO's entropy bonus): the chunked pass whatever
+    ``model.kernels`` says (Liger's kernel has no entropy), with the entropies' gradient."""
+    from torch import nn
+
+    from rolemrc.models.logprob_head import LogprobHead
+    from rolemrc.objectives import sequence_logprobs_and_entropy
+
+    hidden, weight, _, labels = make_case(torch.float64)
+    head = LogprobHead(nn.Parameter(weight.detach().clone()))
+    head.kernel = "liger"  # not installed here: the bonus's path must not need it
+    out = head(hidden, labels=labels, entropy=True, entropy_grad=True)
+    want = sequence_logprobs_and_entropy(hidden, head.weight, labels, entropy_grad=True)
+    torch.testing.assert_close(out.entropy, want.entropy)
+    assert out.entropy.requires_grad and out.logps.requires_grad

@@ -220,7 +220,8 @@ def sampled_logprobs(logprobs: Any, length: int, index: int, required: bool) -> 
     if values is None:
         if required:
             raise ValueError(f"completion {index}: no logprobs.token_logprobs (asked with logprobs=0): "
-                             "objective.vllm_importance_sampling_correction needs the sampled tokens' log-probs")
+                             "objective.vllm_importance_sampling_correction needs the sampled tokens' log-probs "
+                             "(a vLLM server returns them; or set objective.vllm_importance_sampling_correction=false)")
         return [math.nan] * length
     if len(values) != length or not all(v is None or isinstance(v, (int, float)) for v in values):
         raise ValueError(f"completion {index}: logprobs.token_logprobs has {len(values)} entries for {length} tokens")

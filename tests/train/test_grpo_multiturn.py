@@ -72,12 +72,17 @@ def test_one_turn_equals_single_turn_grpo(train_cfg, tmp_path: Path, monkeypatch
     monkeypatch.setattr(GRPOModule, "generate", rng_generate)
     results = {}
     for env in ("none", "scripted"):
-        cfg = train_cfg(*MT[:-1], f"env={env}", "env.max_turns=1", "trainer.max_steps=2")
+        cfg = train_cfg(*MT[:-1], f"env={env}", "env.max_turns=1", "trainer.max_steps=2", "data.val_fraction=0.25",
+                        "trainer.val_check_interval=2")
         cfg.run_dir = str(tmp_path / env)
         out = run(cfg)
         state = torch.load(Path(out["run_dir"]) / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-        results[env] = (metric_rows(Path(out["run_dir"])), state)
-    (single, w1), (multi, w2) = results["none"], results["scripted"]
+        results[env] = (metric_rows(Path(out["run_dir"])), state, out["summary"]["val_metrics"])
+    (single, w1, val1), (multi, w2, val2) = results["none"], results["scripted"]
+    # validation plays conversations as training does: one turn samples and scores what env=none does
+    assert val1 and val1.keys() == val2.keys() and val1["val/completions/mean_length"] > 0
+    for key, value in val1.items():
+        assert val2[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     single = [r for r in single if "train/loss" in r]
     multi = [r for r in multi if "train/loss" in r]
     assert len(single) == len(multi) == 2

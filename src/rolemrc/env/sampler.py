@@ -7,7 +7,7 @@ The same two calls as the one-turn kind (:class:`~rolemrc.rollout.sampler.TurnSa
 ``sample_hf`` (the policy generates every open conversation's next reply in one left-padded batch
 per turn, from the stream) and ``sample_engine`` (another engine, the policy's weights synced into
 it once, one seed per conversation per turn drawn from the stream), so a resumed run samples what
-the uninterrupted one samples."""
+the uninterrupted one samples; and ``lay_out``, the conversations as GRPO trains them."""
 
 from __future__ import annotations
 
@@ -98,6 +98,13 @@ class ConversationSampler:
             return self._cut(engine.generate(prompts, 1, seeds))
 
         return self._roll(batch, turn)
+
+
+    def lay_out(self, convs: Sequence[Conversation], batch: Mapping[str, Any], *, stop_ids: Sequence[int] = (),
+                mask_cut: bool = False) -> dict[str, torch.Tensor]:
+        """:func:`lay_out` of ``convs`` after the batch's (left-padded) prompt width (``stop_ids``: unused,
+        the one-turn kind's argument: each reply already ends where it stopped)."""
+        return lay_out(convs, self.pad_id, batch["prompt_ids"].shape[1], mask_cut=mask_cut)
 
 
 def lay_out(convs: Sequence[Conversation], pad_id: int, prompt_width: int, *,

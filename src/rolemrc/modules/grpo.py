@@ -61,7 +61,7 @@ from torch import nn
 from rolemrc.config import TrainStep, objective_settings
 from rolemrc.env import make_env
 from rolemrc.env.rollout import ENV_ENDS
-from rolemrc.env.sampler import ConversationSampler, lay_out, seed_rows
+from rolemrc.env.sampler import ConversationSampler
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
@@ -86,6 +86,7 @@ from rolemrc.rewards.combine import RewardScores
 from rolemrc.rewards.turns import DialogueScores, score_dialogues
 from rolemrc.rollout import HFEngine, RolloutError, Sampling, SamplingRNG, TurnSampler, make_engine
 from rolemrc.rollout.hf import pad_id_of, stop_token_ids
+from rolemrc.rollout.sampler import completion_mask
 
 log = logging.getLogger(__name__)
 
@@ -298,15 +299,10 @@ class GRPOModule(PolicyModule):
     def completions_from(self, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``(completion_ids [N, C], completion_mask [N, C], is_truncated [N])`` and the decoded texts:
         each completion up to and including its first stop token (TRL's mask), truncated when it has none."""
-        stops = torch.tensor(self.stop_ids, device=new_ids.device)
-        is_stop = torch.isin(new_ids, stops)
-        has_stop = is_stop.any(dim=1)
-        first = torch.where(has_stop, is_stop.int().argmax(dim=1), torch.full_like(has_stop, new_ids.shape[1], dtype=torch.long))
-        positions = torch.arange(new_ids.shape[1], device=new_ids.device).expand_as(new_ids)
-        mask = (positions <= first.unsqueeze(1)).long()
+        mask, truncated = completion_mask(new_ids, self.stop_ids)
         texts = self.chat.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(new_ids, mask)],
                                                  skip_special_tokens=True)
-        return mask, ~has_stop, texts
+        return mask, truncated, texts
 
     def rollout(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Sample, score and lay out the batch's completions (see the module docstring); adds to
@@ -370,30 +366,21 @@ class GRPOModule(PolicyModule):
             return self.score_conversations(batch, new_ids, seconds)
         o = self.objective
         g = o.num_generations
-        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
-        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
-        completion_mask, truncated, texts = self.completions_from(new_ids)
+        _, _, texts = self.completions_from(new_ids)
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
         scores = self.rewards(prompts, texts, columns)
         # float64: identical rewards give a std of exactly 0 (float32 sums leave ~1e-8, which
         # frac_reward_zero_std would not count as zero); the advantages are cast to float32 after
         adv = self._advantages(scores.rewards.to(new_ids.device), scores.per_reward.to(new_ids.device), scores.names)
-        lengths = completion_mask.sum(dim=1)
-        loss_mask = completion_mask * (~truncated).long().unsqueeze(1) if o.mask_truncated_completions \
-            else completion_mask
-        ids = torch.cat([prompt_ids, new_ids * completion_mask], dim=1)  # pad id after the stop: masked anyway
-        attention = torch.cat([prompt_mask, completion_mask], dim=1)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, prompt_ids.shape[1]:] = torch.where(loss_mask.bool(), new_ids, IGNORE_INDEX)
+        laid = self.sampler.lay_out(new_ids, batch, stop_ids=self.stop_ids, mask_cut=o.mask_truncated_completions)
+        batch.update({k: laid[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")})
         batch.update({
-            "input_ids": ids, "attention_mask": attention, "labels": labels,
-            "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
             "advantages": adv.advantages.float(),
             "rollout_stats": {
                 "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
-                "is_std_zero": adv.is_std_zero.cpu(), "lengths": lengths.cpu(), "truncated": truncated.cpu(),
-                "prompt_tokens": int(prompt_mask.sum()),
+                "is_std_zero": adv.is_std_zero.cpu(), "lengths": laid["model_tokens"].cpu(),
+                "truncated": laid["cut"].cpu(), "prompt_tokens": int(batch["prompt_mask"].sum()) * g,
                 "extra": _extra_metrics(scores.metrics),
                 "seconds": seconds, "texts": texts,
             },
@@ -433,8 +420,7 @@ class GRPOModule(PolicyModule):
         dialogue = self._dialogue_scores(convs, columns)
         scores = dialogue.scores
         adv = self._advantages(scores.rewards.to(device), scores.per_reward.to(device), scores.names)
-        laid = lay_out(convs, pad_id_of(self.chat.tokenizer), batch["prompt_ids"].shape[1],
-                       mask_cut=o.mask_truncated_completions)
+        laid = self.sampler.lay_out(convs, batch, mask_cut=o.mask_truncated_completions)
         batch.update({k: laid[k].to(device) for k in ("input_ids", "attention_mask", "labels", "position_ids")})
         batch.update({
             "advantages": adv.advantages.float(),

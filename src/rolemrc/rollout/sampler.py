@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rolemrc.objectives.logprobs import IGNORE_INDEX
 from rolemrc.rollout.engine import Engine
 
 RNG_KEY = "grpo_sampling_rng"  # top-level checkpoint entry: the rollout sampler's RNG state
@@ -69,12 +70,23 @@ def padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | st
     return out.to(device)
 
 
+def completion_mask(new_ids: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask [N, C], truncated [N])``: 1 on each completion up to and including its first stop token
+    (TRL's completion mask), truncated where it has none."""
+    is_stop = torch.isin(new_ids, torch.tensor(list(stop_ids), device=new_ids.device))
+    has_stop = is_stop.any(dim=1)
+    first = torch.where(has_stop, is_stop.int().argmax(dim=1),
+                        torch.full_like(has_stop, new_ids.shape[1], dtype=torch.long))
+    positions = torch.arange(new_ids.shape[1], device=new_ids.device).expand_as(new_ids)
+    return (positions <= first.unsqueeze(1)).long(), ~has_stop
+
+
 class TurnSampler:
     """The one-turn rollout kind: ``n`` continuations of each left-padded prompt row (``prompt_ids`` /
     ``prompt_mask`` ``[B, P]``), as ``[B x n, C]`` new ids (each prompt's next to each other) and the
     seconds sampling took; ``rng``: the stream they are drawn from, seeded with ``seed`` at first use
-    (then continued). The multi-turn kind (:class:`rolemrc.env.sampler.ConversationSampler`) has
-    the same two calls."""
+    (then continued); :meth:`lay_out` lays the samples out for the loss. The multi-turn kind
+    (:class:`rolemrc.env.sampler.ConversationSampler`) has the same three calls."""
 
     def __init__(self, n: int) -> None:
         self.n, self.rng = n, SamplingRNG()
@@ -89,6 +101,24 @@ class TurnSampler:
         with self.rng.fork(ids.device, seed):
             new_ids = generate(ids, mask)
         return new_ids, time.perf_counter() - start
+
+    def lay_out(self, new_ids: torch.Tensor, batch: Mapping[str, Any], *, stop_ids: Sequence[int],
+                mask_cut: bool = False) -> dict[str, torch.Tensor]:
+        """The sampled ``new_ids`` as GRPO trains them: ``input_ids`` ``[N, P + C]`` (each prompt, left-padded
+        as the batch holds it, then its completion), ``attention_mask``, ``labels`` (each completion up to
+        and including its stop token, -100 elsewhere; none for a truncated one when ``mask_cut``),
+        ``position_ids``, ``model_tokens`` ``[N]`` (each completion's length), ``cut`` ``[N]`` (truncated)."""
+        prompt_ids = batch["prompt_ids"].repeat_interleave(self.n, dim=0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(self.n, dim=0)
+        mask, truncated = completion_mask(new_ids, stop_ids)
+        loss_mask = mask * (~truncated).long().unsqueeze(1) if mask_cut else mask
+        ids = torch.cat([prompt_ids, new_ids * mask], dim=1)  # pad id after the stop: masked anyway
+        attention = torch.cat([prompt_mask, mask], dim=1)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, prompt_ids.shape[1]:] = torch.where(loss_mask.bool(), new_ids, IGNORE_INDEX)
+        return {"input_ids": ids, "attention_mask": attention, "labels": labels,
+                "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0), "model_tokens": mask.sum(dim=1),
+                "cut": truncated}
 
     def sample_engine(self, engine: Engine, model: Any, step: int, batch: Mapping[str, Any], seed: int,
                       pad_id: int) -> tuple[torch.Tensor, float]:

@@ -4,6 +4,9 @@ A file is written to a temporary sibling, flushed and fsynced, then renamed over
 so a reader (or a resumed run) sees either the old content or the new, never a torn file.
 A folder (an export, a sharded checkpoint) is written as ``<name>.partial`` and swapped in
 complete (:func:`atomic_dir`, :func:`swap_in`).
+
+The files a user hands in are read here too: a YAML/JSON mapping (:func:`read_mapping`) and the
+placeholders of a prompt template (:func:`template_fields`), each fault a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+import string
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from rolemrc.errors import StorageError
+import yaml
+
+from rolemrc.errors import ConfigError, StorageError
 
 # Storage faults a user fixes (room, permissions, a read-only mount), not bugs.
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
@@ -104,6 +110,41 @@ def atomic_save(path: str | Path, save: Callable[[str], None]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def read_mapping(path: str | Path, key: str, expected: str, about: str = "") -> tuple[Path, dict[Any, Any]]:
+    """The file ``path`` (given as ``key``) read as a non-empty YAML (or JSON) mapping, and its
+    expanded path. A fault is a ConfigError: ``<key>=<path>: no such file (<about>)``, ``not UTF-8
+    YAML/JSON (<the parser's first line>)``, or ``expected <expected>``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{key}={path}: no such file" + (f" ({about})" if about else ""))
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}={p}: not UTF-8 YAML/JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{key}={p}: expected {expected}")
+    return p, raw
+
+
+def _braced(names: Collection[str]) -> str:
+    return ", ".join("{" + n + "}" for n in names)
+
+
+def template_fields(text: str, where: str, known: Collection[str], label: str = "known:",
+                    error: type[Exception] = ConfigError) -> set[str]:
+    """The ``{name}`` placeholders of the ``str.format`` template ``text``, checked: balanced braces
+    (a literal brace is ``{{`` or ``}}``) and only ``known`` names (listed in their order after
+    ``label``). A fault is an ``error`` starting with ``where``."""
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+    except ValueError as e:
+        raise error(f"{where}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
+    bad = sorted(n for n in names if n not in known)
+    if bad:
+        raise error(f"{where}: unknown placeholder(s) {_braced(bad)}; {label} {_braced(known)}")
+    return names
 
 
 def cache_root() -> Path:

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from rolemrc import asset
 from rolemrc.api import AnswerCache, ApiClient, Budget, api_key, request_key
@@ -41,6 +38,7 @@ from rolemrc.data.templates import ChatFormat, TemplateRenderError
 from rolemrc.env.base import Call, EnvError, Episode, Step
 from rolemrc.env.scripted import script_of
 from rolemrc.errors import ConfigError, ModelSourceError
+from rolemrc.fileio import read_mapping, template_fields
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import HFEngine, pad_id_of, stop_token_ids
@@ -69,16 +67,8 @@ def load_templates(path: str | None, where: str = "env.user.template") -> dict[s
     mapping of those two keys to non-empty strings, placeholders only from
     :data:`TEMPLATE_FIELDS`, ``{transcript}`` in ``prompt``. A fault is a ConfigError naming the
     file and the key."""
-    p = Path(path).expanduser() if path else Path(asset(DEFAULT_TEMPLATE))
-    if not p.is_file():
-        raise ConfigError(f"{where}={path}: no such file (a YAML mapping with the templates "
-                          f"{' and '.join(TEMPLATE_KEYS)})")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}={p}: not UTF-8 YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}={p}: expected a mapping with the keys {', '.join(TEMPLATE_KEYS)}")
+    p, raw = read_mapping(path or asset(DEFAULT_TEMPLATE), where, f"a mapping with the keys {', '.join(TEMPLATE_KEYS)}",
+                          f"a YAML mapping with the templates {' and '.join(TEMPLATE_KEYS)}")
     unknown = sorted(str(k) for k in raw if k not in TEMPLATE_KEYS)
     missing = [k for k in TEMPLATE_KEYS if k not in raw]
     if unknown or missing:
@@ -90,14 +80,7 @@ def load_templates(path: str | None, where: str = "env.user.template") -> dict[s
         text = raw[key]
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"{where}={p}: {key}: the template must be a non-empty string")
-        try:
-            names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-        except ValueError as e:
-            raise ConfigError(f"{where}={p}: {key}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-        bad = sorted(n for n in names if n not in TEMPLATE_FIELDS)
-        if bad:
-            raise ConfigError(f"{where}={p}: {key}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; "
-                              f"known: {', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}")
+        names = template_fields(text, f"{where}={p}: {key}", TEMPLATE_FIELDS)
         need = REQUIRED.get(key)
         if need and need not in names:
             raise ConfigError(f"{where}={p}: {key}: the template never shows {{{need}}}")

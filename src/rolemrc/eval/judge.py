@@ -49,6 +49,7 @@ from rolemrc.api import (
 )
 from rolemrc.config import JudgeConfig
 from rolemrc.errors import ConfigError, UserError
+from rolemrc.fileio import read_mapping, template_fields
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import new_ids, pad_id_of
@@ -342,19 +343,8 @@ def load_templates(path: str | Path, where: str = "judge.templates") -> dict[str
     """``{dimension short name: template}`` from a YAML/JSON file, validated: known dimensions,
     strings, only that dimension's placeholders (:data:`TEMPLATE_FIELDS`), ``{response}`` present.
     Any fault is a :class:`rolemrc.errors.ConfigError` naming the file and the key."""
-    import string
-
-    import yaml
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{where}={path}: no such file (a YAML or JSON mapping KB/RS/NI/MT/PI -> prompt template)")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}={p}: not YAML/JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"{where}={p}: expected a mapping of dimension (KB, RS, NI, MT, PI) to a template string")
+    p, raw = read_mapping(path, where, "a mapping of dimension (KB, RS, NI, MT, PI) to a template string",
+                          "a YAML or JSON mapping KB/RS/NI/MT/PI -> prompt template")
     out: dict[str, str] = {}
     for key, text in raw.items():
         dim = str(key).strip().upper()
@@ -362,14 +352,7 @@ def load_templates(path: str | Path, where: str = "judge.templates") -> dict[str
             raise ConfigError(f"{where}={p}: key {key!r} is not a dimension; use KB, RS, NI, MT or PI")
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"{where}={p}: {key}: the template must be a non-empty string")
-        try:
-            names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-        except ValueError as e:
-            raise ConfigError(f"{where}={p}: {key}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-        bad = sorted(n for n in names if n not in _DIM_FIELDS[dim])
-        if bad:
-            raise ConfigError(f"{where}={p}: {key}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; "
-                              f"{dim} templates may use {', '.join('{' + f + '}' for f in sorted(_DIM_FIELDS[dim]))}")
+        names = template_fields(text, f"{where}={p}: {key}", sorted(_DIM_FIELDS[dim]), f"{dim} templates may use")
         if "response" not in names:
             raise ConfigError(f"{where}={p}: {key}: the template never shows the reply ({{response}})")
         out[dim] = text

@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import re
-import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +38,7 @@ from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
 from rolemrc.eval.judge import OpenAIBackend, cache_key, judge_backend, judge_config
+from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +118,7 @@ def load_template(path: str | None, where: str = "pairwise.template", default: s
         raise ConfigError(f"{where}={p}: not UTF-8 text; re-save it as UTF-8") from None
     if not text.strip():
         raise ConfigError(f"{where}={p}: the file is empty")
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-    except ValueError as e:
-        raise ConfigError(f"{where}={p}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-    bad = sorted(n for n in names if n not in fields)
-    if bad:
-        raise ConfigError(f"{where}={p}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; "
-                          f"known: {', '.join('{' + f + '}' for f in fields)}")
+    names = template_fields(text, f"{where}={p}", fields)
     lacking = [f for f in required if f not in names]
     if lacking:
         raise ConfigError(f"{where}={p}: the template never shows {', '.join('{' + f + '}' for f in lacking)}; "

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
 from rolemrc import asset
 from rolemrc.errors import ConfigError
+from rolemrc.fileio import read_mapping
 
 
 @dataclass(frozen=True)
@@ -73,15 +72,7 @@ def _need(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where
 
 def load_table(path: str | Path) -> Table:
     """One reference file, checked (see the module's docstring for the layout)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"report.reference_files: no such file: {path}")
-    try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: not YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{p}: expected a mapping with benchmark, title, columns, rows")
+    p, doc = read_mapping(path, "report.reference_files", "a mapping with benchmark, title, columns, rows")
     unknown = sorted(set(doc) - {"benchmark", "title", "digits", "columns", "rows", "note"})
     if unknown:
         raise ConfigError(f"{p}: unknown key {unknown[0]!r}; keys: benchmark, title, digits, columns, rows, note")

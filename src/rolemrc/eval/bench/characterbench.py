@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -46,6 +45,7 @@ from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.bench.files import field_of, read_json_list
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
+from rolemrc.fileio import read_mapping, template_fields
 
 log = logging.getLogger(__name__)
 
@@ -222,28 +222,6 @@ def load(c: Any) -> tuple[list[Session], list[str]]:
 # ---------------------------------------------------------------- prompts
 
 
-def _yaml(path: str, key: str) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{key}={path}: no such file")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}={p}: not YAML/JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{key}={p}: expected a mapping of language (zh, en) to templates")
-    return raw
-
-
-def _fields_of(text: str, where: str) -> set[str]:
-    try:
-        return {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-    except ValueError as e:
-        raise ConfigError(f"{where}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-
-
 def allowed_fields(dim: str) -> set[str]:
     alias = DIMENSIONS[dim][1]
     return BASE_FIELDS | ({"reference", alias} if alias else set())
@@ -255,7 +233,7 @@ def load_templates(c: Any, langs: Sequence[str], dims: Sequence[str]) -> dict[tu
     if not c.templates:
         raise ConfigError(f"{key}: set it to a YAML file of the judge prompts, {{zh: {{<dimension>: prompt}}, en: "
                           "{...}} (CharacterBench's construct_prompts/eval_prompts_*; see docs/characterbench.md)")
-    raw = _yaml(str(c.templates), key)
+    _, raw = read_mapping(str(c.templates), key, "a mapping of language (zh, en) to templates")
     out = {}
     for lang in langs:
         block = raw.get(lang)
@@ -266,11 +244,7 @@ def load_templates(c: Any, langs: Sequence[str], dims: Sequence[str]) -> dict[tu
             where = f"{key}={c.templates}: {lang}.{dim}"
             if not isinstance(text, str) or not text.strip():
                 raise ConfigError(f"{where}: missing (a non-empty prompt for this dimension)")
-            names = _fields_of(text, where)
-            extra = sorted(names - allowed_fields(dim))
-            if extra:
-                raise ConfigError(f"{where}: unknown placeholder(s) {', '.join('{' + n + '}' for n in extra)}; "
-                                  f"{dim} may use {', '.join('{' + n + '}' for n in sorted(allowed_fields(dim)))}")
+            names = template_fields(text, where, sorted(allowed_fields(dim)), f"{dim} may use")
             if "character_response" not in names:
                 raise ConfigError(f"{where}: the prompt never shows the reply ({{character_response}})")
             out[(lang, dim)] = text
@@ -281,17 +255,14 @@ def load_prompt_template(c: Any, langs: Sequence[str]) -> dict[str, str] | None:
     if not c.prompt_template:
         return None
     key = "data.characterbench.prompt_template"
-    raw = _yaml(str(c.prompt_template), key)
+    _, raw = read_mapping(str(c.prompt_template), key, "a mapping of language (zh, en) to templates")
     out = {}
     for lang in langs:
         text = raw.get(lang)
         where = f"{key}={c.prompt_template}: {lang}"
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"{where}: missing (the role-play prompt for this language)")
-        extra = sorted(_fields_of(text, where) - {"character_profile", "user_profile", "dialogue"})
-        if extra:
-            raise ConfigError(f"{where}: unknown placeholder(s) {', '.join('{' + n + '}' for n in extra)}; use "
-                              "{character_profile}, {user_profile}, {dialogue}")
+        template_fields(text, where, ("character_profile", "user_profile", "dialogue"), "use")
         out[lang] = text
     return out
 

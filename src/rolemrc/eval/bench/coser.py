@@ -59,6 +59,7 @@ from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
     JUDGE_BACKENDS, OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge, uses_evaluated_model,
 )
+from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
 
@@ -330,18 +331,8 @@ def load_templates(path: str | Path, simulate: bool, where: str = "data.coser.te
     message). Placeholders are ``{name}``; each template may use only its own
     (:data:`TEMPLATE_FIELDS`). Any fault is a :class:`ConfigError` naming the file and the key,
     raised before anything is sent."""
-    import yaml
-
-    p = Path(str(path)).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{where}={path}: no such file (a YAML mapping judge, dimensions, character, environment, "
-                          "nsp -> prompt text; see docs/coser.md)")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}={p}: not YAML/JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}={p}: expected a mapping with keys judge, dimensions, character, environment, nsp")
+    p, raw = read_mapping(str(path), where, "a mapping with keys judge, dimensions, character, environment, nsp",
+                          "a YAML mapping judge, dimensions, character, environment, nsp -> prompt text; see docs/coser.md")
     known = {*TEMPLATE_FIELDS, "dimensions", "start"}
     unknown = sorted(str(k) for k in raw if k not in known)
     if unknown:

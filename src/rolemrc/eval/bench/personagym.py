@@ -43,7 +43,6 @@ import asyncio
 import json
 import logging
 import re
-import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound, UserError
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
+from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,7 @@ def _template(path: Path, allowed: set[str], required: set[str], raw: bool = Fal
         raise DataError(f"{path}: empty")
     if raw:
         return text
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
-    except ValueError as e:
-        raise DataError(f"{path}: bad braces ({e}); write a literal brace as {{{{ or }}}}") from None
-    bad = sorted(names - allowed)
-    if bad:
-        raise DataError(f"{path}: unknown placeholder(s) {', '.join('{' + b + '}' for b in bad)}; this file may use "
-                        f"{', '.join('{' + a + '}' for a in sorted(allowed))}")
+    names = template_fields(text, str(path), sorted(allowed), "this file may use", DataError)
     lacking = sorted(required - names)
     if lacking:
         raise DataError(f"{path}: placeholder {', '.join('{' + r + '}' for r in lacking)} missing")

@@ -8,7 +8,7 @@ next message, or the end, with the reason and any per-turn reward information). 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,6 +74,22 @@ def step_all(calls: Sequence[Call]) -> list[Step]:
         for k, step in zip(ks, together([calls[k] for k in ks]), strict=True):
             out[k] = step
     return out  # type: ignore[return-value]
+
+
+def user_turns(episodes: Sequence[Episode], asked: Sequence[tuple[int, list[Message], str]],
+               convs: Sequence[Any]) -> Iterator[tuple[Any, list[Message]]]:
+    """The environment's :class:`Step` for each ``(i, messages before the reply, reply)`` (:func:`step_all`)
+    recorded on ``convs[i]`` (``turn_info``; ``reason``, ``error`` when it ends); yields those going on
+    with the user's turn."""
+    steps = step_all([(episodes[i], before, reply) for i, before, reply in asked])
+    for (i, _, _), step in zip(asked, steps, strict=True):
+        conv = convs[i]
+        conv.turn_info.append(dict(step.info))
+        if step.user is None:
+            conv.reason = step.reason or "user_end"
+            conv.error = step.error
+            continue
+        yield conv, [{"role": "user", "content": step.user}]
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rolemrc.data.schemas import Message
-from rolemrc.env.base import FAILED_ENDS, Episode, step_all
+from rolemrc.env.base import FAILED_ENDS, Episode, user_turns
 
 
 @dataclass
@@ -99,14 +99,6 @@ def converse(episodes: Sequence[Episode], reply: Callable[[list[list[Message]]],
                 d.turn_info.append({})
                 continue
             asked.append((i, before, ans.text))
-        # the environment answers every open conversation's reply (together where it can: step_all)
-        steps = step_all([(episodes[i], before, text) for i, before, text in asked])
-        for (i, _, _), step in zip(asked, steps, strict=True):
-            d = dialogues[i]
-            d.turn_info.append(dict(step.info))
-            if step.user is None:
-                d.reason = step.reason or "user_end"
-                d.error = step.error
-                continue
-            d.messages = d.messages + [{"role": "user", "content": step.user}]
+        for d, new in user_turns(episodes, asked, dialogues):
+            d.messages = d.messages + new
     return dialogues

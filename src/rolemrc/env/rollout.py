@@ -27,7 +27,7 @@ from typing import Any
 
 from rolemrc.data.schemas import Message
 from rolemrc.data.templates import ChatFormat, TemplateRenderError
-from rolemrc.env.base import FAILED_ENDS, Episode, step_all
+from rolemrc.env.base import FAILED_ENDS, Episode, user_turns
 
 ENV_ENDS = ("turn_cap", "length_cap", "truncated", "stop")  # the rollout's own reasons (others: the environment's)
 CUT = ("length_cap", "truncated")  # the last reply did not end on its own
@@ -143,16 +143,7 @@ def roll(episodes: Sequence[Episode], chat: ChatFormat, generate: Callable[[list
                 c.reason = "turn_cap"
                 continue
             asked.append((i, before, reply))
-        # the environment answers every open conversation's reply (together where it can: step_all)
-        steps = step_all([(episodes[i], before, reply) for i, before, reply in asked])
-        for (i, _, _), step in zip(asked, steps, strict=True):
-            c = convs[i]
-            c.turn_info.append(dict(step.info))
-            if step.user is None:
-                c.reason = step.reason or "user_end"
-                c.error = step.error
-                continue
-            new = [{"role": "user", "content": step.user}]
+        for c, new in user_turns(episodes, asked, convs):
             piece = chat.tokenize(text_after_reply(chat, c.messages, new))
             if max_tokens is not None and len(c.ids) + len(piece) >= max_tokens:
                 c.reason = "length_cap"  # no room for the user's turn and a reply

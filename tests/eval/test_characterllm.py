@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rolemrc.eval.characterllm import CRITERIA, NoScores, parse_score
+from rolemrc.eval.characterllm import CRITERIA, parse_score
+from rolemrc.eval.judge import NoScores
 from rolemrc.eval.run import JudgeIncomplete, run
 from tests.eval.test_evaluate_run import compose_eval
 from tests.fake_openai import FakeOpenAI, Request

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rolemrc.data.schemas import DataError
-from rolemrc.eval.bench.personagym import NoScores, evaluation_scores, nonzero_mean, score_examples
+from rolemrc.eval.bench.personagym import evaluation_scores, nonzero_mean, score_examples
+from rolemrc.eval.judge import NoScores
 from rolemrc.eval.run import JudgeIncomplete, run
 from rolemrc import asset
 from tests.eval.test_evaluate_run import compose_eval

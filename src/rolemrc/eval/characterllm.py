@@ -41,7 +41,7 @@ from rolemrc.api import AnswerCache, Rejected
 from rolemrc.config import plain
 from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
-from rolemrc.errors import ConfigError, InputNotFound, UserError
+from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
@@ -315,10 +315,6 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         res["warning"] = (f"warning: CharacterLLM judge: {bad} of {answered} answers were unparseable; the means rest "
                           f"on the other {answered - bad}: {check}")
     return res
-
-
-class NoScores(UserError, RuntimeError):
-    """The judge answered, but not one answer carried a score: a table of n/a is not a result."""
 
 
 def _f(x: float | None) -> str:

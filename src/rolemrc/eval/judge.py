@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -902,6 +903,20 @@ def uses_evaluated_model(cfg: Any) -> bool:
 class JudgeIncomplete(UserError, RuntimeError):
     """The judge could not obtain every verdict (server down, budget spent): the report is
     written with what was obtained, and a rerun asks only for the rest."""
+
+
+class NoScores(UserError, RuntimeError):
+    """The judge answered, but not one answer carried a score: a table of n/a (or of zeros) is not a result."""
+
+
+def finish_judged(res: dict[str, Any], out_dir: Path) -> Exception | None:
+    """After a judged suite's report (``res``): its ``warning`` (most answers hold no score) printed;
+    a :class:`NoScores` when its ``unscored`` says none does (never exit 0 on a table of n/a)."""
+    if res.get("warning"):
+        print(res["warning"], file=sys.stderr, flush=True)
+    if res.get("unscored"):
+        return NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
+    return None
 
 
 def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -39,7 +38,7 @@ from rolemrc.eval.generation import (
     check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
     load_eval_model, model_label, prepare_generation, read_replies,
 )
-from rolemrc.eval.judge import JudgeIncomplete
+from rolemrc.eval.judge import JudgeIncomplete, finish_judged
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
 from rolemrc.models.source import resolve_model_sources
 from rolemrc.registry import Registry
@@ -75,14 +74,6 @@ def _characterllm_check(cfg: Any, backend: Any) -> None:
     check_scorer(cfg)  # the judge's backend, model and key, before anything slow
 
 
-def _characterllm_finish(res: dict[str, Any], out_dir: Path) -> Exception | None:
-    if res.get("warning"):
-        print(res["warning"], file=sys.stderr, flush=True)
-    if res.get("unscored"):  # every answer final and without a score: never exit 0 on a table of n/a
-        return characterllm.NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
-    return None
-
-
 def _general_check(cfg: Any, backend: Any) -> None:
     if not backend.local:
         raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
@@ -96,14 +87,14 @@ def _general_meta(cfg: Any, resolved: dict[str, str]) -> dict[str, Any]:
 
 SUITES.register("rolebench", Suite("data.rolebench", rolebench), doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
 SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check,
-                                      finish=_characterllm_finish), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
-SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check, finish=personagym.finish),
+                                      finish=finish_judged), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
+SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check, finish=finish_judged),
                 doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
 SUITES.register("charactereval", Suite("data.charactereval", charactereval, charactereval.check),
                 doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")
 SUITES.register("characterbench", Suite("data.characterbench", characterbench, characterbench.check),
                 doc="data.characterbench: CharacterBench's thirteen test files judged by CharacterJudge")
-SUITES.register("coser", Suite("data.coser", coser, coser.check, finish=coser.finish),
+SUITES.register("coser", Suite("data.coser", coser, coser.check, finish=finish_judged),
                 doc="data.coser: CoSER given-circumstance acting, four judged dimensions, BLEU and ROUGE-L")
 SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
                 doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")

@@ -53,7 +53,7 @@ from typing import Any, Sequence
 
 from rolemrc.api import AnswerCache, Rejected
 from rolemrc.data.schemas import DataError, TestItem
-from rolemrc.errors import ConfigError, InputNotFound, UserError
+from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import generation_backend, model_label
 from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
@@ -804,16 +804,6 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         res["unscored"] = (f"CoSER judge: none of the {answered} answers held the JSON critique, so there is no score: "
                            "check judge.model and judge.max_tokens (raw answers in metrics.json, coser.cases)")
     return res
-
-
-class NoScores(UserError, RuntimeError):
-    """The judge answered, but not one answer carried a critique."""
-
-
-def finish(res: dict[str, Any], out_dir: Path) -> Exception | None:
-    if res.get("unscored"):
-        return NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
-    return None
 
 
 def _f(x: float | None, digits: int = 2) -> str:

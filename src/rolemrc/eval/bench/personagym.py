@@ -43,7 +43,6 @@ import asyncio
 import json
 import logging
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -52,7 +51,7 @@ from omegaconf import OmegaConf
 
 from rolemrc.api import AnswerCache, Rejected
 from rolemrc.data.schemas import DataError, TestItem
-from rolemrc.errors import ConfigError, InputNotFound, UserError
+from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
 from rolemrc.fileio import template_fields
@@ -514,19 +513,6 @@ def summarise(rows: list[dict[str, Any]], loaded: Mapping[str, Any], tasks: Sequ
         res["warning"] = (f"warning: PersonaGym: {blank} of {len(judged)} judge answers hold no score (read as 0, as "
                           f"the authors' code reads them): {check}")
     return res
-
-
-def finish(res: dict[str, Any], out_dir: Path) -> Exception | None:
-    """After the report: a warning when most judge answers hold no score; an error when none does."""
-    if res.get("warning"):
-        print(res["warning"], file=sys.stderr, flush=True)
-    if res.get("unscored"):
-        return NoScores(f"{res['unscored']}; the report in {out_dir} holds the answers")
-    return None
-
-
-class NoScores(UserError, RuntimeError):
-    """The judges answered, but no answer carried a score: a PersonaScore of 0 would not be a result."""
 
 
 def _f(x: float | None) -> str:

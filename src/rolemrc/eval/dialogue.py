@@ -51,18 +51,16 @@ from rolemrc.errors import ConfigError
 from rolemrc.eval import pairwise
 from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.generation import (
-    VLLM_MISSING, GenerationIncomplete, GenerationStore, build_judge, check_backend, check_openai, check_settings,
+    VLLM_MISSING, GenerationIncomplete, GenerationStore, build_judge, check_generation, check_openai, check_settings,
     generation_backend, generation_label, item_id, load_eval_model, model_label, reply_paths, restraint_hook,
 )
 from rolemrc.eval.judge import (
-    JudgeIncomplete, JudgeItem, Verdict, aggregate, check_judge, judge_backend, judge_config,
-    parse_verdict, uses_evaluated_model,
+    JudgeIncomplete, JudgeItem, Verdict, aggregate, judge_backend, parse_verdict, uses_evaluated_model,
 )
 from rolemrc.eval.report import _pct, log_to_loggers, print_console, write_report
 from rolemrc.eval.verifiers import verify
 from rolemrc.fileio import atomic_write_text
-from rolemrc.models.loading import check_source
-from rolemrc.models.source import check_model_path, resolve_model_sources
+from rolemrc.models.source import resolve_model_sources
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import greedy_generate_ids, pad_id_of, stop_token_ids
@@ -595,12 +593,7 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
 def check(cfg: Any) -> None:
     """Before anything slow: the environment, the backend, the judge and its template."""
     ENVS.get(cfg.env.name, where="env.name", hint=" (or none)")
-    backend = generation_backend(cfg)
-    if backend.local:
-        check_model_path(cfg.model.path, "model.path")
-        check_source(cfg.model.tokenizer, "model.tokenizer")
-    check_backend(cfg)
-    check_judge(judge_config(cfg.judge))
+    check_generation(cfg)
     if judge_backend(cfg.judge) is not None:
         load_template(cfg.dialogue.consistency_template)
     if cfg.get("pairwise") is not None and cfg.pairwise.against not in (None, "", []):

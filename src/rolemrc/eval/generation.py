@@ -42,9 +42,10 @@ from rolemrc.config import plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
-from rolemrc.eval.judge import judge_config, make_judge, uses_evaluated_model
+from rolemrc.eval.judge import check_judge, judge_config, make_judge, uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
-from rolemrc.models.loading import count_parameters, load_model
+from rolemrc.models.loading import check_source, count_parameters, load_model
+from rolemrc.models.source import check_model_path
 from rolemrc.probing.restraint import load_restraint
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
@@ -826,6 +827,19 @@ def generation_label(cfg: Any) -> str:
 def check_backend(cfg: Any) -> None:
     """What can be checked before anything slow: the backend's name and what it needs."""
     generation_backend(cfg).check(cfg)
+
+
+def check_generation(cfg: Any) -> GenerationBackend:
+    """The checks in the order of relevance, before anything slow: the model (a missing or empty
+    folder is the error to read), the backend (vllm installed, the API key's variable, the replies
+    file), the judge's backend, model and key. Returns the backend."""
+    backend = generation_backend(cfg)
+    if backend.local:
+        check_model_path(cfg.model.path, "model.path")
+        check_source(cfg.model.tokenizer, "model.tokenizer")
+    backend.check(cfg)
+    check_judge(judge_config(cfg.judge))
+    return backend
 
 
 def generate_remote(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,

@@ -22,12 +22,12 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
-    GenerationStore, build_judge, check_backend, generate, generate_remote, generation_backend, generation_label, item_id,
+    GenerationStore, build_judge, check_generation, generate, generate_remote, generation_label, item_id,
     load_eval_model, model_label, prepare_generation,
 )
 from rolemrc.eval import dialogue, pairwise, reference
 from rolemrc.eval.judge import (
-    JudgeIncomplete, aggregate, check_judge, judge_backend, judge_config, judge_items, uses_evaluated_model,
+    JudgeIncomplete, aggregate, judge_backend, judge_items, uses_evaluated_model,
 )
 from rolemrc.eval.metrics import (
     BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_info, rouge_l, rouge_scores,
@@ -35,8 +35,7 @@ from rolemrc.eval.metrics import (
 from rolemrc.eval.report import log_to_loggers, print_console, write_report  # noqa: F401 - print_console re-exported
 from rolemrc.eval.suites import run_suites, wants_suites
 from rolemrc.eval.verifiers import agreement, verify_all
-from rolemrc.models.loading import check_source
-from rolemrc.models.source import check_model_path, resolve_model_sources
+from rolemrc.models.source import resolve_model_sources
 from rolemrc.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -125,16 +124,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_suites(cfg)
 
 
-    # Checks in the order of relevance, all before anything slow: the model first (a missing or
-    # empty model folder is the error to read, not a metric's encoder), then the backend (vllm
-    # installed, the API key's variable, the replies file), the judge's backend, model and key,
-    # the test data, METEOR's data and BERTScore's encoder.
-    backend = generation_backend(cfg)
-    if backend.local:
-        check_model_path(cfg.model.path, "model.path")
-        check_source(cfg.model.tokenizer, "model.tokenizer")
-    check_backend(cfg)
-    check_judge(judge_config(cfg.judge))
+    # Checks in the order of relevance, all before anything slow: the model, the backend and the
+    # judge (check_generation), then the test data, METEOR's data and BERTScore's encoder.
+    backend = check_generation(cfg)
     refs = reference.picked(cfg)  # report.reference: the published rows named
     if compare_pairs:
         pairwise.check(cfg)  # a judge, B's replies files, the prompt template

@@ -49,7 +49,8 @@ docs: $(STAMP)
 	$(PY) scripts/gen_config_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# rolemrc vs TRL side by side (docs/benchmarks/speed.md): SFT, DPO, SimPO and ORPO throughput, FLOPs, peak RSS.
+# rolemrc vs TRL side by side (docs/benchmarks/speed.md): SFT, DPO, SimPO, ORPO, KTO, reward-model, GRPO and
+# RLOO throughput, FLOPs, peak RSS (BENCH_ARGS="--only kto,grpo": some rows only).
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 

@@ -74,7 +74,12 @@ class Spec:
     # Per optimizer step, the same for every contender. TRL's default per-device batch is 8; smaller
     # ones keep each contender's process to a few minutes on the shared 2-core machine.
     sft_batch: int = 3  # conversations (ours, TRL packing: packed 4200-token rows holding about as many, ~2.9 each)
-    dpo_batch: int = 2  # preference pairs
+    dpo_batch: int = 2  # preference pairs (KTO: as many desirable and undesirable examples; reward model)
+    # Online RL (GRPO, RLOO): rl_prompts prompts a step, each sampled num_generations times, every
+    # completion exactly completion_length tokens (benchmarks/rl_throughput.py: fixed-length rollouts).
+    rl_prompts: int = 1
+    num_generations: int = 4
+    completion_length: int = 32
     # Extra Hydra overrides for rolemrc's runs (benchmarks/gpu.py: strategy=fsdp, accelerator, ...).
     ours_overrides: list[str] = field(default_factory=list)
     warmup: int = 1
@@ -96,6 +101,11 @@ class Spec:
         """Pairs the timed DPO runs train on: exactly one pass, so a precomputed reference costs
         what it would per pair in a real epoch (both sides precompute only these)."""
         return (self.warmup + self.steps) * self.dpo_batch
+
+    @property
+    def rl_prompts_used(self) -> int:
+        """Prompts the timed RL runs sample from: exactly one pass."""
+        return (self.warmup + self.steps) * self.rl_prompts
 
     @staticmethod
     def load(work: Path) -> "Spec":
@@ -183,12 +193,15 @@ def prepare(work: Path, spec: Spec) -> dict[str, Any]:
             conv = prompt() + [{"role": "Assistant", "content": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}]
             fh.write(json.dumps({"conversations": conv}) + "\n")
     with (work / "pairs.jsonl").open("w") as fh:
-        for _ in range(max(spec.n_pairs, spec.dpo_pairs_used)):  # at least one pass of the timed runs
+        for _ in range(max(spec.n_pairs, spec.dpo_pairs_used, spec.rl_prompts_used)):  # at least one pass of the timed runs
             fh.write(json.dumps({"prompt": prompt(),
                                  "chosen": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens)),
                                  "rejected": _reply(rng, sentences, tok, rng.randint(*spec.reply_tokens))}) + "\n")
     used = (work / "pairs.jsonl").read_text().splitlines()[: spec.dpo_pairs_used]
     (work / "pairs_used.jsonl").write_text("\n".join(used) + "\n")
+    prompts = [json.dumps({"prompt": json.loads(line)["prompt"]}) for line in
+               (work / "pairs.jsonl").read_text().splitlines()[: spec.rl_prompts_used]]
+    (work / "prompts_used.jsonl").write_text("\n".join(prompts) + "\n")  # online RL: the pairs' prompts
     (work / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
@@ -236,6 +249,55 @@ def compose(overrides: list[str], run_dir: Path) -> Any:
     with open_dict(cfg):
         cfg.run_dir = str(run_dir)
     return cfg
+
+
+def rolemrc_overrides(work: Path, spec: Spec, objective: list[str], data: list[str]) -> list[str]:
+    """What every rolemrc contender runs: the benchmark model, ``objective`` and ``data`` overrides,
+    no validation, the spec's precision and run length, no logger, callbacks or export."""
+    return [f"model.path={work / 'model'}", "model.name=bench", *objective, *data, "data.val_fraction=0",
+            f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={spec.warmup + spec.steps}",
+            "trainer.enable_progress_bar=false", "logger=none", "callbacks=none", "export.enabled=false",
+            f"seed={spec.seed}", *spec.ours_overrides]
+
+
+def run_rolemrc(overrides: list[str], *callbacks: Any) -> None:
+    """``python train.py <overrides>`` in this process, with ``callbacks`` added (the step timer)."""
+    import tempfile
+
+    from rolemrc.run.train import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(overrides, Path(tmp))
+        for callback in callbacks:
+            add_callback(callback)
+        run(cfg)
+
+
+def trl_args(config_class: Any, spec: Spec, output_dir: str, batch: int, **settings: Any) -> Any:
+    """A TRL config (``SFTConfig``, ``DPOConfig``, ...) at its defaults except what every TRL
+    contender shares: ``batch`` per device, the spec's run length, seed and precision, no reports,
+    no saving; ``settings`` on top (the contender's variant, the objective's loss settings)."""
+    import torch
+
+    return config_class(output_dir=output_dir, per_device_train_batch_size=batch,
+                        max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no", seed=spec.seed,
+                        disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=spec.precision == "bf16",
+                        **settings)
+
+
+def trl_pairs(work: Path) -> list[dict[str, Any]]:
+    """The used pairs in TRL's conversational preference format (its chat template applies)."""
+    records = []
+    for line in (work / "pairs_used.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        records.append({"prompt": trl_messages(r["prompt"]), "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                        "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+    return records
+
+
+def trl_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """rolemrc's messages (roles System/User/Assistant) with TRL's lower-case roles."""
+    return [{"role": m["role"].lower(), "content": m["content"]} for m in messages]
 
 
 def flop_counter() -> Any:

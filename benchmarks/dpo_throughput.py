@@ -1,7 +1,8 @@
 """Preference training throughput (pairs per second) on RoleMRC-shaped pairs (long prompt, short
-replies), one contender per process: DPO (``--objective dpo``, the default), and the
-reference-free SimPO and ORPO (``--objective simpo|orpo``) against TRL's CPOTrainer
-(``loss_type=simpo``) and ORPOTrainer:
+replies), one contender per process: DPO (``--objective dpo``, the default), the reference-free
+SimPO and ORPO (``--objective simpo|orpo``) against TRL's CPOTrainer (``loss_type=simpo``) and
+ORPOTrainer, KTO (``--objective kto``) against KTOTrainer and the reward model
+(``--objective reward``) against RewardTrainer:
 
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours           # share_prompt, copy reference
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --contender ours_pre       # share_prompt, reference=precomputed
@@ -13,6 +14,8 @@ reference-free SimPO and ORPO (``--objective simpo|orpo``) against TRL's CPOTrai
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective simpo --contender ours       # objective=simpo
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective simpo --contender trl        # CPOTrainer, its defaults
     .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective orpo --contender trl_no_gc   # ORPOTrainer, no checkpointing
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective kto --contender trl          # KTOTrainer, its defaults
+    .venv/bin/python benchmarks/dpo_throughput.py --work <dir> --objective reward --contender ours      # objective=reward
 
 ``<dir>`` is prepared by ``benchmarks/run_all.py``. Every contender: the same model and the same
 ``dpo_pairs_used`` pairs (exactly one pass), ``dpo_batch`` pairs per optimizer step, sigmoid loss,
@@ -38,6 +41,16 @@ has padding-free or prompt sharing), both with the loss settings of ours so the 
 same (SimPO: ``beta`` 2.0, ``simpo_gamma`` 1.0, ``cpo_alpha`` 0 where CPOConfig's default is 1.0;
 ORPO: ``beta`` 0.1, TRL's default).
 
+KTO and the reward model: ours is ``objective=kto|reward`` at its defaults; trl is ``KTOTrainer`` /
+``RewardTrainer`` at ``KTOConfig`` / ``RewardConfig`` defaults (gradient checkpointing on) and
+trl_no_gc without checkpointing. KTO (loss_type kto, beta 0.1, both sides' defaults, a frozen copy
+of the model as the reference on both): each pair is a desirable (chosen) and an undesirable
+(rejected) example, ours splitting ``data.pairs`` itself, TRL given the same examples unpaired in
+the same order (a micro-batch's chosen examples, then its rejected ones), ``2 x dpo_batch`` examples
+per step; both score the mismatched KL rows with the policy and the reference. The reward model:
+a one-logit sequence-classification head on the same weights (TRL: ``AutoModelForSequenceClassification``,
+ours: objective=reward's own head), Bradley-Terry loss, no centring, chosen and rejected as rows.
+
 Precomputed references: the pass over the used pairs is timed separately (``precompute_s``) and
 ``pairs_per_s`` charges it per pair (``timed pairs / (timed seconds + precompute_s x timed
 share)``): a real epoch pays it once per pair, like the inline reference forward of the others.
@@ -54,37 +67,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FlopSpan, Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+from common import (FlopSpan, Spec, hf_timer, lightning_timer, rolemrc_overrides, run_rolemrc, set_env,  # noqa: E402
+                    trl_args, trl_pairs, write_result)
 
 set_env()
 
 
 def run_ours(work: Path, spec: Spec, contender: str, objective: str = "dpo") -> dict:
-    from rolemrc.run.train import run
-
     timer = lightning_timer()
     share_prompt = contender != "ours_separate"
     reference = "precomputed" if contender == "ours_pre" else "copy"
     if objective == "dpo":
         chosen_objective = ["objective=dpo", f"objective.reference={reference}",
                             f"objective.share_prompt={str(share_prompt).lower()}"]
-    else:  # reference-free: the objective's defaults (conf/objective/<name>.yaml)
-        reference = "none"
+    else:  # the objective's defaults (conf/objective/<name>.yaml)
+        reference = "copy" if objective == "kto" else "none"
         chosen_objective = [f"objective={objective}"]
-    overrides = [
-        f"model.path={work / 'model'}", "model.name=bench", *chosen_objective,
-        f"data.pairs=[{{path:{work / 'pairs_used.jsonl'}}}]",
-        "data.val_fraction=0", f"data.max_length={spec.dpo_max_length}",
-        f"data.max_prompt_length={spec.dpo_max_prompt_length}", f"data.batch_size={spec.dpo_batch}",
-        f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={spec.warmup + spec.steps}",
-        "trainer.enable_progress_bar=false", "logger=none", "callbacks=none", "export.enabled=false",
-        f"seed={spec.seed}",
-        *spec.ours_overrides,
-    ]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(overrides, Path(tmp))
-        add_callback(timer)
-        run(cfg)
+    overrides = rolemrc_overrides(work, spec, chosen_objective, [
+        f"data.pairs=[{{path:{work / 'pairs_used.jsonl'}}}]", f"data.max_length={spec.dpo_max_length}",
+        f"data.max_prompt_length={spec.dpo_max_prompt_length}", f"data.batch_size={spec.dpo_batch}"])
+    run_rolemrc(overrides, timer)
     return {"contender": contender, "objective": objective, "reference": reference, "batch_size": spec.dpo_batch,
             "overrides": overrides,
             "precompute_s": timer.precompute_seconds() if reference == "precomputed" else 0.0,
@@ -99,56 +101,63 @@ TRL_VARIANTS = {  # contender -> DPOConfig overrides on top of TRL's defaults
 }
 
 
-# --objective simpo|orpo: the peer trainer, and the loss settings that make its objective ours
-# (conf/objective/simpo.yaml, orpo.yaml); the training settings stay the trainer's defaults.
-REFERENCE_FREE = {
+# --objective simpo|orpo|kto|reward: the peer trainer, and the loss settings that make its objective
+# ours (conf/objective/<name>.yaml; KTO's and the reward model's are TRL's defaults); the training
+# settings stay the trainer's defaults.
+PEERS = {
     "simpo": ("trl.experimental.cpo", "CPOConfig", "CPOTrainer",
               {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0, "cpo_alpha": 0.0, "label_smoothing": 0.0}),
     "orpo": ("trl.experimental.orpo", "ORPOConfig", "ORPOTrainer", {"beta": 0.1}),
+    "kto": ("trl", "KTOConfig", "KTOTrainer", {"loss_type": "kto", "beta": 0.1}),
+    "reward": ("trl", "RewardConfig", "RewardTrainer", {"center_rewards_coefficient": None}),
 }
-REFERENCE_FREE_VARIANTS = {"trl": {}, "trl_no_gc": {"gradient_checkpointing": False}}
+PEER_VARIANTS = {"trl": {}, "trl_no_gc": {"gradient_checkpointing": False}}
 
 
-def _trl_records(work: Path) -> list[dict]:
-    """The used pairs in TRL's conversational preference format (its chat template applies)."""
-    records = []
-    for line in (work / "pairs_used.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        prompt = [{"role": m["role"].lower(), "content": m["content"]} for m in r["prompt"]]
-        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                        "rejected": [{"role": "assistant", "content": r["rejected"]}]})
-    return records
+def kto_examples(work: Path, spec: Spec) -> list[dict]:
+    """The used pairs as TRL's unpaired examples in ours' order: each micro-batch of ``dpo_batch``
+    pairs gives its chosen (desirable) examples, then its rejected ones (KTOTrainer samples in order)."""
+    pairs = trl_pairs(work)
+    out: list[dict] = []
+    for start in range(0, len(pairs), spec.dpo_batch):
+        chunk = pairs[start : start + spec.dpo_batch]
+        out += [{"prompt": r["prompt"], "completion": r["chosen"], "label": True} for r in chunk]
+        out += [{"prompt": r["prompt"], "completion": r["rejected"], "label": False} for r in chunk]
+    return out
 
 
-def run_trl_reference_free(work: Path, spec: Spec, contender: str, objective: str) -> dict:
-    """TRL's CPOTrainer (loss_type=simpo) or ORPOTrainer: no reference model, no reference pass."""
+def run_trl_peer(work: Path, spec: Spec, contender: str, objective: str) -> dict:
+    """TRL's CPOTrainer (loss_type=simpo), ORPOTrainer (no reference model), KTOTrainer (its reference)
+    or RewardTrainer (a one-logit sequence-classification model of the same weights)."""
     import importlib
     import warnings
 
-    import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    module, config_name, trainer_name, loss = REFERENCE_FREE[objective]
+    module, config_name, trainer_name, loss = PEERS[objective]
     with warnings.catch_warnings():  # trl.experimental warns on import that its API may change
         warnings.simplefilter("ignore")
         mod = importlib.import_module(module)
     config_class, trainer_class = getattr(mod, config_name), getattr(mod, trainer_name)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
-    model = AutoModelForCausalLM.from_pretrained(work / "model")
-    timer = hf_timer(model, pairs=True)
-    overrides = REFERENCE_FREE_VARIANTS[contender]
+    if objective == "reward":
+        model = AutoModelForSequenceClassification.from_pretrained(work / "model", num_labels=1)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(work / "model")
+    timer = hf_timer(model, pairs=True)  # KTO: a pair's two examples are two rows, as ours
+    records = kto_examples(work, spec) if objective == "kto" else trl_pairs(work)
+    batch = 2 * spec.dpo_batch if objective == "kto" else spec.dpo_batch  # KTO's batch counts examples
     with tempfile.TemporaryDirectory() as tmp:
-        args = config_class(output_dir=tmp, max_length=spec.dpo_max_length,
-                            per_device_train_batch_size=spec.dpo_batch, max_steps=spec.warmup + spec.steps,
-                            report_to="none", save_strategy="no", seed=spec.seed, disable_tqdm=True,
-                            use_cpu=not torch.cuda.is_available(), bf16=spec.precision == "bf16", **loss, **overrides)
-        trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(_trl_records(work)),
+        args = trl_args(config_class, spec, tmp, batch, max_length=spec.dpo_max_length, **loss,
+                        **PEER_VARIANTS[contender])
+        trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(records),
                                 processing_class=tokenizer, callbacks=[timer])
         settings = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "per_device_train_batch_size",
                                                   "max_length", *loss)}
+        reference = "separate model copy" if getattr(trainer, "ref_model", None) is not None else "none"
         trainer.train()
-    return {"contender": contender, "objective": objective, "trainer": trainer_name, "reference": "none",
+    return {"contender": contender, "objective": objective, "trainer": trainer_name, "reference": reference,
             "config": {k: str(v) for k, v in settings.items()}, "precompute_s": 0.0, "precompute_flops": 0.0,
             **timer.steps.summary(spec.warmup)}
 
@@ -156,12 +165,11 @@ def run_trl_reference_free(work: Path, spec: Spec, contender: str, objective: st
 def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     import time
 
-    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    records = _trl_records(work)
+    records = trl_pairs(work)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
     timer = hf_timer(model, pairs=True)
@@ -181,10 +189,7 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
     DPOTrainer._precompute_ref_logps = timed_precompute
     overrides = TRL_VARIANTS[contender]
     with tempfile.TemporaryDirectory() as tmp:
-        args = DPOConfig(output_dir=tmp, max_length=spec.dpo_max_length, per_device_train_batch_size=spec.dpo_batch,
-                         max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no", seed=spec.seed,
-                         disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=spec.precision == "bf16",
-                         **overrides)
+        args = trl_args(DPOConfig, spec, tmp, spec.dpo_batch, max_length=spec.dpo_max_length, **overrides)
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
                              processing_class=tokenizer, callbacks=[timer])
         defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "padding_free",
@@ -201,15 +206,15 @@ def run_trl(work: Path, spec: Spec, contender: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--objective", choices=["dpo", *REFERENCE_FREE], default="dpo")
+    p.add_argument("--objective", choices=["dpo", *PEERS], default="dpo")
     p.add_argument("--contender", choices=["ours", "ours_pre", "ours_separate", *TRL_VARIANTS], required=True)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     spec = Spec.load(args.work)
-    if args.objective != "dpo" and args.contender not in ("ours", *REFERENCE_FREE_VARIANTS):
-        p.error(f"--objective {args.objective}: contenders are ours, {', '.join(REFERENCE_FREE_VARIANTS)}")
+    if args.objective != "dpo" and args.contender not in ("ours", *PEER_VARIANTS):
+        p.error(f"--objective {args.objective}: contenders are ours, {', '.join(PEER_VARIANTS)}")
     if args.objective != "dpo" and args.contender.startswith("trl"):
-        result = run_trl_reference_free(args.work, spec, args.contender, args.objective)
+        result = run_trl_peer(args.work, spec, args.contender, args.objective)
     elif args.contender.startswith("trl"):
         result = run_trl(args.work, spec, args.contender)
     else:

@@ -7,6 +7,8 @@ machine, on the same model, data, tokenizer, precision, batch, max length, steps
     .venv/bin/python benchmarks/run_all.py --models proxy --more --steps 3 --prompt-tokens 300,600 --skip-memory \
         --only dpo/ours,dpo/ours_separate,dpo/trl_no_gc,simpo/ours,simpo/trl_no_gc,simpo/trl,orpo/ours,orpo/trl_no_gc,orpo/trl
         # the preference rows alone, shorter prompts (docs/benchmarks/speed.md)
+    .venv/bin/python benchmarks/run_all.py --models proxy --only kto,reward,grpo,rloo --steps 2 --prompt-tokens 300,600 \
+        --skip-memory   # KTO, the reward model, GRPO and RLOO alone (--completion-length: GRPO/RLOO's fixed length)
 
 Models (benchmarks/common.py ``MODELS``):
 - ``proxy`` (the headline): a random-init Llama with Llama-3.1-8B's FLOP shares at CPU size
@@ -29,6 +31,12 @@ Contenders, each in its own process with the same allocator settings (MALLOC_*, 
   checkpointing (their fastest setting), the loss settings equal to ours. Reference-free: the table
   sets their FLOPs per pair and peak RSS beside the DPO rows of the same run (the reference pass
   saved; against ``dpo/ours_separate`` where it ran, the same row layout as SimPO/ORPO);
+- KTO and the reward model, pairs/s (proxy only): ours (``objective=kto|reward`` at its defaults) vs
+  TRL's KTOTrainer / RewardTrainer at their defaults (checkpointing on) and without checkpointing
+  (benchmarks/dpo_throughput.py);
+- GRPO and RLOO, completions/s with the rollout in the step (proxy only): ours vs TRL's
+  GRPOTrainer / RLOOTrainer at their defaults and without checkpointing, every completion exactly
+  ``--completion-length`` tokens on both sides (benchmarks/rl_throughput.py);
 - log-prob peak memory at a 128k vocabulary (benchmarks/logprob_memory.py);
 - rollout throughput, single-turn against multi-turn with the scripted user, conversations/s and
   tokens/s on the tiny model (benchmarks/rollout_throughput.py; ``--only rollout`` alone).
@@ -68,6 +76,10 @@ PLANS = {
         "dpo": ["ours", "trl_no_gc", "ours_pre", "trl_pre_no_gc"],
         "simpo": ["ours", "trl_no_gc", "trl"],
         "orpo": ["ours", "trl_no_gc", "trl"],
+        "kto": ["ours", "trl_no_gc", "trl"],
+        "reward": ["ours", "trl_no_gc", "trl"],
+        "grpo": ["ours", "trl_no_gc", "trl"],
+        "rloo": ["ours", "trl_no_gc", "trl"],
     },
     "head_heavy": {"sft": ["ours", "trl_no_gc"], "dpo": ["ours", "trl_pre_no_gc"]},
 }
@@ -75,20 +87,30 @@ PLANS = {
 MORE = {"sft": ["pad_max", "trl_pack", "trl_padfree_no_gc"], "dpo": ["ours_separate", "trl"]}
 SMOKE = {"hidden": 64, "layers": 1, "intermediate": 128, "heads": 4, "kv_heads": 2, "n_sft": 12, "n_pairs": 6,
          "prompt_tokens": (100, 200), "reply_tokens": (10, 20), "sft_max_length": 600, "dpo_max_length": 400,
-         "dpo_max_prompt_length": 300}
-KINDS = ("sft", "dpo", "simpo", "orpo")
-PAIR_KINDS = ("dpo", "simpo", "orpo")  # benchmarks/dpo_throughput.py --objective <kind>
-RATE = {"sft": ("tokens_per_s", "tokens/s"), **{k: ("pairs_per_s", "pairs/s") for k in PAIR_KINDS}}
-WORK = {"sft": ("flops_per_token", "token"), **{k: ("flops_per_pair", "pair") for k in PAIR_KINDS}}  # counted FLOPs per unit of RATE
-TITLE = {"simpo": "SimPO (TRL: CPOTrainer loss_type=simpo)", "orpo": "ORPO (TRL: ORPOTrainer)"}
+         "dpo_max_prompt_length": 300, "completion_length": 4}
+KINDS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "rloo")
+PAIR_KINDS = ("dpo", "simpo", "orpo", "kto", "reward")  # benchmarks/dpo_throughput.py --objective <kind>
+RL_KINDS = ("grpo", "rloo")  # benchmarks/rl_throughput.py --objective <kind>
+RATE = {"sft": ("tokens_per_s", "tokens/s"), **{k: ("pairs_per_s", "pairs/s") for k in PAIR_KINDS},
+        **{k: ("completions_per_s", "completions/s") for k in RL_KINDS}}
+WORK = {"sft": ("flops_per_token", "token"), **{k: ("flops_per_pair", "pair") for k in PAIR_KINDS},
+        **{k: ("flops_per_completion", "completion") for k in RL_KINDS}}  # counted FLOPs per unit of RATE
+TITLE = {"simpo": "SimPO (TRL: CPOTrainer loss_type=simpo)", "orpo": "ORPO (TRL: ORPOTrainer)",
+         "kto": "KTO (TRL: KTOTrainer)", "reward": "Reward model (TRL: RewardTrainer)",
+         "grpo": "GRPO (TRL: GRPOTrainer)", "rloo": "RLOO (TRL: RLOOTrainer)"}
+# What a pair kind's step holds beyond the policy's rows (the table's header).
+PAIR_NOTE = {"simpo": "reference-free: no reference pass", "orpo": "reference-free: no reference pass",
+             "kto": "each pair a desirable and an undesirable example; KL rows and a reference copy on both sides",
+             "reward": "one-logit sequence-classification head, no reference"}
 
 
 def run_contender(kind: str, contender: str, work: Path, log_dir: Path, tag: str) -> dict:
-    script = HERE / ("dpo_throughput.py" if kind in PAIR_KINDS else f"{kind}_throughput.py")
+    script = HERE / ("dpo_throughput.py" if kind in PAIR_KINDS else "rl_throughput.py" if kind in RL_KINDS
+                     else f"{kind}_throughput.py")
     out = work / "results" / f"{kind}_{contender}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(script), "--work", str(work), "--contender", contender, "--out", str(out)]
-    if kind in PAIR_KINDS:
+    if kind in PAIR_KINDS or kind in RL_KINDS:
         cmd += ["--objective", kind]
     env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT / "src")}
     load_before = os.getloadavg()[0]
@@ -219,10 +241,15 @@ def report(results: dict) -> str:
             elif kind == "dpo":
                 lines.append(f"DPO ({s['dpo_batch']} pairs a step, max_length {s['dpo_max_length']}; pairs/s charges a "
                              f"precomputed reference pass per pair, 'steps' leaves it out):")
+            elif kind in RL_KINDS:
+                lines.append(f"{TITLE[kind]} ({s['rl_prompts']} prompt(s) x {s['num_generations']} completions a step, "
+                             f"every completion {s['completion_length']} tokens; rollout included):")
+                lines.append(f"  {'contender':18s} {'compl/s':>9s} {'tokens/s':>8s} {'peak RSS':>9s} "
+                             f"{'GFLOP/compl':>11s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per completion)")
             else:
                 lines.append(f"{TITLE[kind]} ({s['dpo_batch']} pairs a step, max_length {s['dpo_max_length']}; "
-                             f"reference-free: no reference pass):")
-            if kind != "sft":
+                             f"{PAIR_NOTE[kind]}):")
+            if kind in PAIR_KINDS:
                 lines.append(f"  {'contender':18s} {'pairs/s':>9s} {'steps':>7s} {'tokens/s':>8s} {'peak RSS':>9s} "
                              f"{'GFLOP/pair':>10s} {'GFLOP/s':>7s} {'of peak':>7s}  vs best TRL (time, FLOPs per pair)")
             for name, row in table.items():
@@ -239,15 +266,20 @@ def report(results: dict) -> str:
                     lines.append(f"  {name:18s} {row['tokens_per_s']:9.1f} {row['samples_per_s']:7.3f} "
                                  f"{row['padding_fraction']:7.0%} {row['peak_rss_mib']:6.0f} MiB "
                                  f"{row['flops_per_token'] / 1e6:9.1f} {rate}{versus}{mark}")
+                elif kind in RL_KINDS:
+                    lines.append(f"  {name:18s} {row['completions_per_s']:9.4f} {row['tokens_per_s']:8.1f} "
+                                 f"{row['peak_rss_mib']:6.0f} MiB {row['flops_per_completion'] / 1e9:11.2f} "
+                                 f"{rate}{versus}{mark}")
                 else:
                     lines.append(f"  {name:18s} {row['pairs_per_s']:9.4f} {row['pairs_per_s_steps_only']:7.4f} "
                                  f"{row['tokens_per_s']:8.1f} {row['peak_rss_mib']:6.0f} MiB "
                                  f"{row['flops_per_pair'] / 1e9:10.2f} {rate}{versus}{mark}")
         lines.extend(reference_saved(part))
     tgt = results["targets"]
-    lines.append(f"Targets on the proxy (issue 15): SFT >= {tgt['sft_vs_best_trl']}x and DPO >= {tgt['dpo_vs_best_trl']}x "
-                 f"the best TRL row, peak RSS <= {tgt['peak_rss_vs_best_trl']}x its:")
     proxy = results["models"].get("proxy", {}).get("ratios", {})
+    if proxy.get("sft") or proxy.get("dpo"):
+        lines.append(f"Targets on the proxy (issue 15): SFT >= {tgt['sft_vs_best_trl']}x and DPO >= {tgt['dpo_vs_best_trl']}x "
+                     f"the best TRL row, peak RSS <= {tgt['peak_rss_vs_best_trl']}x its:")
     for kind, name in (("sft", "ours"), ("dpo", "ours"), ("dpo", "ours_pre")):
         r = proxy.get(kind, {}).get(name)
         if r:
@@ -310,8 +342,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--prompt-tokens", default="", metavar="LO,HI",
                    help="prompt lengths drawn (default 800,1800, RoleMRC's); shorter: a quicker, smaller run")
+    p.add_argument("--completion-length", type=int, default=0, metavar="N",
+                   help="GRPO/RLOO: every completion exactly N tokens (default: Spec's, 32)")
+    p.add_argument("--num-generations", type=int, default=0, metavar="G",
+                   help="GRPO/RLOO: completions per prompt (default: Spec's, 4)")
+    p.add_argument("--rl-prompts", type=int, default=0, metavar="P", help="GRPO/RLOO: prompts a step (default: Spec's, 1)")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (the next in reverse order)")
-    p.add_argument("--only", default="", help="comma list like sft/ours,dpo/trl (default: all)")
+    p.add_argument("--only", default="", help="comma list of kinds or kind/contender, like kto,grpo or sft/ours,dpo/trl "
+                   f"(default: all; kinds {', '.join(KINDS)})")
     p.add_argument("--more", action="store_true", help="also: " + ", ".join(f"{k}/{n}" for k, v in MORE.items() for n in v))
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-rollout", action="store_true", help="no rollout throughput row (single- vs multi-turn)")
@@ -343,6 +381,9 @@ def main() -> None:
         if args.prompt_tokens:
             lo, hi = (int(x) for x in args.prompt_tokens.split(","))
             spec.prompt_tokens = (lo, hi)
+        for key in ("completion_length", "num_generations", "rl_prompts"):
+            if getattr(args, key):
+                setattr(spec, key, getattr(args, key))
         work = args.work / model
         print(f"[{model}] preparing model and data in {work} ...", flush=True)
         part: dict = {"label": MODEL_LABELS[model], "spec": dict(spec.__dict__), "data": prepare(work, spec),
@@ -351,7 +392,7 @@ def main() -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         for kind in KINDS:
             names = PLANS[model].get(kind, []) + (MORE.get(kind, []) if args.more and model == "proxy" else [])
-            names = [n for n in interleave(names) if not only or f"{kind}/{n}" in only]
+            names = [n for n in interleave(names) if not only or kind in only or f"{kind}/{n}" in only]
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for round_ in range(args.repeats):
                 for name in names if round_ % 2 == 0 else reversed(names):

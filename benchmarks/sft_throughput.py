@@ -40,7 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spec, add_callback, compose, hf_timer, lightning_timer, set_env, write_result  # noqa: E402
+from common import (Spec, hf_timer, lightning_timer, rolemrc_overrides, run_rolemrc, set_env, trl_args,  # noqa: E402
+                    trl_messages, write_result)
 
 set_env()
 
@@ -50,7 +51,6 @@ def run_ours(work: Path, spec: Spec, pad_max: bool, extra_callbacks: tuple = ())
 
     from rolemrc.data.datamodule import ChatDataModule
     from rolemrc.objectives import IGNORE_INDEX
-    from rolemrc.run.train import run
 
     timer = lightning_timer()
     if pad_max:
@@ -74,20 +74,10 @@ def run_ours(work: Path, spec: Spec, pad_max: bool, extra_callbacks: tuple = ())
         ChatDataModule.collator = padded_collator
     else:  # rows per step holding about spec.sft_batch conversations, as the others' batches
         batch_size = packed_rows_per_step(work, spec)
-    steps = spec.warmup + spec.steps
-    overrides = [
-        f"model.path={work / 'model'}", "model.name=bench", "objective=sft",
-        f"data.sft=[{{path:{work / 'sft.jsonl'}}}]", "data.val_fraction=0", f"data.max_length={spec.sft_max_length}",
-        f"data.batch_size={batch_size}", f"data.packing={str(not pad_max).lower()}",
-        f"trainer.precision={spec.lightning_precision}", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false",
-        "logger=none", "callbacks=none", "export.enabled=false", f"seed={spec.seed}",
-        *spec.ours_overrides,
-    ]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(overrides, Path(tmp))
-        for callback in (timer, *extra_callbacks):
-            add_callback(callback)
-        run(cfg)
+    overrides = rolemrc_overrides(work, spec, ["objective=sft"], [
+        f"data.sft=[{{path:{work / 'sft.jsonl'}}}]", f"data.max_length={spec.sft_max_length}",
+        f"data.batch_size={batch_size}", f"data.packing={str(not pad_max).lower()}"])
+    run_rolemrc(overrides, timer, *extra_callbacks)
     name = "pad_max" if pad_max else "ours"
     return {"contender": name, "batch_size": batch_size, "overrides": overrides, **timer.steps.summary(spec.warmup)}
 
@@ -126,14 +116,13 @@ TRL_VARIANTS = {  # contender -> SFTConfig overrides on top of TRL's defaults
 def run_trl(work: Path, spec: Spec, contender: str, extra_callbacks: tuple = ()) -> dict:
     import json
 
-    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     records = []
     for line in (work / "sft.jsonl").read_text().splitlines():
-        conv = [{"role": m["role"].lower(), "content": m["content"]} for m in json.loads(line)["conversations"]]
+        conv = trl_messages(json.loads(line)["conversations"])
         records.append({"prompt": conv[:-1], "completion": conv[-1:]})  # loss on the reply, as ours
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model")
@@ -142,10 +131,7 @@ def run_trl(work: Path, spec: Spec, contender: str, extra_callbacks: tuple = ())
     packing = overrides.get("packing", False)
     batch = packed_rows_per_step(work, spec) if packing else spec.sft_batch
     with tempfile.TemporaryDirectory() as tmp:
-        args = SFTConfig(output_dir=tmp, **{"max_length": spec.sft_max_length, **overrides}, per_device_train_batch_size=batch,
-                         max_steps=spec.warmup + spec.steps, report_to="none", save_strategy="no",
-                         seed=spec.seed, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-                         bf16=spec.precision == "bf16")
+        args = trl_args(SFTConfig, spec, tmp, batch, **{"max_length": spec.sft_max_length, **overrides})
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(records),
                              processing_class=tokenizer, callbacks=[timer, *extra_callbacks])
         defaults = {k: getattr(args, k) for k in ("bf16", "gradient_checkpointing", "packing", "padding_free",

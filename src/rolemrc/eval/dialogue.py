@@ -576,8 +576,10 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
         rule = " rule kept: the replies that obey their seed's rule (rolemrc's verifiers)." if any(
             c.startswith("rule kept") for c in columns) else ""
-        lines += ["", "Each cell: the judge's accuracy over the replies of that turn with a verdict (their number); "
-                  "a turn's replies are fewer when conversations ended earlier." + rule, ""]
+        judged = any(c not in ("turn", "replies") and not c.startswith("rule kept") for c in columns)
+        cell = ("Each cell: the judge's accuracy over the replies of that turn with a verdict (their number); " if judged
+                else "Each cell: the share of that turn's replies (their number); ")
+        lines += ["", cell + "a turn's replies are fewer when conversations ended earlier." + rule, ""]
     if consistency is not None:
         lines += [f"Role consistency across the turns (judge, one verdict per conversation): "
                   f"{_pct(consistency['accuracy'])} of {consistency['n_ok']} conversations with a verdict "

@@ -568,7 +568,7 @@ def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
 # function of src/ of that name). Only the door and the entries may.
 CONFIG_PARAMETER_NAMES = {"cfg", "run_cfg", "config", "conf"}
 WHOLE_CONFIG_TYPES = {"DictConfig", "TrainConfig"}
-PART_TYPES = {"TrainStep"}
+PART_TYPES = {"TrainStep", "Replier", "Judging"}
 # module:qualified name (fnmatch patterns) of the functions that may take the whole config
 CONFIG_DOOR = [
     "rolemrc.run.train:setup", "rolemrc.run.train:run",  # the training recipe's entry and door
@@ -578,16 +578,26 @@ CONFIG_DOOR = [
     "rolemrc.run.resume:*",  # before Hydra starts, and the record of what a continuation changed
     "rolemrc.memory:*",  # python -m rolemrc.memory: its own entry
     "rolemrc.eval.run:run", "rolemrc.eval.suites:run_suites", "rolemrc.probing.run:run",  # the other recipes' entries
+    "rolemrc.synth.pipeline:run", "rolemrc.synth.config:validate",
 ]
-# evaluate.py's and probe.py's code (the recipes' building blocks that still take their whole
-# config: eval.generation, the suites, eval.dialogue, probing.run's summary, the reward model's
-# evaluation): not converted yet, so not checked; training's is, everywhere else.
-CONFIG_NOT_YET = ("rolemrc.eval.*", "rolemrc.probing.*", "rolemrc.rewards.evaluation:*")
+# The other recipes are typed at their doors the same way (evaluate.py: rolemrc.config.Replier and
+# Judging; probe.py and synthesize.py: their groups): each recipe's config class names the root keys
+# of the whole config in the modules that recipe runs.
+RECIPES = {  # config class (file) -> the modules whose functions it is handed to
+    "TrainConfig": ("config.py", ["rolemrc.*"]),
+    "EvaluateConfig": ("config.py", ["rolemrc.eval.*", "rolemrc.rewards.evaluation", "rolemrc.env.*"]),
+    "ProbeConfig": ("config.py", ["rolemrc.probing.*"]),
+    "SynthConfig": ("synth/config.py", ["rolemrc.synth.*"]),
+}
+# Functions not converted yet (module:qualified name patterns): none may be added.
+CONFIG_NOT_YET: tuple[str, ...] = (
+    "rolemrc.eval.*", "rolemrc.probing.*", "rolemrc.rewards.evaluation:*", "rolemrc.synth.*",
+)
 
 
-def _root_keys(src: Path = SRC / PROJECT) -> set[str]:
-    tree = ast.parse((src / "config.py").read_text(encoding="utf-8"))
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig"]
+def _root_keys(src: Path = SRC / PROJECT, cls_name: str = "TrainConfig", file: str = "config.py") -> set[str]:
+    tree = ast.parse((src / file).read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name]
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
@@ -595,13 +605,20 @@ def _annotation(arg: ast.arg) -> str:
     return "" if arg.annotation is None else ast.unparse(arg.annotation).strip("'\"").rpartition(".")[2]
 
 
-def whole_config_parameters(src: Path = SRC / PROJECT, project: str = PROJECT) -> set[str]:
-    """``module:function(parameter)`` of every config parameter that takes the whole config (above)."""
-    roots = _root_keys(src)
+def whole_config_parameters(src: Path = SRC / PROJECT, project: str = PROJECT,
+                            roots: set[str] | None = None, scope: tuple[str, ...] = ("*",)) -> set[str]:
+    """``module:function(parameter)`` of every config parameter that takes the whole config (above),
+    ``roots`` being the root keys of the recipe's config (TrainConfig's by default), among the
+    functions of the modules matching ``scope``."""
+    from fnmatch import fnmatch
+
+    roots = _root_keys(src) if roots is None else roots
     functions: list[tuple[str, ast.FunctionDef, list[ast.arg]]] = []  # (module:qualname, node, parameters)
     for path in sorted(src.rglob("*.py")):
         parts = [project, *path.relative_to(src).with_suffix("").parts]
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if not any(fnmatch(module, pattern) for pattern in scope):
+            continue
 
         def visit(node: ast.AST, prefix: str) -> None:
             for child in ast.iter_child_nodes(node):
@@ -663,7 +680,9 @@ def whole_config_parameters(src: Path = SRC / PROJECT, project: str = PROJECT) -
 def test_no_function_below_the_entries_takes_the_whole_config() -> None:
     from fnmatch import fnmatch
 
-    taking = whole_config_parameters()
+    taking = set()
+    for cls_name, (file, scope) in RECIPES.items():
+        taking |= whole_config_parameters(roots=_root_keys(SRC / PROJECT, cls_name, file), scope=tuple(scope))
     below = sorted(t for t in taking if not any(fnmatch(t.partition("(")[0], d) for d in CONFIG_DOOR))
     unexpected = [t for t in below if not any(fnmatch(t.partition("(")[0], d) for d in CONFIG_NOT_YET)]
     assert not unexpected, ("functions below the entries that take the whole config (hand them the parts they "

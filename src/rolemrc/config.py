@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import logging
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -869,6 +870,47 @@ class EvaluateConfig:
     report: ReportConfig = field(default_factory=ReportConfig)  # published figures beside this run's
     env: EnvConfig = field(default_factory=EnvConfig)  # conf/env: dialogue mode (a conversation per test seed)
     dialogue: DialogueConfig = field(default_factory=DialogueConfig)  # the dialogue mode's consistency judge
+
+
+@dataclass(frozen=True)
+class Replier:
+    """evaluate.py's evaluated model and how its replies are made, typed once at the evaluation's
+    door (:func:`rolemrc.eval.run.run`): what the generation backends, the model's label, prompt
+    encoding and a judge judging with the evaluated model read, never the whole config."""
+
+    model: Any  # ModelConfig
+    generation: Any  # EvalGenerationConfig
+    data: Any  # DataConfig: prompts are encoded into its store
+    out_dir: str  # generations.jsonl (and the generation cache) live here
+    restraint: Optional[str] = None  # neuron-restraint spec applied while generating
+    seed: int = 42
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Replier":
+        return cls(model=cfg.model, generation=cfg.generation, data=cfg.data, out_dir=str(cfg.out_dir),
+                   restraint=cfg.get("restraint"), seed=int(cfg.get("seed", 42)))
+
+    def at(self, out_dir: Any) -> "Replier":
+        """The same replier writing its generations into ``out_dir`` (a benchmark's sub-folder)."""
+        return dataclasses.replace(self, out_dir=str(out_dir))
+
+
+@dataclass(frozen=True)
+class Judging:
+    """The judge an evaluation asks, typed once at its door: the ``judge`` group, where answers are
+    cached (``judge.cache_dir``, else ``<out_dir>/judge_cache``), and the device and progress bar of
+    a judge loaded here."""
+
+    judge: Any  # JudgeConfig
+    cache_dir: str
+    device: Optional[str] = None
+    progress: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Judging":
+        default = str(Path(str(cfg.out_dir)) / "judge_cache")
+        return cls(judge=cfg.judge, cache_dir=str(cfg.judge.get("cache_dir") or default),
+                   device=cfg.generation.get("device"), progress=bool(cfg.generation.get("progress", False)))
 
 
 def register_evaluate(cs: ConfigStore) -> None:

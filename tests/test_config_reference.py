@@ -24,7 +24,8 @@ SCHEMA_MODULES = (rolemrc.config, rolemrc.config_suites, rolemrc.synth.config, r
 # Dataclasses of those modules that are no config node: the objective registry's entry, and the
 # base whose keys each objective's own table lists.
 NOT_NODES = {rolemrc.config.Objective, rolemrc.config.ObjectiveConfig,
-             rolemrc.config.TrainStep, rolemrc.config.TrainParts}  # the typed parts of a composed config, not nodes
+             rolemrc.config.TrainStep, rolemrc.config.TrainParts,
+             rolemrc.config.Replier, rolemrc.config.Judging}  # the typed parts of a composed config, not nodes
 
 
 def _generator():

@@ -568,7 +568,7 @@ def test_the_probe_check_finds_probes(tmp_path: Path) -> None:
 # function of src/ of that name). Only the door and the entries may.
 CONFIG_PARAMETER_NAMES = {"cfg", "run_cfg", "config", "conf"}
 WHOLE_CONFIG_TYPES = {"DictConfig", "TrainConfig"}
-PART_TYPES = {"TrainStep", "Replier", "Judging"}
+PART_TYPES = {"TrainStep", "Replier", "Judging", "Capture"}
 # module:qualified name (fnmatch patterns) of the functions that may take the whole config
 CONFIG_DOOR = [
     "rolemrc.run.train:setup", "rolemrc.run.train:run",  # the training recipe's entry and door
@@ -591,7 +591,7 @@ RECIPES = {  # config class (file) -> the modules whose functions it is handed t
 }
 # Functions not converted yet (module:qualified name patterns): none may be added.
 CONFIG_NOT_YET: tuple[str, ...] = (
-    "rolemrc.eval.*", "rolemrc.probing.*", "rolemrc.rewards.evaluation:*", "rolemrc.synth.*",
+    "rolemrc.eval.*", "rolemrc.rewards.evaluation:*", "rolemrc.synth.*",
 )
 
 

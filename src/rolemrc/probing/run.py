@@ -7,9 +7,11 @@ Writes into ``out_dir``: ``maps.npz``, ``freq_a.png`` (``freq_b.png``, ``discrep
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +63,26 @@ def probing_model_cfg(model_cfg: DictConfig, path: str | None) -> DictConfig:
     return OmegaConf.merge(model_cfg, overrides)
 
 
-def probe_one(cfg: DictConfig, model_cfg: DictConfig, chat: ChatFormat, items: list[Any],
+@dataclass(frozen=True)
+class Capture:
+    """How activations are captured and counted: the keyword arguments of
+    :func:`~rolemrc.probing.maps.compute_frequency_maps`, read once from probe.py's config."""
+
+    site: str
+    top_fraction: float
+    rank_by: str
+    batch_size: int
+    max_prompt_length: int | None
+    progress: bool
+
+
+def probe_one(capture: Capture, model_cfg: DictConfig, chat: ChatFormat, items: list[Any],
               device: torch.device) -> FrequencyMaps:
     """Load one model, compute its frequency maps on ``items``, free it."""
     start = time.perf_counter()
     model = build_model(model_cfg, chat.tokenizer).to(device)
     try:
-        maps = compute_frequency_maps(
-            model, chat, items, site=cfg.site, top_fraction=cfg.top_fraction, batch_size=cfg.batch_size,
-            rank_by=cfg.rank_by, max_prompt_length=cfg.max_prompt_length, progress=cfg.progress,
-        )
+        maps = compute_frequency_maps(model, chat, items, **dataclasses.asdict(capture))
     finally:
         del model
         gc.collect()
@@ -81,26 +93,27 @@ def probe_one(cfg: DictConfig, model_cfg: DictConfig, chat: ChatFormat, items: l
     return maps
 
 
-def check_settings(cfg: DictConfig) -> None:
-    """Reject bad choices before any model is loaded (probing an 8B model twice takes a while)."""
-    check_site(cfg.site)
-    r = cfg.restraint
-    for key, value, allowed in (("rank_by", cfg.rank_by, RANK_BY), ("restraint.dimension", r.dimension, GROUPS),
+def check_settings(capture: Capture, r: DictConfig, limit: int | None) -> None:
+    """Reject bad choices (``r``: the restraint group) before any model is loaded (probing an 8B
+    model twice takes a while)."""
+    check_site(capture.site)
+    for key, value, allowed in (("rank_by", capture.rank_by, RANK_BY), ("restraint.dimension", r.dimension, GROUPS),
                                 ("restraint.select", r.select, SELECT), ("restraint.scope", r.scope, SCOPES),
                                 ("restraint.direction", r.direction, DIRECTIONS)):
         if value not in allowed:
             raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
-    if not 0.0 < cfg.top_fraction <= 1.0:
-        raise ValueError(f"top_fraction must be in (0, 1], got {cfg.top_fraction}")
+    if not 0.0 < capture.top_fraction <= 1.0:
+        raise ValueError(f"top_fraction must be in (0, 1], got {capture.top_fraction}")
     if r.layers is not None and (len(r.layers) != 2 or r.layers[0] > r.layers[1]):
         raise ValueError(f"restraint.layers must be [first, last], got {list(r.layers)}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or null, got {limit}")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Probe as configured; return the paths written."""
-    check_settings(cfg)
+    capture = Capture(cfg.site, cfg.top_fraction, cfg.rank_by, cfg.batch_size, cfg.max_prompt_length, cfg.progress)
+    check_settings(capture, cfg.restraint, cfg.limit)
     cfg, _ = resolve_model_sources(cfg, "compare.path")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,15 +128,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     model_a = probing_model_cfg(cfg.model, cfg.model.path)
     model_b = None if cfg.compare.path is None else probing_model_cfg(cfg.model, cfg.compare.path)  # fail early
-    maps_a = probe_one(cfg, model_a, chat, items, device)
+    maps_a = probe_one(capture, model_a, chat, items, device)
     maps_b = None
     if model_b is not None:
         torch.manual_seed(cfg.seed)
-        maps_b = probe_one(cfg, model_b, chat, items, device)
+        maps_b = probe_one(capture, model_b, chat, items, device)
 
     written: dict[str, Any] = {"out_dir": str(out_dir)}
     written["maps"] = str(save_maps(out_dir / "maps.npz", maps_a, maps_b, names))
-    setting = f"site {cfg.site}, top {cfg.top_fraction:.0%} by {cfg.rank_by}"
+    setting = f"site {capture.site}, top {capture.top_fraction:.0%} by {capture.rank_by}"
     written["freq_a"] = str(plot_maps(maps_a.freq, out_dir / "freq_a.png", f"Activation frequency, {names[0]} ({setting})"))
     restraint = None
     if maps_b is not None:
@@ -135,19 +148,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                                         out_dir / "layer_change.png",
                                                         f"Per-layer change, {names[1]} vs {names[0]}"))
         if cfg.restraint.enabled:
-            restraint = select_restraint(cfg, diff)
+            restraint = select_restraint(cfg.restraint, capture, diff)
             written["restraint"] = str(restraint.save(out_dir / "restraint.json"))
     summary = out_dir / "probe_summary.md"
-    summary.write_text(summary_markdown(cfg, names, maps_a, maps_b, restraint))
+    evaluate = f"python evaluate.py model={cfg.model.name} model.path={cfg.compare.path} data={cfg.data.name}"
+    summary.write_text(summary_markdown(capture, names, (cfg.model.path, cfg.compare.path), maps_a, maps_b, restraint,
+                                        (evaluate, f"{evaluate} restraint={out_dir.resolve()}")))
     written["summary"] = str(summary)
     log.info("probe outputs in %s", out_dir)
     print(f"probe outputs: {out_dir}")
     return written
 
 
-def select_restraint(cfg: DictConfig, diff: dict[str, np.ndarray]) -> Restraint:
-    """The restraint of ``cfg.restraint``: the most-changed neurons of one group's discrepancy."""
-    r = cfg.restraint
+def select_restraint(r: DictConfig, capture: Capture, diff: dict[str, np.ndarray]) -> Restraint:
+    """The restraint the ``restraint`` group ``r`` asks for: the most-changed neurons of one
+    group's discrepancy."""
     if r.dimension not in diff:
         raise ValueError(f"restraint.dimension={r.dimension!r}: no test case of that group was probed "
                          f"(have: {', '.join(diff)})")
@@ -158,26 +173,29 @@ def select_restraint(cfg: DictConfig, diff: dict[str, np.ndarray]) -> Restraint:
         log.warning("restraint: no neuron changed in the selected range; restraint.json lists none")
     selection = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in r.items()
                  if k not in ("enabled", "factor")}
-    selection["site"] = cfg.site
-    selection["top_fraction"] = cfg.top_fraction
+    selection["site"] = capture.site
+    selection["top_fraction"] = capture.top_fraction
     selection["changes"] = [round(float(diff[r.dimension][layer, neuron]), 6) for layer, neuron in neurons]
-    return Restraint(neurons=neurons, site=cfg.site, factor=float(r.factor), selection=selection)
+    return Restraint(neurons=neurons, site=capture.site, factor=float(r.factor), selection=selection)
 
 
-def summary_markdown(cfg: DictConfig, names: tuple[str, str], a: FrequencyMaps, b: FrequencyMaps | None,
-                     restraint: Restraint | None, top_layers: int = 5, top_neurons: int = 10) -> str:
-    """``probe_summary.md``: setting, cases per group, the layers that changed most, top neurons."""
+def summary_markdown(capture: Capture, names: tuple[str, str], paths: tuple[str | None, str | None],
+                     a: FrequencyMaps, b: FrequencyMaps | None, restraint: Restraint | None,
+                     evaluate: tuple[str, str], top_layers: int = 5, top_neurons: int = 10) -> str:
+    """``probe_summary.md``: setting, cases per group, the layers that changed most, top neurons.
+    ``paths``: model A's and B's weights; ``evaluate``: the commands evaluating B without and
+    with the restraint."""
     n_layers, width = a.shape
     lines = [
         "# Neuron probing" + (f": {names[1]} vs {names[0]}" if b is not None else f": {names[0]}"),
         "",
-        f"- A ({names[0]}): `{cfg.model.path or 'random init'}`",
+        f"- A ({names[0]}): `{paths[0] or 'random init'}`",
     ]
     if b is not None:
-        lines.append(f"- B ({names[1]}): `{cfg.compare.path}`")
+        lines.append(f"- B ({names[1]}): `{paths[1]}`")
     lines += [
-        f"- site `{cfg.site}`, top {cfg.top_fraction:.0%} of {width} neurons per layer "
-        f"(ranked by {cfg.rank_by}), {n_layers} layers",
+        f"- site `{capture.site}`, top {capture.top_fraction:.0%} of {width} neurons per layer "
+        f"(ranked by {capture.rank_by}), {n_layers} layers",
         "- test cases per group: " + ", ".join(f"{g} {n}" for g, n in a.n_cases.items()),
         "",
     ]
@@ -219,8 +237,7 @@ def summary_markdown(cfg: DictConfig, names: tuple[str, str], a: FrequencyMaps, 
             "",
             "Before/after (paper Table 6): evaluate B without and with it,",
             "",
-            f"    python evaluate.py model={cfg.model.name} model.path={cfg.compare.path} data={cfg.data.name}",
-            f"    python evaluate.py model={cfg.model.name} model.path={cfg.compare.path} data={cfg.data.name} "
-            f"restraint={Path(cfg.out_dir).resolve()}",
+            f"    {evaluate[0]}",
+            f"    {evaluate[1]}",
         ]
     return "\n".join(lines) + "\n"

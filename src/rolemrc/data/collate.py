@@ -20,31 +20,36 @@ def pad(rows: list[list[int]], value: int) -> torch.Tensor:
     return out
 
 
-class SFTCollator:
-    """``input_ids``, ``labels`` (-100 on context and padding), ``attention_mask``: [B, T]."""
+class _Padded:
+    """A collator padding with ``pad_id`` (:meth:`padded`: rows right-padded)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        ids = [e["input_ids"] for e in examples]
+    def padded(self, ids: list[list[int]], labels: list[list[int]], examples: list[dict[str, Any]]) -> dict[str, Any]:
+        """``input_ids``, ``labels`` (-100 on padding), ``attention_mask`` [rows, T] and the
+        examples' ``index``."""
         return {
             "input_ids": pad(ids, self.pad_id),
-            "labels": pad([e["labels"] for e in examples], IGNORE_INDEX),
+            "labels": pad(labels, IGNORE_INDEX),
             "attention_mask": pad([[1] * len(r) for r in ids], 0),
             "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
         }
 
 
-class PairCollator:
+class SFTCollator(_Padded):
+    """``input_ids``, ``labels`` (-100 on context and padding), ``attention_mask``: [B, T]."""
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.padded([e["input_ids"] for e in examples], [e["labels"] for e in examples], examples)
+
+
+class PairCollator(_Padded):
     """Chosen rows then rejected rows in one [2B, T] batch, so one forward scores both.
 
     Labels cover the response tokens only. ``index`` [B] identifies pairs (reference cache).
     ``margin`` [B] (float32) when any pair of the batch has one (a pair without: 0, no margin).
     """
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids, labels = [], []
@@ -52,35 +57,22 @@ class PairCollator:
             for e in examples:
                 ids.append(e["prompt_ids"] + e[side])
                 labels.append([IGNORE_INDEX] * len(e["prompt_ids"]) + e[side])
-        batch = {
-            "input_ids": pad(ids, self.pad_id),
-            "labels": pad(labels, IGNORE_INDEX),
-            "attention_mask": pad([[1] * len(r) for r in ids], 0),
-            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
-        }
+        batch = self.padded(ids, labels, examples)
         if any("margin" in e for e in examples):
             batch["margin"] = torch.tensor([float(e.get("margin", 0.0)) for e in examples], dtype=torch.float32)
         return batch
 
 
-class UnpairedCollator:
+class UnpairedCollator(_Padded):
     """Unpaired examples (``objective=kto``): one row each, prompt + completion, the completion
     labelled; ``label`` [N] (bool: desirable), ``index`` [N]. The KL rows are the module's
     business (:func:`rolemrc.modules.kto.mismatched`)."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [e["prompt_ids"] + e["completion_ids"] for e in examples]
         labels = [[IGNORE_INDEX] * len(e["prompt_ids"]) + e["completion_ids"] for e in examples]
-        return {
-            "input_ids": pad(ids, self.pad_id),
-            "labels": pad(labels, IGNORE_INDEX),
-            "attention_mask": pad([[1] * len(r) for r in ids], 0),
-            "label": torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool),
-            "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),
-        }
+        return {**self.padded(ids, labels, examples),
+                "label": torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool)}
 
 
 class PackedCollator:
@@ -146,15 +138,11 @@ class PackedCollator:
         }
 
 
-
-class PromptCollator:
+class PromptCollator(_Padded):
     """Prompts for online RL: ``prompt_ids`` ``[B, P]`` LEFT-padded (generation continues every row
     at the same position), ``prompt_mask`` ``[B, P]`` (1 on the prompt tokens), ``index`` ``[B]``,
     and, as Python lists, ``prompts`` (each prompt's messages) and ``columns`` (each reward column:
     one value per prompt; a field some records lack is None there)."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         width = max(len(r["prompt_ids"]) for r in rows)

@@ -25,7 +25,7 @@ from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, Pro
                                   UnpairedCollator,
                                   row_totals)
 from rolemrc.data.packing import pack_rows
-from rolemrc.data.readers import read_examples
+from rolemrc.data.readers import ReadReport, bad_records, read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
                                   epoch_batches_under_limit, repeated_batches)
 from rolemrc.data.store import (CHUNK, Spec, Store, encode_examples, encoded_rows_key_parts, nothing_to_train,
@@ -47,29 +47,30 @@ class _Unrenderable:
     def add(self, origin: str, err: TemplateRenderError) -> None:
         self.problems.append(f"{origin}: {err}")
 
-    def check(self, max_shown: int = 20) -> None:
-        if self.problems and self.on_error != "skip":
-            shown = "\n  ".join(self.problems[:max_shown])
-            more = f"\n  ... and {len(self.problems) - max_shown} more" if len(self.problems) > max_shown else ""
-            raise DataError(f"{len(self.problems)} {self.kind} record(s) the chat template cannot encode "
-                            f"(set data.on_error=skip to drop them):\n  {shown}{more}")
-        if self.problems:
-            log.warning("data.on_error=skip: skipped %d %s record(s) the chat template cannot encode; first: %s",
-                        len(self.problems), self.kind, "; ".join(self.problems[:5]))
+    def encoded(self, examples: list[Any], chat: ChatFormat, max_length: int,
+                max_prompt_length: int | None = None) -> Iterator[tuple[Any, Any]]:
+        """``(example, its encoding)`` in order, each chunk of examples (the store's ``CHUNK``)
+        encoded in one call as the store's build does, those the template cannot render added
+        here; a progress bar on long inputs."""
+        with tqdm(total=len(examples), desc=f"encode {self.kind}", leave=False, disable=len(examples) < 2000) as bar:
+            for start in range(0, len(examples), CHUNK):
+                chunk = examples[start:start + CHUNK]
+                for ex, enc in zip(chunk, encode_examples(chat, self.kind, chunk, max_length, max_prompt_length),
+                                   strict=True):
+                    if isinstance(enc, TemplateRenderError):
+                        self.add(ex.origin, enc)
+                    else:
+                        yield ex, enc
+                bar.update(len(chunk))
 
-    def report(self) -> dict:
-        return {"dropped_template_error": len(self.problems), "template_errors": self.problems[:5]}
-
-
-def _batched(examples: list[Any], kind: str, chat: ChatFormat, max_length: int,
-             max_prompt_length: int | None = None) -> Iterator[tuple[Any, Any]]:
-    """``(example, its encoding or TemplateRenderError)`` in order, each chunk of examples (the
-    store's ``CHUNK``) encoded in one call as the store's build does; a progress bar on long inputs."""
-    with tqdm(total=len(examples), desc=f"encode {kind}", leave=False, disable=len(examples) < 2000) as bar:
-        for start in range(0, len(examples), CHUNK):
-            chunk = examples[start:start + CHUNK]
-            yield from zip(chunk, encode_examples(chat, kind, chunk, max_length, max_prompt_length), strict=True)
-            bar.update(len(chunk))
+    def done(self, rows: list[dict], report: dict, empty: list[str]) -> tuple[list[dict], dict]:
+        """``(rows, report)`` with the dropped records counted in the report, once they are checked:
+        ``empty`` (no trained token left) and the unrenderable ones (:func:`bad_records`)."""
+        report.update(dropped_no_trainable_token=len(empty), dropped_examples=empty[:5],
+                      dropped_template_error=len(self.problems), template_errors=self.problems[:5])
+        bad_records(len(self.problems), f"{self.kind} record(s) the chat template cannot encode", self.problems,
+                    self.on_error, log)
+        return rows, report
 
 
 def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
@@ -80,10 +81,7 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
     tokens = trained = truncated = 0
     empty: list[str] = []
     bad = _Unrenderable("sft", on_error)
-    for ex, enc in _batched(examples, "sft", chat, max_length):
-        if isinstance(enc, TemplateRenderError):
-            bad.add(ex.origin, enc)
-            continue
+    for ex, enc in bad.encoded(examples, chat, max_length):
         truncated += enc.truncated
         if enc.n_predicted == 0:  # a trained token only at position 0 (never a target) trains nothing either
             empty.append(ex.origin)
@@ -91,18 +89,8 @@ def encode_sft(examples: list[Conversation], chat: ChatFormat, max_length: int,
         tokens += len(enc.input_ids)
         trained += enc.n_trained
         rows.append({"input_ids": enc.input_ids, "labels": enc.labels, "index": len(rows)})
-    report = {
-        "examples": len(rows),
-        "tokens": tokens,
-        "trained_tokens": trained,
-        "trained_fraction": round(trained / max(tokens, 1), 4),
-        "truncated": truncated,
-        "dropped_no_trainable_token": len(empty),
-        "dropped_examples": empty[:5],
-        **bad.report(),
-    }
-    bad.check()
-    return rows, report
+    return bad.done(rows, {"examples": len(rows), "tokens": tokens, "trained_tokens": trained,
+                           "trained_fraction": round(trained / max(tokens, 1), 4), "truncated": truncated}, empty)
 
 
 def encode_pairs(
@@ -112,10 +100,7 @@ def encode_pairs(
     prompt_tokens = response_tokens = prompt_cut = response_cut = 0
     empty: list[str] = []
     bad = _Unrenderable("pairs", on_error)
-    for ex, enc in _batched(examples, "pairs", chat, max_length, max_prompt_length):
-        if isinstance(enc, TemplateRenderError):
-            bad.add(ex.origin, enc)
-            continue
+    for ex, enc in bad.encoded(examples, chat, max_length, max_prompt_length):
         prompt_cut += enc.prompt_truncated
         response_cut += enc.response_truncated
         if not enc.chosen_ids or not enc.rejected_ids:
@@ -123,23 +108,10 @@ def encode_pairs(
             continue
         prompt_tokens += len(enc.prompt_ids)
         response_tokens += len(enc.chosen_ids) + len(enc.rejected_ids)
-        rows.append({"prompt_ids": enc.prompt_ids, "chosen_ids": enc.chosen_ids, "rejected_ids": enc.rejected_ids})
-        if ex.margin is not None:
-            rows[-1]["margin"] = ex.margin
-    for i, row in enumerate(rows):
-        row["index"] = i
-    report = {
-        "examples": len(rows),
-        "prompt_tokens": prompt_tokens,
-        "response_tokens": response_tokens,
-        "prompt_truncated": prompt_cut,
-        "response_truncated": response_cut,
-        "dropped_no_trainable_token": len(empty),
-        "dropped_examples": empty[:5],
-        **bad.report(),
-    }
-    bad.check()
-    return rows, report
+        rows.append({"prompt_ids": enc.prompt_ids, "chosen_ids": enc.chosen_ids, "rejected_ids": enc.rejected_ids,
+                     **({"margin": ex.margin} if ex.margin is not None else {}), "index": len(rows)})
+    return bad.done(rows, {"examples": len(rows), "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+                           "prompt_truncated": prompt_cut, "response_truncated": response_cut}, empty)
 
 
 def encode_unpaired(examples: list[Unpaired], chat: ChatFormat, max_length: int, max_prompt_length: int,
@@ -150,10 +122,7 @@ def encode_unpaired(examples: list[Unpaired], chat: ChatFormat, max_length: int,
     prompt_tokens = completion_tokens = prompt_cut = completion_cut = 0
     empty: list[str] = []
     bad = _Unrenderable("unpaired", on_error)
-    for ex, enc in _batched(examples, "unpaired", chat, max_length, max_prompt_length):
-        if isinstance(enc, TemplateRenderError):
-            bad.add(ex.origin, enc)
-            continue
+    for ex, enc in bad.encoded(examples, chat, max_length, max_prompt_length):
         prompt_cut += enc.prompt_truncated
         completion_cut += enc.response_truncated
         if not enc.chosen_ids:
@@ -163,20 +132,10 @@ def encode_unpaired(examples: list[Unpaired], chat: ChatFormat, max_length: int,
         completion_tokens += len(enc.chosen_ids)
         rows.append({"prompt_ids": enc.prompt_ids, "completion_ids": enc.chosen_ids, "label": bool(ex.label),
                      "index": len(rows)})
-    report = {
-        "examples": len(rows),
-        "desirable": sum(r["label"] for r in rows),
-        "undesirable": sum(not r["label"] for r in rows),
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_truncated": prompt_cut,
-        "completion_truncated": completion_cut,
-        "dropped_no_trainable_token": len(empty),
-        "dropped_examples": empty[:5],
-        **bad.report(),
-    }
-    bad.check()
-    return rows, report
+    return bad.done(rows, {"examples": len(rows), "desirable": sum(r["label"] for r in rows),
+                           "undesirable": sum(not r["label"] for r in rows), "prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens, "prompt_truncated": prompt_cut,
+                           "completion_truncated": completion_cut}, empty)
 
 
 def encode_prompts(examples: list[PromptItem], chat: ChatFormat, max_prompt_length: int,
@@ -205,16 +164,7 @@ def encode_prompts(examples: list[PromptItem], chat: ChatFormat, max_prompt_leng
             cut += 1
         tokens += len(prompt_ids)
         rows.append({"prompt_ids": prompt_ids, "messages": ex.prompt, "columns": ex.columns(), "index": len(rows)})
-    report = {"examples": len(rows), "prompt_tokens": tokens, "prompt_truncated": cut,
-              "dropped_no_trainable_token": 0, "dropped_examples": [], **bad.report()}
-    bad.check()
-    return rows, report
-
-
-def _report_lines(report: dict) -> list[str]:
-    """:meth:`ReadReport.lines` of a stored report."""
-    out = [f"{src}: {n} records kept, {report['skipped'].get(src, 0)} skipped" for src, n in report["sources"].items()]
-    return out + [f"  skipped {e}" for e in report["skipped_examples"]]
+    return bad.done(rows, {"examples": len(rows), "prompt_tokens": tokens, "prompt_truncated": cut}, [])
 
 
 def item_totals(item: Any) -> tuple[int, ...]:
@@ -279,16 +229,17 @@ class ChatDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Local rank 0 builds the store (or checks the one there) while the others wait."""
-        if self._cached():
+        if self.cfg.cache:
             self._open_store()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
-        if self._cached():
+        if self.cfg.cache:  # the rows from the store (prompt rows and unpaired examples: a store of their own)
             self._setup_from_store()
         else:
-            self._setup_in_memory()
+            self.train_rows, self.val_rows, self.report = self._read_and_encode()
+            self._log_reports()
         if self.cfg.packing:  # fixed once at build time (or here, without the cache): the report shows the fill
             self.items("train")
             self.items("val")
@@ -296,37 +247,29 @@ class ChatDataModule(L.LightningDataModule):
             Path(self.report_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.report_dir) / f"data_report_{self.kind}.json").write_text(json.dumps(self.report, indent=2))
 
-    def _cached(self) -> bool:
-        """Whether the rows come from the store (``data.cache``; prompt rows and unpaired examples: a
-        store of their own, the rows as encoded in memory)."""
-        return bool(self.cfg.cache)
-
     def _setup_from_store(self) -> None:
         store = self._open_store()
         self.train_rows, self.val_rows = store.rows("train"), store.rows("val")
         self.report = json.loads(json.dumps(store.report))
-        for line in _report_lines(self.report):
-            log.info(line)
-        self._log_reports(self.report["train"], self.report["val"])
+        self._log_reports()
         if not len(self.train_rows):
             raise DataError(nothing_to_train(self.kind, self.report["train"], self.cfg))
         if not self.report["val"] and self.cfg.val_fraction > 0 and not getattr(self.cfg, f"{self.kind}_val"):
             log.warning("data.val_fraction=%s holds out nothing: only %d %s record(s); no validation",
                         self.cfg.val_fraction, sum(self.report["sources"].values()), self.kind)
 
-    def _log_reports(self, train_report: dict, val_report: dict) -> None:
+    def _log_reports(self) -> None:
+        """The data report: what was read of each source, then the mask reports."""
+        r = self.report
+        for line in ReadReport(r["sources"], r["skipped"], r["skipped_examples"]).lines():
+            log.info(line)
+        train_report, val_report = r["train"], r["val"]
         log.info("mask report (train): %s", json.dumps(train_report))
         if val_report:
             log.info("mask report (val): %s", json.dumps(val_report))
         if train_report["dropped_no_trainable_token"]:
             log.warning("%d example(s) had no trainable token after truncation and are not trained on: %s",
                         train_report["dropped_no_trainable_token"], ", ".join(train_report["dropped_examples"]))
-
-    def _setup_in_memory(self) -> None:
-        self.train_rows, self.val_rows, self.report = self._read_and_encode()
-        for line in _report_lines(self.report):
-            log.info(line)
-        self._log_reports(self.report["train"], self.report["val"])
 
     def _read_and_encode(self) -> tuple[list[dict], list[dict], dict]:
         """(train rows, val rows, data report): the sources read and encoded in memory (what a

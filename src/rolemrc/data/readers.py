@@ -248,19 +248,23 @@ def read_examples(
         report.kept[label] = len(kept)
         report.skipped[label] = n_bad
         per_source.append(kept)
-    if errors:
-        shown = "\n  ".join(errors[:max_shown])
-        more = f"\n  ... and {len(errors) - max_shown} more" if len(errors) > max_shown else ""
-        raise DataError(
-            f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}"
-        )
+    bad_records(sum(report.skipped.values()), f"invalid {kind} record(s)", errors or report.examples, on_error, log,
+                max_shown)
     per_source, report.held_out = split_holdout(per_source, holdout, seed)
-    mixed = mix(per_source, [float(s.weight) for s in sources], seed)
-    total_skipped = sum(report.skipped.values())
-    if total_skipped:
-        log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s",
-                    total_skipped, kind, "; ".join(report.examples))
-    return mixed, report
+    return mix(per_source, [float(s.weight) for s in sources], seed), report
+
+
+def bad_records(n: int, what: str, problems: list[str], on_error: str, logger: logging.Logger,
+                max_shown: int = 20) -> None:
+    """``n`` records ``what`` says (``"invalid sft record(s)"``), ``problems`` the first of them
+    (``file:line: problem``): with ``on_error="raise"`` one :class:`DataError` listing up to
+    ``max_shown`` of them; with ``skip`` a warning (to ``logger``) naming the first five."""
+    if n and on_error != "skip":
+        shown = "\n  ".join(problems[:max_shown])
+        more = f"\n  ... and {n - max_shown} more" if n > max_shown else ""
+        raise DataError(f"{n} {what} (set data.on_error=skip to drop them):\n  {shown}{more}")
+    if n:
+        logger.warning("data.on_error=skip: skipped %d %s; first: %s", n, what, "; ".join(problems[:5]))
 
 
 def split_holdout(per_source: list[list[Any]], holdout: float, seed: int) -> tuple[list[list[Any]], list[Any]]:

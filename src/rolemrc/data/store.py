@@ -74,11 +74,11 @@ from tqdm.auto import tqdm
 from rolemrc.config import DataConfig, SourceConfig
 from rolemrc.data import readers
 from rolemrc.data.packing import plan_packs
-from rolemrc.data.readers import iter_source, mix, source_config, split_holdout
+from rolemrc.data.readers import bad_records, iter_source, mix, source_config, split_holdout
 from rolemrc.data.schemas import DataError, RecordError
 from rolemrc.data.templates import ChatFormat, TemplateRenderError, check_pair_lengths
 from rolemrc.errors import ConfigError, StorageError
-from rolemrc.fileio import storage_error
+from rolemrc.fileio import cache_root, storage_error
 from rolemrc.objectives import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,6 @@ SMALL_INPUT = 4 << 20  # local inputs below this many bytes are encoded in-proce
 OK, TEMPLATE_ERROR, EMPTY = 0, 1, 2
 # Pair layouts a packing plan is stored for: SFT has one, pairs two (share_prompt off/on)
 LAYOUTS = {"sft": (False,), "pairs": (False, True)}
-
-
-def default_cache_dir() -> Path:
-    """``$ROLEMRC_CACHE_DIR/data``, else ``$XDG_CACHE_HOME/rolemrc/data`` (``~/.cache/rolemrc/data``)."""
-    root = os.environ.get("ROLEMRC_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "data"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "rolemrc" / "data"
 
 
 def default_num_proc() -> int:
@@ -493,18 +484,9 @@ class _Builder:
             totals = np.stack([np.ones(len(rows), np.int64), lens["chosen"][rows] - (lens["prompt"][rows] == 0)], axis=1)
         report["dropped_template_error"] = n_problems
         report["template_errors"] = problems[:5]
-        self._check_template(problems, n_problems)
+        bad_records(n_problems, f"{self.kind} record(s) the chat template cannot encode", problems, self.spec.on_error,
+                    log)
         return rows.astype(np.int32), report, totals.astype(np.int64)
-
-    def _check_template(self, problems: list[str], n: int, max_shown: int = 20) -> None:
-        if n and self.spec.on_error != "skip":
-            shown = "\n  ".join(problems[:max_shown])
-            more = f"\n  ... and {n - max_shown} more" if n > max_shown else ""
-            raise DataError(f"{n} {self.kind} record(s) the chat template cannot encode "
-                            f"(set data.on_error=skip to drop them):\n  {shown}{more}")
-        if n:
-            log.warning("data.on_error=skip: skipped %d %s record(s) the chat template cannot encode; first: %s",
-                        n, self.kind, "; ".join(problems[:5]))
 
     def lengths(self, rows: np.ndarray, share_prompt: bool) -> list[int]:
         if self.kind == "sft":
@@ -513,18 +495,10 @@ class _Builder:
         return (p + c + 1 + r if share_prompt else 2 * p + c + r).tolist()
 
 
-def _raise_parse_errors(errors: list[str], kind: str, max_shown: int = 20) -> None:
-    if errors:
-        shown = "\n  ".join(errors[:max_shown])
-        more = f"\n  ... and {len(errors) - max_shown} more" if len(errors) > max_shown else ""
-        raise DataError(f"{len(errors)} invalid {kind} record(s) (set data.on_error=skip to drop them):\n  {shown}{more}")
-
-
-def _log_skipped(report: readers.ReadReport, kind: str) -> None:
-    total = sum(report.skipped.values())
-    if total:
-        log.warning("data.on_error=skip: skipped %d invalid %s record(s); first: %s", total, kind,
-                    "; ".join(report.examples))
+def _check_parsed(report: readers.ReadReport, errors: list[str], spec: Spec) -> None:
+    """The records of ``report`` that did not parse (``errors``: all of them, with ``on_error=raise``)."""
+    bad_records(sum(report.skipped.values()), f"invalid {spec.kind} record(s)", errors or report.examples,
+                spec.on_error, log)
 
 
 def _run(pool: Any, tasks: Iterator[tuple[int, list]], num_proc: int) -> Iterator[list[tuple]]:
@@ -596,17 +570,13 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
         try:
             pool = mp.get_context("fork").Pool(procs) if procs > 1 else None
             per_source, read_report, errors = b.read(spec.sources, 0, pool, bar)
-            _raise_parse_errors(errors, spec.kind)
-            weights = [float(s.weight) for s in spec.sources]
-            per_source, held = split_holdout(per_source, spec.holdout, spec.seed)
-            train_units = mix(per_source, weights, spec.seed)
-            _log_skipped(read_report, spec.kind)
-            val_units = held
+            _check_parsed(read_report, errors, spec)
+            per_source, val_units = split_holdout(per_source, spec.holdout, spec.seed)
+            train_units = mix(per_source, [float(s.weight) for s in spec.sources], spec.seed)
             if spec.val_sources:
                 val_per_source, val_report, val_errors = b.read(spec.val_sources, len(spec.sources), pool, bar)
-                _raise_parse_errors(val_errors, spec.kind)
+                _check_parsed(val_report, val_errors, spec)
                 val_units = mix(val_per_source, [float(s.weight) for s in spec.val_sources], spec.seed)
-                _log_skipped(val_report, spec.kind)
         finally:
             bar.close()
             if pool is not None:
@@ -638,13 +608,8 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
             _write_array(folder, f"{stage}_pack{int(share)}", flat, files)
             _write_array(folder, f"{stage}_pack{int(share)}_offsets", offs, files)
             packing[f"{stage}{int(share)}"] = fill
-    fingerprints = {}
-    for stage in ("train", "val"):
-        h = hashlib.sha256()
-        for name in sorted(files):
-            if not name.startswith(("train_", "val_")) or name == f"{stage}_rows":
-                h.update(f"{name}:{files[name]['sha256']}".encode())
-        fingerprints[stage] = h.hexdigest()[:16]
+    fingerprints = {stage: _fingerprint(files, [n for n in files if not n.startswith(("train_", "val_"))
+                                                or n == f"{stage}_rows"]) for stage in ("train", "val")}
     meta = {"format": FORMAT_VERSION, "kind": spec.kind, "key_parts": parts, "report": report, "packing": packing,
             "files": files, "fingerprints": fingerprints, "units": len(b.status),
             "build_seconds": round(time.perf_counter() - started, 2)}
@@ -652,6 +617,15 @@ def build(spec: Spec, chat: ChatFormat, folder: Path, num_proc: int, parts: dict
     log.info("data store: encoded %d %s record(s) in %.1f s with %d process(es)", b.encoded, spec.kind,
              meta["build_seconds"], procs)
     _write_meta(folder, meta)
+
+
+def _fingerprint(files: dict[str, Any], names: list[str]) -> str:
+    """A stage's rows' identity: a sha256 of the checksums of the arrays ``names`` (what a
+    precomputed reference table or a sampler place is matched against, with no pass over the rows)."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        h.update(f"{name}:{files[name]['sha256']}".encode())
+    return h.hexdigest()[:16]
 
 
 def meta_checksum(meta: dict[str, Any]) -> str:
@@ -753,7 +727,7 @@ class _StoredSequence(Sequence):
             raise IndexError(i)
         return self._row(i)
 
-    def _row(self, i: int) -> dict[str, Any]:
+    def _row(self, i: int) -> Any:
         raise NotImplementedError
 
 
@@ -801,13 +775,8 @@ class StoredFieldRows(_StoredSequence):
         self._fields = [(name, how, a[f"{stage}_{name}"], a.get(f"{stage}_{name}_offsets"))
                         for name, how in ROW_FIELDS[store.kind].items()]
         self._n = len(a[f"{stage}_totals"])
-        # the stage's arrays' checksums: what a precomputed reference table or a sampler place is
-        # matched against, with no pass over the rows (as StoredRows')
-        files = store.meta["files"]
-        h = hashlib.sha256()
-        for name in sorted(n for n in files if n.startswith(f"{stage}_")):
-            h.update(f"{name}:{files[name]['sha256']}".encode())
-        self.fingerprint = h.hexdigest()[:16]
+        files = store.meta["files"]  # the stage's arrays (as StoredRows' fingerprint, stored at build)
+        self.fingerprint = _fingerprint(files, [n for n in files if n.startswith(f"{stage}_")])
 
     def __len__(self) -> int:
         return self._n
@@ -824,7 +793,7 @@ class StoredFieldRows(_StoredSequence):
         return row
 
 
-class StoredPacks(Sequence):
+class StoredPacks(_StoredSequence):
     """Packs (lists of row dicts) from a stored packing plan."""
 
     def __init__(self, rows: StoredRows, flat: np.ndarray, offsets: np.ndarray) -> None:
@@ -833,22 +802,15 @@ class StoredPacks(Sequence):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[j] for j in range(*k.indices(len(self)))]
-        if k < 0:
-            k += len(self)
+    def _row(self, k: int) -> list[dict[str, Any]]:
         return [self.rows[int(i)] for i in self.flat[int(self.offsets[k]):int(self.offsets[k + 1])]]
-
-    def members(self) -> list[np.ndarray]:
-        return [np.asarray(self.flat[int(a):int(b)]) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
 
 _ELSEWHERE = "set data.cache_dir to a writable folder with room (or data.cache=false to encode in memory)"
 
 
 def _root(cache_dir: str | Path | None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "data"  # ~/.cache/rolemrc/data
     if root.exists() and not root.is_dir():
         raise StorageError(f"data.cache_dir {root}: is a file, not a folder; point data.cache_dir at a folder")
     try:

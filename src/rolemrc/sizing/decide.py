@@ -33,7 +33,7 @@ from omegaconf import OmegaConf, open_dict
 
 from rolemrc import __version__
 from rolemrc.config import OBJECTIVES, TrainStep, checkpointing_setting
-from rolemrc.fileio import atomic_write_json
+from rolemrc.fileio import atomic_write_json, cache_root
 from rolemrc.sizing.formula import GB, choose_checkpointing
 from rolemrc.sizing.result import HEADROOM, Simulation, SimulationUnavailable, step_peak
 
@@ -127,10 +127,7 @@ def step_sources(objective: str) -> dict[str, str | None]:
 
 def sizing_cache_dir() -> Path:
     """``$ROLEMRC_CACHE_DIR/sizing``, else ``$XDG_CACHE_HOME/rolemrc/sizing`` (``~/.cache/rolemrc/sizing``)."""
-    root = os.environ.get("ROLEMRC_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "sizing"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "rolemrc" / "sizing"
+    return cache_root() / "sizing"
 
 
 def builder_name(build: Callable[..., Any]) -> str:

@@ -66,7 +66,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from rolemrc import ASSETS
 from rolemrc.config import TrainStep, checkpointing_setting, plain, register, source_group
-from rolemrc.data.collate import PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
+from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
 from rolemrc.models.loading import eval_mode, load_model, load_tokenizer
 from rolemrc.models.precision import cast_trainable
 from rolemrc.models.sharding import shard_model
@@ -182,15 +182,9 @@ def _batch(step: TrainStep, module: Any, batch_size: int, vocab: int, length: in
     # (checking it reads tensor values, which fake tensors have not).
     if "attention_mask" in batch and bool(batch["attention_mask"].all()):
         del batch["attention_mask"]
-    totals = [row_totals(r) for r in rows]
-    if _unpaired(step):
-        batch["step_examples"] = torch.tensor(float(len(rows)), dtype=torch.float64)
-        batch["step_desirable"] = torch.tensor(float(sum(t[1] for t in totals)), dtype=torch.float64)
-    elif not pairs:
-        batch["step_tokens"] = torch.tensor(float(sum(t[0] for t in totals)), dtype=torch.float64)
-    else:
-        batch["step_pairs"] = torch.tensor(float(len(rows)), dtype=torch.float64)
-        batch["step_chosen_tokens"] = torch.tensor(float(sum(t[1] for t in totals)), dtype=torch.float64)
+    kind = "unpaired" if _unpaired(step) else "pairs" if pairs else "sft"
+    for name, total in zip(STEP_TOTALS[kind], map(sum, zip(*(row_totals(r) for r in rows)))):
+        batch[f"step_{name}"] = torch.tensor(float(total), dtype=torch.float64)
     return batch
 
 
@@ -246,21 +240,15 @@ def _unpaired(step: TrainStep) -> bool:
     return source_group(step.entry.data, step.data) == "unpaired"
 
 
-def _step_loss(module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The loss of one micro-batch as the module's ``training_step`` computes it: its own
-    ``step_loss`` (without the trainer's logging and scaling), whatever the objective."""
-    return module.step_loss(batch)[0]
-
-
 def _simulated_reference(module: Any) -> None:
     """The step's passes without gradient (the module's ``no_grad_passes``: a reference's, KTO's KL
     rows') as the step will run them: a precomputed reference's is a table lookup (zeros of the
-    log-probs' shape: no weights, no forward); the others run as module calls (:class:`_ReferencePass`)."""
+    log-probs' shape: no weights, no forward); the others run as module calls (:class:`_Call`)."""
     precomputed = module.reference is not None and module.reference.mode == "precomputed"
     for name in module.no_grad_passes:
         # in the instance's __dict__: nn.Module.__setattr__ would register it as a submodule instead
         module.__dict__[name] = (_lookup if precomputed and name == "reference_logps"
-                                 else _ReferencePass(module, getattr(module, name)))
+                                 else _Call(getattr(module, name)))
 
 
 def _lookup(batch: dict[str, torch.Tensor], stage: str = "train") -> torch.Tensor:
@@ -276,20 +264,6 @@ class _TableStandIn(Reference):
 
     def logps(self, module: Any, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         return torch.zeros(2 * batch["input_ids"].shape[0], dtype=torch.float32, device=batch["input_ids"].device)
-
-
-class _ReferencePass(torch.nn.Module):
-    """The reference forward as a module call: FSDPMemTracker takes a second forward of the same
-    top-level FSDP unit in one step (the adapter reference reuses the policy's) for the next
-    iteration unless it runs inside another module's forward."""
-
-    def __init__(self, module: Any, logps: Any) -> None:
-        super().__init__()
-        self.__dict__["module"] = module  # not a submodule: nothing to register
-        self.__dict__["logps"] = logps  # the module's own reference_logps (bound method)
-
-    def forward(self, batch: dict[str, torch.Tensor], stage: str = "train") -> torch.Tensor:
-        return self.logps(batch, stage)
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -348,15 +322,16 @@ def _optimizer(module: Any) -> torch.optim.Optimizer:
 
 
 class _Call(torch.nn.Module):
-    """A function (``generate``) as a module call: the trackers take a second forward of the same
-    top-level unit as the next iteration unless it runs inside another module's forward."""
+    """A function (``generate``, a reference forward) as a module call: the trackers take a second
+    forward of the same top-level unit in one step (the adapter reference reuses the policy's) as
+    the next iteration unless it runs inside another module's forward."""
 
     def __init__(self, fn: Any) -> None:
         super().__init__()
-        self.__dict__["fn"] = fn  # not a submodule
+        self.__dict__["fn"] = fn  # not a submodule: nothing to register
 
-    def forward(self, **kwargs: Any) -> Any:
-        return self.fn(**kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 def _budget(length: int, known: _KnownMasks | None) -> Any:
@@ -468,8 +443,8 @@ def _tracker(module: Any, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
 
 def _one_step(module: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], precision: str,
               after_backward: Any = None) -> None:
-    with _autocast(precision):
-        loss = _step_loss(module, batch)
+    with _autocast(precision):  # the loss as the module's training_step computes it, without the trainer's logging
+        loss = module.step_loss(batch)[0]
     loss.backward()
     if after_backward is not None:
         after_backward()

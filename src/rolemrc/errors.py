@@ -52,7 +52,6 @@ class DataUnavailable(UserError, ConnectionError):
     message names what needed it and how to make it available."""
 
 
-
 @contextmanager
 def exit_on_user_error() -> Iterator[None]:
     """A :class:`UserError` ends the process with ``error: <message>`` on stderr and exit status

@@ -51,10 +51,6 @@ def summarised_job_dir() -> Path | None:
     return Path(hc.runtime.output_dir) if TARGET in targets else None
 
 
-def _write(path: Path, record: dict[str, Any]) -> None:
-    atomic_write_json(path, record)
-
-
 @contextmanager
 def job_outcome(job_dir: Path) -> Iterator[None]:
     """One job of a sweep: its outcome goes to ``<job_dir>/sweep_job.json`` for the summary and
@@ -72,7 +68,7 @@ def job_outcome(job_dir: Path) -> Iterator[None]:
         text = str(err).strip().splitlines()
         record = {"status": "failed", "error": f"{type(err).__name__}: {text[0]}" if text else type(err).__name__}
     finally:
-        _write(job_dir / JOB_FILE, record)
+        atomic_write_json(job_dir / JOB_FILE, record)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

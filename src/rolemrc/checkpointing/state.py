@@ -3,14 +3,13 @@ checkpoint's other entries read without its weights."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rolemrc.checkpointing.verify import check_checkpoint, reading, storage_reader
-
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -60,16 +59,15 @@ def read_checkpoint_entries(path: str | Path, keys: Iterable[str]) -> dict[str, 
         ckpt = torch.load(p / _METADATA_FILENAME, map_location="cpu", weights_only=True)
     else:
         ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-    return {k: _copied(ckpt[k]) for k in keys if k in ckpt}
+    return {k: map_tensors(ckpt[k], torch.Tensor.clone) for k in keys if k in ckpt}  # nothing points into the map
 
 
-def _copied(value: Any) -> Any:
-    """``value`` with every tensor (in nested dicts, lists, tuples) cloned, so nothing points
-    into a memory-mapped file."""
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (in nested dicts, lists, tuples)."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        return {k: map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_copied(v) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     return value

@@ -143,6 +143,13 @@ def storage_reader(path: str | Path) -> Any:
     return _SafeReader(str(path))
 
 
+def _refused(err: pickle.UnpicklingError) -> str:
+    """What torch's ``weights_only`` unpickler refused. Its message advises ``weights_only=False``,
+    which would run arbitrary code: never pass that on, keep only what the unpickler found."""
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(err))
+    return found.group(1).split(" Please use")[0].strip() if found else "it holds objects other than tensors"
+
+
 def _check_plain(path: Path, what: str, data: Any) -> None:
     """``data`` (a file or file-like) must load with ``torch.load(weights_only=True)``."""
     import torch
@@ -150,9 +157,7 @@ def _check_plain(path: Path, what: str, data: Any) -> None:
     try:
         torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(err))
-        why = found.group(1).split(" Please use")[0].strip() if found else "it holds objects other than tensors"
-        raise CheckpointError(f"{path}: {what} is not plain data (torch.load with weights_only=True: {why}); "
+        raise CheckpointError(f"{path}: {what} is not plain data (torch.load with weights_only=True: {_refused(err)}); "
                               "refused: loading it could run code") from None
     except Exception as err:
         raise CheckpointError(f"{path}: {what} is corrupt ({_first_line(err)})") from None
@@ -273,12 +278,8 @@ def _check_file(path: Path) -> None:
     try:
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        # torch's message advises weights_only=False, which would run arbitrary code: never pass
-        # that on. Keep only what the unpickler found.
-        found = re.search(r"WeightsUnpickler error: ([^\n]*)", str(err))
-        why = found.group(1).split(" Please use")[0].strip() if found else "it holds objects other than tensors"
         raise CheckpointError(f"{path}: corrupt, or not a checkpoint of plain tensors and containers "
-                              f"(torch.load with weights_only=True: {why})") from None
+                              f"(torch.load with weights_only=True: {_refused(err)})") from None
     except Exception as err:
         raise CheckpointError(f"{path}: corrupt ({_first_line(err)})") from None
     if not isinstance(content, dict) or "state_dict" not in content:

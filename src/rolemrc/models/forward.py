@@ -10,7 +10,6 @@ from torch import nn
 from rolemrc.models.packed_attention import packed_hidden, packed_route
 
 
-
 def policy_hidden(model: nn.Module, decoder: nn.Module, batch: dict[str, torch.Tensor],
                   packs_with_context: bool = False, packed_attention: str = "auto") -> torch.Tensor:
     """``[B, T, H]`` last hidden states of ``batch`` (before the lm_head); ``packed_attention``

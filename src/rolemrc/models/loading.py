@@ -54,7 +54,6 @@ def load_tokenizer(cfg: Any) -> Any:
     """Fast tokenizer for ``cfg.tokenizer`` (or ``cfg.path``), chat template overridden if asked."""
     from transformers import AutoTokenizer
 
-
     source = cfg.tokenizer or cfg.path
     if source is None:
         raise ValueError("model.tokenizer or model.path must be set")
@@ -167,7 +166,6 @@ def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     if head == "lm":
         install_logprob_head(model)
     if getattr(cfg, "kernels", "none") != "none":  # optional GPU kernels (rolemrc.models.kernels), imported lazily
-
         apply_kernels(model, cfg.kernels)
     return model
 

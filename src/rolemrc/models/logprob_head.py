@@ -60,10 +60,7 @@ class LogprobHead(nn.Module):
         ``entropy_grad`` (GRPO's entropy bonus; then the chunked pass, with Liger's kernel too)."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
-        if entropy and entropy_grad:
-            return sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
-                                                 bias=self.bias, num_sequences=num_sequences, entropy_grad=True)
-        if entropy and self.kernel == "liger":  # Liger's kernel gives no entropy: a chunked pass without gradient
+        if entropy and self.kernel == "liger" and not entropy_grad:  # Liger gives no entropy: a chunked pass, no grad
             with torch.no_grad():
                 ent = sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
                                                     bias=self.bias, num_sequences=num_sequences).entropy
@@ -72,7 +69,7 @@ class LogprobHead(nn.Module):
             return SequenceLogProbsEntropy(seq.logps, seq.num_tokens, ent)
         if entropy:
             return sequence_logprobs_and_entropy(hidden, self.weight, labels, sequence_ids, self.chunk_size,
-                                                 bias=self.bias, num_sequences=num_sequences)
+                                                 bias=self.bias, num_sequences=num_sequences, entropy_grad=entropy_grad)
         if self.kernel == "liger":
             return liger_sequence_logprobs(hidden, self.weight, labels, sequence_ids, bias=self.bias,
                                            num_sequences=num_sequences)

@@ -12,7 +12,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_t
 from rolemrc.checkpointing.verify import check_checkpoint
 from rolemrc.config import model_head, register
 from rolemrc.errors import InputNotFound
-from rolemrc.fileio import atomic_write_json
+from rolemrc.fileio import atomic_write_json, cache_root
 from rolemrc.models.adapters import is_adapter_folder, merged_adapter_path
 from rolemrc.models.export import export_checkpoint
 from rolemrc.models.loading import check_source
@@ -64,17 +63,14 @@ def hf_model_path(path: str | None) -> str | None:
     from filelock import FileLock
     from omegaconf import OmegaConf
 
-
     run_dir = checkpoint_run_dir(source)
     out = run_dir / "exports" / source.name.removesuffix(".ckpt")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out.parent).close()  # can we write there at all?
     except OSError as err:  # someone else's run, a read-only mount: a per-user cache instead
-        cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        cache = Path(os.environ.get("ROLEMRC_CACHE_DIR") or cache_home / "rolemrc")
         digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
-        out = cache / "exports" / f"{digest}-{source.name.removesuffix('.ckpt')}"
+        out = cache_root() / "exports" / f"{digest}-{source.name.removesuffix('.ckpt')}"
         log.warning("cannot write in %s (%s): exporting %s to %s", run_dir / "exports", err, source, out)
         out.parent.mkdir(parents=True, exist_ok=True)
     marker = out / "rolemrc_source.json"

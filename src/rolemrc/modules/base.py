@@ -367,10 +367,21 @@ class PairModule(PolicyModule):
         return {**out, **more}
 
 
+# Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                  "logps/rejected")
+
+
+def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor, prefix: str = "rewards") -> dict[str, torch.Tensor]:
+    """TRL's four metrics of the pairs' rewards ``[B]``: ``<prefix>/chosen``, ``/rejected``,
+    ``/accuracies`` (chosen above rejected) and ``/margins``."""
+    return {f"{prefix}/chosen": chosen, f"{prefix}/rejected": rejected,
+            f"{prefix}/accuracies": (chosen > rejected).double(), f"{prefix}/margins": chosen - rejected}
+
+
 def reward_terms(out: Any, logps: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
     """A reference-free pair loss's terms under TRL's names: ``loss``, ``rewards/*``, ``logps/*`` (average)."""
     b = counts.shape[0] // 2
     avg = average_logps(logps, counts).detach()
-    return {"loss": out.losses, "rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
-            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).double(),
-            "rewards/margins": out.chosen_rewards - out.rejected_rewards, "logps/chosen": avg[:b], "logps/rejected": avg[b:]}
+    return {"loss": out.losses, **reward_metrics(out.chosen_rewards, out.rejected_rewards), "logps/chosen": avg[:b],
+            "logps/rejected": avg[b:]}

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from rolemrc.models.precision import PrecisionPolicy
-from rolemrc.modules.base import PairModule
+from rolemrc.modules.base import REWARD_METRICS, PairModule, reward_metrics
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.dpo import average_logps, dpo_loss, loss_terms, split_sft
+from rolemrc.objectives.dpo import LENGTH_NORMALISED, average_logps, dpo_loss, loss_terms, split_sft
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ class DPOModule(PairModule):
 
     no_grad_passes: tuple[str, ...] = ("reference_logps",)
     nll_metric = "nll_chosen"
-    val_extra = ("chosen_sum", "chosen_tokens")
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
                  reference: Reference, sharding: Any = None, packed_attention: str = "auto") -> None:
@@ -75,22 +74,17 @@ class DPOModule(PairModule):
         # log-probs. IPO's length-normalised rewards (what its loss compares) get names of their own.
         chosen = o.beta * (policy[:b] - ref[:b]).detach()
         rejected = o.beta * (policy[b:] - ref[b:]).detach()
-        terms = {"loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
-                 "rewards/accuracies": (chosen > rejected).double(), "rewards/margins": chosen - rejected,
-                 "logps/chosen": policy[:b], "logps/rejected": policy[b:], "chosen_sum": policy[:b],
-                 "chosen_tokens": counts[:b]}
+        terms = {"loss": losses, **reward_metrics(chosen, rejected), "logps/chosen": policy[:b],
+                 "logps/rejected": policy[b:], "chosen_sum": policy[:b], "chosen_tokens": counts[:b]}
         if self._per_token:
-            per_chosen = average_logps(chosen, counts[:b])
-            per_rejected = average_logps(rejected, counts[b:])
-            terms.update({"rewards_per_token/chosen": per_chosen, "rewards_per_token/rejected": per_rejected,
-                          "rewards_per_token/accuracies": (per_chosen > per_rejected).double(),
-                          "rewards_per_token/margins": per_chosen - per_rejected})
+            terms.update(reward_metrics(average_logps(chosen, counts[:b]), average_logps(rejected, counts[b:]),
+                                        "rewards_per_token"))
         return terms
 
     @property
     def _per_token(self) -> bool:
         """Whether a loss compares length-averaged log-probs (ipo, sigmoid_norm): their rewards are logged too."""
-        return any(t in ("ipo", "sigmoid_norm") for t, _ in loss_terms(self.objective.loss_type))
+        return any(t in LENGTH_NORMALISED for t, _ in loss_terms(self.objective.loss_type))
 
     @property
     def sft_weight(self) -> float:
@@ -101,12 +95,9 @@ class DPOModule(PairModule):
     @property
     def pair_metrics(self) -> tuple[str, ...]:  # type: ignore[override]
         """The per-pair means logged as train/<name>, val/<name>."""
-        return _PAIR_METRICS + (_PER_TOKEN_METRICS if self._per_token else ())
+        return REWARD_METRICS + (_PER_TOKEN_METRICS if self._per_token else ())
 
 
-# Per-pair means logged as train/<name> and val/<name> (TRL's W&B panel names).
-_PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                 "logps/chosen", "logps/rejected")
 # ipo / sigmoid_norm only: beta * (policy - reference) of the length-averaged log-probs their losses compare.
 _PER_TOKEN_METRICS = ("rewards_per_token/chosen", "rewards_per_token/rejected", "rewards_per_token/accuracies",
                       "rewards_per_token/margins")

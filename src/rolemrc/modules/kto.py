@@ -43,7 +43,6 @@ from rolemrc.objectives.logprobs import IGNORE_INDEX
 log = logging.getLogger(__name__)
 
 
-
 def mismatched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch's rows re-paired within the batch: row ``j`` is row ``j``'s prompt followed by row
     ``j - 1``'s completion (row 0: the last row's). This is the fixed pairing

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rolemrc.modules.base import PairModule, reward_terms
+from rolemrc.modules.base import REWARD_METRICS, PairModule, reward_terms
 from rolemrc.objectives.dpo import pair_mean
 from rolemrc.objectives.logprobs import IGNORE_INDEX, token_nll
 from rolemrc.objectives.orpo import orpo_loss
@@ -24,8 +24,7 @@ from rolemrc.objectives.orpo import orpo_loss
 class ORPOModule(PairModule):
     """``objective``: the orpo node (beta, nll_on_prompt, logprob_chunk_size)."""
 
-    pair_metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                    "logps/rejected", "log_odds_ratio", "log_odds_chosen")
+    pair_metrics = (*REWARD_METRICS, "log_odds_ratio", "log_odds_chosen")
     val_extra = ("nll_sum", "nll_tokens")
 
     def trained_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from rolemrc.modules.base import PairModule, reward_terms
+from rolemrc.modules.base import REWARD_METRICS, PairModule, reward_terms
 from rolemrc.objectives.simpo import simpo_loss
 
 
 class SimPOModule(PairModule):
     """``objective``: the simpo node (beta, gamma, label_smoothing, sft_weight, logprob_chunk_size)."""
 
-    pair_metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                    "logps/rejected")
+    pair_metrics = REWARD_METRICS
 
     sft_weight = property(lambda self: self.objective.sft_weight)
 

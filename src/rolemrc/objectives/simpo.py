@@ -11,10 +11,9 @@ NLL term on the chosen responses (TRL's ``cpo_alpha``) is :func:`~rolemrc.object
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from rolemrc.objectives.dpo import DPOOutput, average_logps
+from rolemrc.objectives.dpo import DPOOutput, _smoothed, average_logps
 
 __all__ = ["simpo_loss"]
 
@@ -32,8 +31,5 @@ def simpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_tokens: Tens
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     a_w, a_l = average_logps(chosen_logps, chosen_tokens), average_logps(rejected_logps, rejected_tokens)
     logits = a_w - a_l - gamma / beta
-    x = beta * logits
-    losses = -(1.0 - label_smoothing) * F.logsigmoid(x)
-    if label_smoothing:
-        losses = losses - label_smoothing * F.logsigmoid(-x)
+    losses = _smoothed(beta * logits, label_smoothing)
     return DPOOutput(losses, beta * a_w.detach(), beta * a_l.detach(), logits)

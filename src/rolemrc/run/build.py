@@ -150,14 +150,14 @@ def build_trainer(step: TrainStep, *, logger: Any, callbacks: Any, run_dir: str)
                  RunState(checkpoint_every_minutes=runtime.checkpoint_every_minutes),
                  RunSummary(),  # a final validation at max_steps; the end-of-run figures
                  ModelSummaryWithoutFlops()]  # Lightning's own would print "Total FLOPs: 0"
+    srun_advice = {"message": r"The `srun` command is available on your system but is not used",
+                   "module": r"lightning\.fabric\.plugins\.environments\.slurm"}
     if _one_process(step.trainer):
         # Lightning warns that `srun` "is available but not used" wherever SLURM is installed: advice
         # against parallel jobs hanging, which a one-process run cannot do (a login node's test run).
-        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used",
-                                module=r"lightning\.fabric\.plugins\.environments\.slurm")
+        warnings.filterwarnings("ignore", **srun_advice)
     on_slurm = SLURMEnvironment.detect()  # gives Lightning's srun advice where it applies, once:
-    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used",
-                            module=r"lightning\.fabric\.plugins\.environments\.slurm")  # the Trainer and fit repeat it
+    warnings.filterwarnings("ignore", **srun_advice)  # the Trainer and fit repeat it
     if on_slurm:
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())

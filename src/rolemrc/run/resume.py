@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rolemrc.errors import ConfigError, UserError
 from rolemrc.fileio import atomic_write_text
+from rolemrc.warnings import launched_rank
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def _continue_folder(argv: list[str], args: list[str], folder: Path, config_dir:
                           f"and exports are of its own model: start a new run for this one "
                           f"(model.path={folder} starts from its weights)")
     changes = f" with {_shown(diff)}" if diff else ""
-    if _launched_rank() == 0:  # ranks a launcher starts (DDP) run this again with the same command line
+    if launched_rank() == 0:  # ranks a launcher starts (DDP) run this again with the same command line
         if checkpoint:
             print(f"ckpt_path=last: continuing {folder} (its saved config{changes})", flush=True)
         else:
@@ -320,14 +321,6 @@ def record_continuation(cfg: DictConfig) -> None:
 LOCK_FILE = ".train.lock"
 
 
-def _launched_rank() -> int:
-    """This process's global rank from the launcher's environment (0 when not launched)."""
-    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):  # Lightning's own order
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
 @contextmanager
 def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
     """Hold ``<run>/.train.lock`` while training in ``run_dir``: a second training process of the
@@ -336,7 +329,7 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
     (or a process no launcher started) takes it."""
     import fcntl
 
-    if _launched_rank() != 0:
+    if launched_rank() != 0:
         yield
         return
     folder = Path(run_dir)

@@ -50,6 +50,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from rolemrc.checkpointing.state import map_tensors
 from rolemrc.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def gather_per_rank(entries: dict[str, Any], world_size: int) -> list[dict[str, 
     rank, and the rollouts each rank keeps for reuse), in rank order. Whichever rank writes the
     checkpoint (rank 0 under DDP, rank 0's objects under FSDP2's distributed checkpoint) holds all
     of them; a collective, as every rank saves together. Tensors go to the CPU first."""
-    entries = {k: _to_cpu(v) for k, v in entries.items()}
+    entries = map_tensors(entries, lambda t: t.detach().cpu())
     if world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [entries]
     gathered: list[Any] = [None] * world_size
@@ -172,16 +173,6 @@ def per_rank_entries(checkpoint: dict[str, Any], rank: int, world_size: int) -> 
                     len(saved), world_size)
         return {}
     return saved[rank]
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:

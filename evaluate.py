@@ -23,7 +23,7 @@ try:  # outside the project's environment: one line saying which, not a tracebac
     import hydra
     from omegaconf import DictConfig
 
-    from rolemrc.config import register
+    from rolemrc.config import Replier, register
     from rolemrc.entry import entry_point
 except ModuleNotFoundError as err:
     if (err.name or "").startswith("rolemrc."):
@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> None:
         with entry_point(cfg):  # unknown keys, bad input: one "error: ..." line, exit 1; Lightning logs printed once
             cfg = resume_config(cfg)  # out_dir=<a run's folder>: its saved config; conflicting overrides refused
             if is_reward_model(cfg.model.path):  # objective=reward's export: its accuracy on held-out pairs
-                run_reward_model(cfg)
+                run_reward_model(Replier.of(cfg), cfg.get("limit"))
             else:
                 run(cfg)
 

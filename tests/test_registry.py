@@ -74,8 +74,8 @@ class _ToySuite:
     """A benchmark that needs no model: its score is its config's ``n``."""
 
     @staticmethod
-    def evaluate(cfg, ctx):
-        return {"score": cfg.toy_suite.n}
+    def evaluate(settings, ctx):  # settings: the suite's own group, toy_suite
+        return {"score": settings.n}
 
     @staticmethod
     def render(res):

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rolemrc import asset
+from rolemrc.config import Replier
 from rolemrc.run.build import build_chat
 from rolemrc.data import store as store_mod
 from rolemrc.data.templates import ChatFormat
@@ -57,7 +58,7 @@ def test_prepare_generation_gives_the_same_prompts_with_and_without_the_store(tm
         items, _ = load_test_items(cfg.data, cfg.limit)
         chat = build_chat(cfg.model)
         builds = store_mod.BUILDS["count"]
-        gen_items, stops = prepare_generation(cfg, items, [item_id(i, it.task, it.question) for i, it in enumerate(items)],
+        gen_items, stops = prepare_generation(Replier.of(cfg), items, [item_id(i, it.task, it.question) for i, it in enumerate(items)],
                                               chat.tokenizer, chat)
         assert store_mod.BUILDS["count"] - builds == (1 if k == 1 else 0)
         seen.append(([(g.id, g.task, g.prompt_ids) for g in gen_items], stops))

@@ -40,10 +40,10 @@ def test_a_backend_without_a_local_model_refuses_what_needs_one() -> None:
     cfg = _cfg("file", path="r.jsonl", on_missing="error")
     cfg.judge = JudgeConfig(backend="hf", model=None)
     with pytest.raises(ConfigError, match="generation.backend=file does not load: set judge.model"):
-        generation_backend(cfg).check(cfg)
+        generation_backend(cfg).check(cfg, cfg.judge)
     cfg.restraint = "spec"
     with pytest.raises(ConfigError, match="restraint hooks into a transformers model: not with generation.backend=file"):
-        generation_backend(cfg).check(cfg)
+        generation_backend(cfg).check(cfg, cfg.judge)
 
 
 def test_judge_backends_come_from_the_registry() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rolemrc.config import Judging
 from rolemrc.data.schemas import parse_test_item
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval import pairwise
@@ -168,7 +169,8 @@ def test_local_judge_answers_read_once_and_lists_of_opponents(tmp_path: Path) ->
     cfg = OmegaConf.create({"pairwise": {"against": [str(tmp_path / "b.jsonl"), str(tmp_path / "c.jsonl")],
                                          "reply_field": "reply", "template": None, "on_missing": "error"},
                             "judge": {"backend": "hf", "model": "stub", "cache_dir": None}, "out_dir": str(tmp_path)})
-    res = pairwise.judge_pairs(cfg, J(), items, ["a-0", "a-1"], ids)
+    res = pairwise.judge_pairs(cfg.pairwise, Judging(cfg.judge, str(tmp_path / "judge_cache")), J(), items,
+                               ["a-0", "a-1"], ids)
     assert list(res["opponents"]) == ["b", "c"] and "missing" not in res
     b, c = res["opponents"]["b"]["overall"], res["opponents"]["c"]["overall"]
     assert (b["n"], b["ties"], b["flips"]) == (2, 2, 2)  # always "1": position bias, ties

@@ -65,12 +65,13 @@ def test_a_reward_model_trains_exports_and_scores_grpo_completions(train_cfg) ->
     assert scored[1] == pytest.approx(direct, abs=1e-5) and scored[0] != scored[1]
 
     # evaluate.py model.path=<the export>: accuracy on the pairs the run held out, by RoleMRC task
+    from rolemrc.config import Replier
     from rolemrc.rewards.evaluation import is_reward_model, run_reward_model
     from tests.eval.test_evaluate_run import compose_eval
 
     assert is_reward_model(export) and not is_reward_model(SAMPLE.parent)
-    metrics = run_reward_model(compose_eval(f"model.path={export}", f"out_dir={run_dir / 'eval'}",
-                                    "generation.device=cpu"))
+    metrics = run_reward_model(Replier.of(compose_eval(f"model.path={export}", f"out_dir={run_dir / 'eval'}",
+                                                       "generation.device=cpu")))
     val = run.datamodule.val_rows
     assert metrics["pairs"] == len(val) == 8
     assert metrics["accuracy"] == pytest.approx(series(run_dir, "val/accuracy")[-1])  # the run's own val pairs

@@ -185,10 +185,10 @@ def _system(data: Any, name: str, profile: str, profile_chars: int) -> str:
     return render_system(RoleProfile(name, desc), system.template, system.few_shot)
 
 
-def interview(cfg: Any, ctx: Any, loaded: dict[str, Any]) -> list[Interview]:
+def interview(data: Any, ctx: Any, loaded: dict[str, Any]) -> list[Interview]:
     """Generate every single-turn answer and every multi-turn session (resumable per round)."""
-    c = cfg.data.characterllm
-    systems = {n: _system(cfg.data, n, p, c.profile_chars) for n, p in loaded["profiles"].items()}
+    c = data.characterllm
+    systems = {n: _system(data, n, p, c.profile_chars) for n, p in loaded["profiles"].items()}
     out: list[Interview] = []
     if "single" in c.settings:
         ivs = [Interview("single", n, f"{n}/single/{i}", []) for n, qs in loaded["single"].items()
@@ -232,23 +232,23 @@ def score_messages(iv: Interview, dimension: str, profile: str) -> list[dict[str
 # ---------------------------------------------------------------- scoring
 
 
-def check_scorer(cfg: Any) -> None:
-    """The judge is configured and usable (checked before generation)."""
-    j = judge_config(cfg.judge)
+def check_scorer(judge: Any) -> None:
+    """The judge (the ``judge`` group) is configured and usable (checked before generation)."""
+    j = judge_config(judge)
     if judge_backend(j) is None:
         raise ConfigError("data.characterllm is scored by a judge: add judge=openai (judge.model=..., the key in "
                           "the environment) or judge=hf (judge.model=<local model>; null = the evaluated model)")
     check_judge(j)
 
 
-def score_all(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def score_all(ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One ``{"status", "score", "raw", "cached", "error"}`` per prompt, and run stats."""
-    judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
-                       tokenizer=ctx.tokenizer, model_id=model_label(cfg), device=cfg.generation.device)
+    j = ctx.judging
+    judge = make_judge(j.judge, cache_dir=j.cache_dir, model=ctx.model, tokenizer=ctx.tokenizer,
+                       model_id=model_label(ctx.replier), device=j.device)
     assert judge is not None
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
     try:
-        with AnswerCache(cache_dir / "characterllm_cache.sqlite") as cache:
+        with AnswerCache(Path(j.cache_dir) / "characterllm_cache.sqlite") as cache:
             answers, counts = ask_judge(judge.backend, cache, prompts, parse_score, check_score, "characterllm prompt")
     finally:
         judge.close()
@@ -274,19 +274,20 @@ def summarise(scores: Sequence[Score], settings: Sequence[str], dimensions: Sequ
     return table
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    c = cfg.data.characterllm
-    loaded = load(cfg.data)
-    ivs = interview(cfg, ctx, loaded)
+def evaluate(settings: Any, ctx: Any) -> dict[str, Any]:
+    """``settings``: the ``data`` group (``data.characterllm`` and the role prompts of ``data.roles``)."""
+    c = settings.data.characterllm
+    loaded = load(settings.data)
+    ivs = interview(settings.data, ctx, loaded)
     dims = list(c.dimensions)
     pairs = [(iv, d) for iv in ivs for d in dims]
     prompts = [score_messages(iv, d, loaded["profiles"][iv.character]) for iv, d in pairs]
     log.info("CharacterLLM: %d interviews, %d judge prompts", len(ivs), len(prompts))
-    answers, stats = score_all(cfg, ctx, prompts)
+    answers, stats = score_all(ctx, prompts)
     scores = [Score(iv.setting, iv.character, iv.session, d, a["status"], a["score"], a["raw"], a["cached"], a["error"])
               for (iv, d), a in zip(pairs, answers)]
     table = summarise(scores, list(c.settings), dims)
-    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(cfg.judge).asks_again else ())
+    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(ctx.judging.judge).asks_again else ())
     missing = {s: n for s in retryable if (n := sum(x.status == s for x in scores))}
     res: dict[str, Any] = {
         "settings": table,

@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 from omegaconf import OmegaConf
 
 from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, Rejected, fault_summary, request_key
-from rolemrc.config import check_data_dir, plain, typed
+from rolemrc.config import Judging, Replier, check_data_dir, plain, typed
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, Message, RecordError, check_turn_order, normalise_messages
 from rolemrc.env import ENVS, Conversation, Dialogue, Environment, Fault, Reply, converse, make_env, roll
@@ -595,7 +595,7 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
 def check(cfg: Any) -> None:
     """Before anything slow: the environment, the backend, the judge and its template."""
     ENVS.get(cfg.env.name, where="env.name", hint=" (or none)")
-    check_generation(cfg)
+    check_generation(Replier.of(cfg), cfg.judge)
     if judge_backend(cfg.judge) is not None:
         load_template(cfg.dialogue.consistency_template)
     if cfg.get("pairwise") is not None and cfg.pairwise.against not in (None, "", []):
@@ -700,7 +700,7 @@ def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model
     final_unparseable = False
     if judge_backend(cfg.judge) is not None and records:
         template = load_template(cfg.dialogue.consistency_template)
-        with build_judge(cfg, model, tokenizer) as judge:
+        with build_judge(Judging.of(cfg), Replier.of(cfg), model, tokenizer) as judge:
             judge_model = judge.backend.model_id
             verdicts = judge.judge(turn_items(records, seeds, strip))
             judge_stats = judge.last_stats

@@ -28,13 +28,14 @@ import copy
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import open_dict
 
 from rolemrc.parts import build_chat
-from rolemrc.config import plain
+from rolemrc.config import Replier, plain
 from rolemrc.errors import ConfigError, DataUnavailable, InputNotFound
 from rolemrc.eval.generation import load_eval_model, model_label
 from rolemrc.fileio import atomic_write_json
@@ -102,9 +103,10 @@ def _settings(b: Any, specs: list[tuple[str, Any, str | None]], label: str) -> d
             "max_length": b.max_length}
 
 
-def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model: Any, tokenizer: Any, label: str,
-              out: Path) -> dict[str, Any]:
-    """lm-eval on one model: ``{task: {"metric", "value", "all": {...}}}`` (cached in ``out``)."""
+def run_model(b: Any, specs: list[tuple[str, Any, str | None]], model: Any, tokenizer: Any, label: str,
+              out: Path, limit: int | None, seed: int) -> dict[str, Any]:
+    """lm-eval on one model: ``{task: {"metric", "value", "all": {...}}}`` (cached in ``out``);
+    ``limit``: the run's, when ``benchmarks.limit`` is null."""
     settings = _settings(b, specs, label)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     if out.is_file():
@@ -121,12 +123,11 @@ def run_model(cfg: Any, b: Any, specs: list[tuple[str, Any, str | None]], model:
     # Indexing lm-eval's own task folder takes a while: only when a task is named from it.
     named = any(isinstance(s, str) for _, s, _ in specs)
     tm = _task_manager(TaskManager)(include_path=b.include_path or None, include_defaults=named)
-    limit = b.limit if b.limit is not None else cfg.limit
+    limit = b.limit if b.limit is not None else limit
     with lm_eval_prints():  # its batch-size print()s: the size found, logged once
         res = lm_eval.simple_evaluate(model=lm, tasks=[s for _, s, _ in specs], task_manager=tm, limit=limit,
-                                      num_fewshot=b.num_fewshot, log_samples=False, random_seed=cfg.seed,
-                                      numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
-                                      fewshot_random_seed=cfg.seed)
+                                      num_fewshot=b.num_fewshot, log_samples=False, random_seed=seed,
+                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     if res is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     tasks = {}
@@ -190,28 +191,30 @@ def check_data_offline(b: Any, specs: list[tuple[str, Any, str | None]]) -> None
     _task_manager(TaskManager)(include_path=b.include_path or None, include_defaults=True).load(named)
 
 
-def _compare_model(cfg: Any) -> tuple[Any, Any]:
-    c = copy.deepcopy(cfg)
-    with open_dict(c):
-        c.model.path = cfg.compare.path
-    chat = build_chat(c.model)
-    return load_eval_model(c, chat.tokenizer), chat.tokenizer
+def _compare_model(r: Replier, path: str) -> tuple[Any, Any]:
+    model = copy.deepcopy(r.model)
+    with open_dict(model):
+        model.path = path
+    chat = build_chat(model)
+    return load_eval_model(replace(r, model=model), chat.tokenizer), chat.tokenizer
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    b = cfg.benchmarks
+def evaluate(settings: Any, ctx: Any) -> dict[str, Any]:
+    """``settings``: the ``benchmarks`` and ``compare`` groups."""
+    b, compare, r = settings.benchmarks, settings.compare, ctx.replier
     specs = task_specs(plain(b.tasks))
     if b.batch_size != "auto" and not (isinstance(b.batch_size, int) and b.batch_size > 0):
         raise ConfigError(f"benchmarks.batch_size must be 'auto' or a positive integer, got {b.batch_size!r}")
-    out = Path(cfg.out_dir) / "general"
+    out = ctx.out_dir / "general"
     out.mkdir(parents=True, exist_ok=True)
     check_data_offline(b, specs)  # a data set missing offline is named before the model loads
-    model = ctx.model if ctx.model is not None else load_eval_model(cfg, ctx.tokenizer)
-    label = model_label(cfg)
-    results = {"model": run_model(cfg, b, specs, model, ctx.tokenizer, label, out / "model.json")}
-    if cfg.compare.path:
-        cmodel, ctok = _compare_model(cfg)
-        results["compare"] = run_model(cfg, b, specs, cmodel, ctok, str(cfg.compare.path), out / "compare.json")
+    model = ctx.model if ctx.model is not None else load_eval_model(r, ctx.tokenizer)
+    label = model_label(r)
+    results = {"model": run_model(b, specs, model, ctx.tokenizer, label, out / "model.json", ctx.limit, r.seed)}
+    if compare.path:
+        cmodel, ctok = _compare_model(r, compare.path)
+        results["compare"] = run_model(b, specs, cmodel, ctok, str(compare.path), out / "compare.json", ctx.limit,
+                                       r.seed)
         del cmodel
     rows = {}
     deltas = []
@@ -227,12 +230,12 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     return {
         "benchmarks": b.name,
         "model": label,
-        "compare": cfg.compare.path,
+        "compare": compare.path,
         "tasks": rows,
         "average": {"model": sum(r["model"] for r in rows.values()) / len(rows),
                     **({"compare": sum(r["compare"] for r in rows.values()) / len(rows),
                         "delta": sum(deltas) / len(deltas)} if deltas else {})},
-        "settings": {"batch_size": b.batch_size, "limit": b.limit if b.limit is not None else cfg.limit,
+        "settings": {"batch_size": b.batch_size, "limit": b.limit if b.limit is not None else ctx.limit,
                      "num_fewshot": b.num_fewshot, "max_length": b.max_length, "harness": _version()},
         "raw": results,
     }

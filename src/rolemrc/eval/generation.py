@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mappi
 from rolemrc.api import (
     AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary, request_key,
 )
-from rolemrc.config import plain, typed
+from rolemrc.config import Judging, Replier, plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
@@ -632,7 +632,8 @@ def _device(name: str | None) -> str:
 
 class GenerationBackend(Protocol):
     """How the evaluated model's replies are made (``generation.backend``; one object per name in
-    :data:`GENERATION_BACKENDS`).
+    :data:`GENERATION_BACKENDS`). Every method is handed the :class:`~rolemrc.config.Replier` typed
+    at evaluate.py's door (``r``: the model, ``generation`` group, data, ``out_dir``, restraint, seed).
 
     ``local``: a model runs in this process from ``model.path`` (prompts encoded here with the chat
     template; model sources resolved; lm-eval benchmarks possible); such a backend answers
@@ -646,31 +647,30 @@ class GenerationBackend(Protocol):
     loads_model: bool
     generates: bool
 
-    def check(self, cfg: Any) -> None:
-        """What can be checked before anything slow; a :class:`ConfigError` naming the key."""
+    def check(self, r: Replier, judge: Any) -> None:
+        """What can be checked before anything slow (``judge``: the ``judge`` group, which may
+        need the evaluated model); a :class:`ConfigError` naming the key."""
 
-    def model_label(self, cfg: Any) -> str:
+    def model_label(self, r: Replier) -> str:
         """What was evaluated, for the report and the judge cache key."""
 
     def label(self, g: Any) -> str:
-        """How the replies were made (``g``: ``cfg.generation``), for the report."""
+        """How the replies were made (``g``: the ``generation`` group), for the report."""
 
-    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
-                       model: Any | None) -> GenerationRun: ...
+    def generate_local(self, r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+                       model: Any | None) -> GenerationRun:
+        """Replies to ``gen_items`` (encoded prompts), resuming from ``<r.out_dir>/generations.jsonl``."""
 
-    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
-                        replies: ReplyFile | None = None) -> GenerationRun: ...
-
-
-def _local_model_label(cfg: Any) -> str:
-    return cfg.model.path or f"random-init {cfg.model.name} (seed {cfg.seed})"
+    def generate_remote(self, r: Replier, items: Sequence[TestItem], ids: Sequence[str],
+                        replies: ReplyFile | None = None) -> GenerationRun:
+        """Replies to ``items`` (chat messages) from a server or a replies file, into ``r.out_dir``."""
 
 
-def _no_evaluated_model(cfg: Any, name: str) -> None:
+def _no_evaluated_model(r: Replier, judge: Any, name: str) -> None:
     """Checks for a backend that loads no transformers model here."""
-    if cfg.restraint:
+    if r.restraint:
         raise ConfigError(f"restraint hooks into a transformers model: not with generation.backend={name}")
-    if uses_evaluated_model(cfg.judge):
+    if uses_evaluated_model(judge):
         raise ConfigError(f"judge=hf with judge.model=null judges with the evaluated model, which "
                           f"generation.backend={name} does not load: set judge.model")
 
@@ -679,7 +679,7 @@ class _Remote:
     local = False
     loads_model = False
 
-    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+    def generate_local(self, r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
                        model: Any | None) -> GenerationRun:
         raise ValueError(f"generation.backend={self.name} runs no model here: use generate_remote")  # type: ignore[attr-defined]
 
@@ -688,13 +688,13 @@ class _Local:
     local = True
     generates = True
 
-    def model_label(self, cfg: Any) -> str:
-        return _local_model_label(cfg)
+    def model_label(self, r: Replier) -> str:
+        return r.model.path or f"random-init {r.model.name} (seed {r.seed})"
 
     def label(self, g: Any) -> str:
         return f"{self.name}, greedy, max_new_tokens={g.max_new_tokens}"  # type: ignore[attr-defined]
 
-    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+    def generate_remote(self, r: Replier, items: Sequence[TestItem], ids: Sequence[str],
                         replies: ReplyFile | None = None) -> GenerationRun:
         raise ValueError(f"generation.backend={self.name} is local: use generate_local")  # type: ignore[attr-defined]
 
@@ -705,19 +705,19 @@ class HFGeneration(_Local):
     name = "hf"
     loads_model = True
 
-    def check(self, cfg: Any) -> None:
+    def check(self, r: Replier, judge: Any) -> None:
         pass
 
-    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+    def generate_local(self, r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
                        model: Any | None) -> GenerationRun:
-        g = cfg.generation
-        return _normalised(cfg, generate_hf(
-            model, tokenizer, gen_items, cfg.out_dir,
+        g = r.generation
+        return _normalised(g, generate_hf(
+            model, tokenizer, gen_items, r.out_dir,
             stop_ids=stops,
             batch_size=g.batch_size,
             max_new_tokens=g.max_new_tokens,
             progress=g.progress,
-            restraint=restraint_hook(cfg.restraint) if cfg.restraint else None,
+            restraint=restraint_hook(r.restraint) if r.restraint else None,
         ))
 
 
@@ -727,22 +727,22 @@ class VLLMGeneration(_Local):
     name = "vllm"
     loads_model = False
 
-    def check(self, cfg: Any) -> None:
+    def check(self, r: Replier, judge: Any) -> None:
         require_vllm(VLLM_MISSING, ImportError)
-        if cfg.model.path is None:
+        if r.model.path is None:
             raise ConfigError("generation.backend=vllm needs model.path (a saved model folder or hub id)")
-        if cfg.restraint:
+        if r.restraint:
             raise ConfigError("restraint hooks into a transformers model: use generation.backend=hf")
 
-    def generate_local(self, cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+    def generate_local(self, r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
                        model: Any | None) -> GenerationRun:
-        g = cfg.generation
-        return _normalised(cfg, generate_vllm(
-            cfg.model.path, cfg.model.tokenizer, gen_items, cfg.out_dir,
+        g = r.generation
+        return _normalised(g, generate_vllm(
+            r.model.path, r.model.tokenizer, gen_items, r.out_dir,
             stop_ids=stops,
             max_new_tokens=g.max_new_tokens,
             max_model_len=g.max_model_len,
-            seed=cfg.seed,
+            seed=r.seed,
             llm_kwargs=dict(plain(g.vllm_kwargs) or {}),
         ))
 
@@ -753,23 +753,23 @@ class OpenAIGeneration(_Remote):
     name = "openai"
     generates = True
 
-    def check(self, cfg: Any) -> None:
-        _no_evaluated_model(cfg, self.name)
-        check_openai(cfg.generation)
+    def check(self, r: Replier, judge: Any) -> None:
+        _no_evaluated_model(r, judge, self.name)
+        check_openai(r.generation)
 
-    def model_label(self, cfg: Any) -> str:
-        g = cfg.generation
+    def model_label(self, r: Replier) -> str:
+        g = r.generation
         return f"{g.model} (OpenAI-compatible API{' at ' + g.base_url if g.base_url else ''})"
 
     def label(self, g: Any) -> str:
         return f"openai ({g.model}), temperature 0, max_tokens={g.max_new_tokens}"
 
-    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+    def generate_remote(self, r: Replier, items: Sequence[TestItem], ids: Sequence[str],
                         replies: ReplyFile | None = None) -> GenerationRun:
-        g = cfg.generation
-        check_settings(out_dir, {"model": self.model_label(cfg), "backend": "openai", **openai_settings(g)})
+        g = r.generation
+        check_settings(r.out_dir, {"model": self.model_label(r), "backend": "openai", **openai_settings(g)})
         chat_items = [ChatItem(i, it.task, chat_messages(it.question)) for i, it in zip(ids, items, strict=True)]
-        return _normalised(cfg, generate_openai(g, chat_items, out_dir, g.cache_dir, g.progress))
+        return _normalised(g, generate_openai(g, chat_items, r.out_dir, g.cache_dir, g.progress))
 
 
 class FileGeneration(_Remote):
@@ -778,25 +778,25 @@ class FileGeneration(_Remote):
     name = "file"
     generates = False
 
-    def check(self, cfg: Any) -> None:
-        _no_evaluated_model(cfg, self.name)
-        g = cfg.generation
+    def check(self, r: Replier, judge: Any) -> None:
+        _no_evaluated_model(r, judge, self.name)
+        g = r.generation
         reply_paths(g.path)
         if g.on_missing not in ("error", "skip"):
             raise ConfigError(f"generation.on_missing must be error or skip, got {g.on_missing!r}")
 
-    def model_label(self, cfg: Any) -> str:
-        p = cfg.generation.path
+    def model_label(self, r: Replier) -> str:
+        p = r.generation.path
         paths = [str(p)] if isinstance(p, (str, Path)) or p is None else [str(x) for x in p]
         return f"replies from {', '.join(paths)}"
 
     def label(self, g: Any) -> str:
         return f"file (replies read from {', '.join(reply_paths(g.path))}, field {g.reply_field!r})"
 
-    def generate_remote(self, cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+    def generate_remote(self, r: Replier, items: Sequence[TestItem], ids: Sequence[str],
                         replies: ReplyFile | None = None) -> GenerationRun:
-        check_settings(out_dir, {"backend": "file"})  # never overwrite generations of a model
-        return _normalised(cfg, file_replies(cfg.generation, items, ids, out_dir, replies))
+        check_settings(r.out_dir, {"backend": "file"})  # never overwrite generations of a model
+        return _normalised(r.generation, file_replies(r.generation, items, ids, r.out_dir, replies))
 
 
 GENERATION_BACKENDS: Registry[GenerationBackend] = Registry("generation.backend", doc="how evaluated replies are made")
@@ -804,75 +804,76 @@ for _b in (HFGeneration(), VLLMGeneration(), OpenAIGeneration(), FileGeneration(
     GENERATION_BACKENDS.register(_b.name, _b)
 
 
-def generation_backend(cfg: Any) -> GenerationBackend:
-    """The backend object ``cfg.generation.backend`` names; a :class:`ConfigError` listing the
+def generation_backend(r: Replier) -> GenerationBackend:
+    """The backend object ``generation.backend`` names; a :class:`ConfigError` listing the
     known names for any other."""
-    return GENERATION_BACKENDS.get(cfg.generation.backend)
+    return GENERATION_BACKENDS.get(r.generation.backend)
 
 
-def model_label(cfg: Any) -> str:
+def model_label(r: Replier) -> str:
     """What was evaluated, for the report and the judge cache key."""
-    return generation_backend(cfg).model_label(cfg)
+    return generation_backend(r).model_label(r)
 
 
-def generation_label(cfg: Any) -> str:
+def generation_label(r: Replier) -> str:
     """How the replies were made, for the report."""
-    g = cfg.generation
-    label = generation_backend(cfg).label(g)
+    g = r.generation
+    label = generation_backend(r).label(g)
     if getattr(g, "strip_replies", False):
         return label + "; replies stripped of surrounding whitespace before scoring (generation.strip_replies=true)"
     return label + "; replies scored as generated (not stripped)"
 
 
-def check_backend(cfg: Any) -> None:
-    """What can be checked before anything slow: the backend's name and what it needs."""
-    generation_backend(cfg).check(cfg)
+def check_backend(r: Replier, judge: Any) -> None:
+    """What can be checked before anything slow: the backend's name and what it needs (``judge``:
+    the ``judge`` group)."""
+    generation_backend(r).check(r, judge)
 
 
-def check_generation(cfg: Any) -> GenerationBackend:
+def check_generation(r: Replier, judge: Any) -> GenerationBackend:
     """The checks in the order of relevance, before anything slow: the model (a missing or empty
     folder is the error to read), the backend (vllm installed, the API key's variable, the replies
-    file), the judge's backend, model and key. Returns the backend."""
-    backend = generation_backend(cfg)
+    file), the judge's (``judge``: the ``judge`` group) backend, model and key. Returns the backend."""
+    backend = generation_backend(r)
     if backend.local:
-        check_model_path(cfg.model.path, "model.path")
-        check_source(cfg.model.tokenizer, "model.tokenizer")
-    backend.check(cfg)
-    check_judge(judge_config(cfg.judge))
+        check_model_path(r.model.path, "model.path")
+        check_source(r.model.tokenizer, "model.tokenizer")
+    backend.check(r, judge)
+    check_judge(judge_config(judge))
     return backend
 
 
-def generate_remote(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir: str | Path,
+def generate_remote(r: Replier, items: Sequence[TestItem], ids: Sequence[str],
                     replies: ReplyFile | None = None) -> GenerationRun:
     """Replies from a served model (``openai``) or a file (``file``), resumable/recorded in
-    ``<out_dir>/generations.jsonl`` like the local backends."""
-    return generation_backend(cfg).generate_remote(cfg, items, ids, out_dir, replies)
+    ``<r.out_dir>/generations.jsonl`` like the local backends."""
+    return generation_backend(r).generate_remote(r, items, ids, replies)
 
 
-def load_eval_model(cfg: Any, tokenizer: Any) -> Any:
+def load_eval_model(r: Replier, tokenizer: Any) -> Any:
     """The model to evaluate, on its device, in eval mode, with the KV cache on."""
     import torch
 
-
-    if cfg.generation.cpu_threads:
-        torch.set_num_threads(cfg.generation.cpu_threads)
-    torch.manual_seed(cfg.seed)  # a path-less (random-init) model is then the same on every run
-    model_cfg = typed(cfg.model)
+    if r.generation.cpu_threads:
+        torch.set_num_threads(r.generation.cpu_threads)
+    torch.manual_seed(r.seed)  # a path-less (random-init) model is then the same on every run
+    model_cfg = typed(r.model)
     model = load_model(model_cfg, tokenizer)
     log.info("model %s: %s parameters", model_cfg.name, f"{count_parameters(model)[1]:,}")
     model.config.use_cache = True  # load_model turns it off for training; generation needs it
-    return model.to(_device(cfg.generation.device)).eval()
+    return model.to(_device(r.generation.device)).eval()
 
 
-def build_judge(cfg: Any, model: Any | None, tokenizer: Any) -> Any:
-    """A :class:`rolemrc.eval.judge.Judge` for ``cfg.judge`` (``make_judge``), None for ``judge=none``."""
+def build_judge(judging: Judging, replier: Replier, model: Any | None, tokenizer: Any) -> Any:
+    """A :class:`rolemrc.eval.judge.Judge` for ``judging.judge`` (``make_judge``), None for ``judge=none``;
+    ``replier``: the evaluated model, which ``judge=hf`` with ``judge.model=null`` judges with."""
     from dataclasses import replace
 
-    j = judge_config(cfg.judge)
-    if uses_evaluated_model(j) and model is None and cfg.model.path is not None:
-        j = replace(j, model=cfg.model.path)  # generated with vllm: the evaluated model judges, loaded here
-    return make_judge(j, cache_dir=Path(cfg.out_dir) / "judge_cache", model=model, tokenizer=tokenizer,
-                      model_id=model_label(cfg), device=cfg.generation.device, progress=cfg.generation.progress)
+    j = judge_config(judging.judge)
+    if uses_evaluated_model(j) and model is None and replier.model.path is not None:
+        j = replace(j, model=replier.model.path)  # generated with vllm: the evaluated model judges, loaded here
+    return make_judge(j, cache_dir=judging.cache_dir, model=model, tokenizer=tokenizer,
+                      model_id=model_label(replier), device=judging.device, progress=judging.progress)
 
 
 def restraint_hook(spec: str) -> Restraint:
@@ -880,34 +881,35 @@ def restraint_hook(spec: str) -> Restraint:
     return lambda model: load_restraint(spec, model)
 
 
-def prepare_generation(cfg: Any, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
+def prepare_generation(r: Replier, items: Sequence[TestItem], ids: Sequence[str], tokenizer: Any,
                        chat: Any) -> tuple[list[GenItem], list[int]]:
     """Prompt ids and stop tokens; refuses to resume into a folder made with other settings."""
     # Encoded once into the data store (data.cache), read back by later starts
-    prompts = generation_prompts(cfg.data, list(items), chat)
+    prompts = generation_prompts(r.data, list(items), chat)
     gen_items = [GenItem(i, it.task, p) for i, it, p in zip(ids, items, prompts, strict=True)]
     stops = stop_token_ids(tokenizer, chat.eot)
-    check_settings(cfg.out_dir, {
-        "model": model_label(cfg),
-        "tokenizer": cfg.model.tokenizer,
-        "chat_template": cfg.model.chat_template,
-        "dtype": cfg.model.dtype,
-        "backend": cfg.generation.backend,
-        "max_new_tokens": cfg.generation.max_new_tokens,
-        "restraint": cfg.restraint,
+    check_settings(r.out_dir, {
+        "model": model_label(r),
+        "tokenizer": r.model.tokenizer,
+        "chat_template": r.model.chat_template,
+        "dtype": r.model.dtype,
+        "backend": r.generation.backend,
+        "max_new_tokens": r.generation.max_new_tokens,
+        "restraint": r.restraint,
         "stop_ids": stops,
     })
     return gen_items, stops
 
 
-def generate(cfg: Any, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
+def generate(r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
              model: Any | None) -> GenerationRun:
-    """Replies for every item from a local backend, resuming from ``<out_dir>/generations.jsonl``."""
-    return generation_backend(cfg).generate_local(cfg, gen_items, stops, tokenizer, model)
+    """Replies for every item from a local backend, resuming from ``<r.out_dir>/generations.jsonl``."""
+    return generation_backend(r).generate_local(r, gen_items, stops, tokenizer, model)
 
 
-def _normalised(cfg: Any, run: GenerationRun) -> GenerationRun:
-    """``generation.strip_replies`` (default false: replies are scored as generated, as the
-    authors' scripts score them) applied to the run's :attr:`GenerationRun.replies`."""
-    run.strip = bool(getattr(cfg.generation, "strip_replies", False))
+def _normalised(g: Any, run: GenerationRun) -> GenerationRun:
+    """``generation.strip_replies`` (``g``: the ``generation`` group; default false: replies are
+    scored as generated, as the authors' scripts score them) applied to the run's
+    :attr:`GenerationRun.replies`."""
+    run.strip = bool(getattr(g, "strip_replies", False))
     return run

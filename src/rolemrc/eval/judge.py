@@ -941,12 +941,13 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
     return out
 
 
-def check_judge(cfg: JudgeConfig, where: str = "judge") -> None:
-    """What can be checked before any slow work: the backend, the model name, the API key's variable."""
-    judge_config(cfg, where)
-    cls = JUDGE_BACKENDS[cfg.backend]
+def check_judge(judge: JudgeConfig, where: str = "judge") -> None:
+    """What can be checked before any slow work (``judge``: the judge group): the backend, the model
+    name, the API key's variable."""
+    judge_config(judge, where)
+    cls = JUDGE_BACKENDS[judge.backend]
     if cls is not None:
-        cls.check_env(cfg, where)
+        cls.check_env(judge, where)
 
 
 def make_judge(cfg: Any, *, cache_dir: str | Path | None, model: Any | None = None, tokenizer: Any | None = None,

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 from rolemrc import asset
 from rolemrc.api import AnswerCache, Rejected
+from rolemrc.config import Judging
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
@@ -126,10 +127,10 @@ def load_template(path: str | None, where: str = "pairwise.template", default: s
     return text
 
 
-def check(cfg: Any) -> None:
-    """Everything that can be checked before generation: a judge, B's files, the template, on_missing."""
-    p = cfg.pairwise
-    j = judge_config(cfg.judge)
+def check(p: Any, judge: Any) -> None:
+    """Everything that can be checked before generation (``p``: the ``pairwise`` group, ``judge``: the
+    ``judge`` group): a judge, B's files, the template, on_missing."""
+    j = judge_config(judge)
     if judge_backend(j) is None:
         raise ConfigError("pairwise.against is set but there is no judge: add judge=openai (judge.model=..., "
                           "the key in the environment) or judge=hf (judge.model=<local model>)")
@@ -243,15 +244,15 @@ def _prefers(winner: str | None, a_shown_first: bool) -> str | None:
     return "A" if (winner == "1") == a_shown_first else "B"
 
 
-def judge_pairs(cfg: Any, judge: Any, items: Sequence[TestItem], replies: Sequence[str],
+def judge_pairs(p: Any, judging: Judging, judge: Any, items: Sequence[TestItem], replies: Sequence[str],
                 ids: Sequence[str]) -> dict[str, Any]:
-    """Ask the judge about every (item, opponent) in both orders; returns the results section
-    (``pairs``, ``opponents`` with their tables, ``missing`` when promised answers are missing)."""
-    p = cfg.pairwise
+    """Ask ``judge`` (built for ``judging``) about every (item, opponent) of the ``pairwise`` group
+    ``p`` in both orders; returns the results section (``pairs``, ``opponents`` with their tables,
+    ``missing`` when promised answers are missing)."""
     template = load_template(p.template)
     paths = opponent_paths(p.against)
     names = opponent_names(paths)
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
+    cache_dir = Path(judging.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     jobs: list[tuple[str, int, str]] = []  # (opponent, item index, B's reply)
@@ -309,7 +310,7 @@ def judge_pairs(cfg: Any, judge: Any, items: Sequence[TestItem], replies: Sequen
             "overall": table(mine),
             "by_task": {t: table([x for x in mine if x.task == t]) for t in sorted({x.task for x in mine})},
         }
-    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(cfg.judge).asks_again else ())
+    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(judging.judge).asks_again else ())
     lacking = {s: n for s in retryable if (n := sum(x.status == s for x in pairs))}
     if lacking:
         res["missing"] = (f"pairwise judge: {len(pairs) - sum(lacking.values())} of {len(pairs)} comparisons decided, "

@@ -48,7 +48,6 @@ from rolemrc.data.readers import iter_source, read_examples
 from rolemrc.data.roles import RoleSystem
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.generation import generation_backend
 from rolemrc.eval.metrics import rouge_scores, rouge_setting
 
 log = logging.getLogger(__name__)
@@ -300,19 +299,19 @@ def scalars(res: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
+def evaluate(settings: Any, ctx: Any) -> dict[str, Any]:
     """Load, generate (resumable, ``<out_dir>/rolebench/generations.jsonl``) or read the replies
-    (``generation.backend=file``), score."""
-    items, raw_absent = load_items(cfg.data, cfg.limit, need_prompts=generation_backend(cfg).generates)
+    (``generation.backend=file``), score. ``settings``: the ``data`` and ``metrics`` groups."""
+    data, m = settings.data, settings.metrics
+    items, raw_absent = load_items(data, ctx.limit, need_prompts=ctx.backend.generates)
     log.info("RoleBench: %d test items over %s", len(items), ", ".join(dict.fromkeys(i.split for i in items)))
     got = ctx.generate("rolebench", [it.item for it in items])
     kept = [k for k, r in enumerate(got) if r is not None]  # None: no reply in the file (on_missing=skip)
     replies = [got[k] for k in kept]
     n_items = len(items)
     items = [items[k] for k in kept]
-    raw_cfg = plain(cfg.data.rolebench.raw_answers) or {}
-    m = cfg.metrics
-    res = score(items, replies, cfg.data.rolebench.chinese_tokenizer,
+    raw_cfg = plain(data.rolebench.raw_answers) or {}
+    res = score(items, replies, data.rolebench.chinese_tokenizer,
                 raw_enabled={lang: bool(raw_cfg.get(lang)) for lang in ("eng", "zh")},
                 use_stemmer=m.rouge_use_stemmer, target=m.rouge_target)
     if raw_absent:
@@ -320,7 +319,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     if len(items) < n_items:
         res["replies_missing"] = n_items - len(items)
 
-    res["rocit"] = RoleSystem(plain(cfg.data.roles)).describe()
+    res["rocit"] = RoleSystem(plain(data.roles)).describe()
     res["items"] = len(items)
     return res
 

@@ -11,12 +11,13 @@ they are scored with ROUGE-L only (best over the rows' reference answers) and no
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig
 
-from rolemrc.config import check_data_dir
+from rolemrc.config import Judging, Replier, check_data_dir
 from rolemrc.errors import ConfigError
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
@@ -51,18 +52,12 @@ def _pending(out_dir: Path, gen_items: Sequence[Any]) -> int:
     return sum(1 for it in gen_items if it.id not in done)
 
 
-def _judge_needs_model(cfg: DictConfig) -> bool:
-    """judge=hf judging with the evaluated model, which only a loaded model can be (a path-less,
-    random-init model); with a ``model.path`` the judge loads it itself when it has work."""
-    return uses_evaluated_model(cfg.judge) and cfg.model.path is None
-
-
 # ---------------------------------------------------------------- metrics + judge
 
 
-def reference_metrics(cfg: DictConfig, items: Sequence[TestItem], replies: Sequence[str], rolebench: bool) -> Any:
-    """MetricsResult: ROUGE-L only for RoleBench / ``metrics.rouge_only``, else ``metrics.names``."""
-    m = cfg.metrics
+def reference_metrics(m: Any, items: Sequence[TestItem], replies: Sequence[str], rolebench: bool) -> Any:
+    """MetricsResult (``m``: the ``metrics`` group): ROUGE-L only for RoleBench / ``metrics.rouge_only``,
+    else ``metrics.names``."""
     if rolebench:
         # Best ROUGE-L over the row's reference answers (RoleBench rows carry several).
         per = []
@@ -124,12 +119,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_suites(cfg)
 
 
+    # The door: the evaluated model and the judge, typed once (the model's path again once resolved).
+    r, judging = Replier.of(cfg), Judging.of(cfg)
     # Checks in the order of relevance, all before anything slow: the model, the backend and the
     # judge (check_generation), then the test data, METEOR's data and BERTScore's encoder.
-    backend = check_generation(cfg)
+    backend = check_generation(r, judging.judge)
     refs = reference.picked(cfg)  # report.reference: the published rows named
     if compare_pairs:
-        pairwise.check(cfg)  # a judge, B's replies files, the prompt template
+        pairwise.check(cfg.pairwise, judging.judge)  # a judge, B's replies files, the prompt template
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -139,24 +136,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # Slow for a checkpoint or an adapter (exported or merged once): after every check.
     if backend.local:
         cfg, resolved = resolve_model_sources(cfg)
+        r = replace(r, model=cfg.model)
     else:
         resolved = {}
     source = resolved.get("model.path")  # the checkpoint an export came from
     ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
-    log.info("evaluating %s on %d test items (%s)", model_label(cfg), len(items), cfg.data.name)
+    log.info("evaluating %s on %d test items (%s)", model_label(r), len(items), cfg.data.name)
 
     model = tokenizer = None
     if backend.local:
         chat = build_chat(cfg.model)
         tokenizer = chat.tokenizer
-        gen_items, stops = prepare_generation(cfg, items, ids, tokenizer, chat)
-        if backend.loads_model and (_pending(out_dir, gen_items) or _judge_needs_model(cfg)):
-            model = load_eval_model(cfg, tokenizer)
+        gen_items, stops = prepare_generation(r, items, ids, tokenizer, chat)
+        # judge=hf judging with the evaluated model, which only a loaded model can be (a path-less,
+        # random-init model); with a model.path the judge loads it itself when it has work.
+        judge_needs_model = uses_evaluated_model(judging.judge) and r.model.path is None
+        if backend.loads_model and (_pending(out_dir, gen_items) or judge_needs_model):
+            model = load_eval_model(r, tokenizer)
         elif backend.loads_model:  # a finished folder: metrics and the judge from what is there
             log.info("generation: every reply is in %s: the model is not loaded", out_dir / "generations.jsonl")
-        gen = generate(cfg, gen_items, stops, tokenizer, model)
+        gen = generate(r, gen_items, stops, tokenizer, model)
     else:
-        gen = generate_remote(cfg, items, ids, out_dir)
+        gen = generate_remote(r, items, ids)
     n_items = len(items)
     if gen.missing:  # generation.on_missing=skip: items without a reply are left out (counted)
         gone = set(gen.missing)
@@ -165,7 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     replies = gen.replies
     log.info("generation: %d new, %d resumed from %s", gen.n_new, gen.n_resumed, out_dir / "generations.jsonl")
 
-    metrics = reference_metrics(cfg, items, replies, rolebench)
+    metrics = reference_metrics(cfg.metrics, items, replies, rolebench)
 
     # The judge and the rule verifiers only apply to RoleMRC's 18 tasks.
     judged = [k for k, it in enumerate(items) if it.task in TASKS]
@@ -175,16 +176,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     judge_protocol = None
     pairs = None
     if compare_pairs:  # the judge compares A with B instead of scoring the five dimensions
-        with build_judge(cfg, model, tokenizer) as judge:
-            pairs = pairwise.judge_pairs(cfg, judge, items, replies, ids)
-    elif judge_backend(cfg.judge) is not None and judged:
+        with build_judge(judging, r, model, tokenizer) as judge:
+            pairs = pairwise.judge_pairs(cfg.pairwise, judging, judge, items, replies, ids)
+    elif judge_backend(judging.judge) is not None and judged:
         jitems = judge_items([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
-        with build_judge(cfg, model, tokenizer) as judge:
+        with build_judge(judging, r, model, tokenizer) as judge:
             judge_model = judge.backend.model_id
             judge_protocol = judge.protocol.name
             verdicts = judge.judge(jitems)
             judge_stats = judge.last_stats
-    elif judge_backend(cfg.judge) is not None:
+    elif judge_backend(judging.judge) is not None:
         log.info("judge skipped: no item belongs to a RoleMRC task")
     verifier = verify_all([items[k] for k in judged], [replies[k] for k in judged], [ids[k] for k in judged])
     agree = agreement(verdicts, verifier) if verdicts is not None and verifier else None
@@ -194,11 +195,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         meta_missing = f"{len(gen.missing)} of {n_items} test items have no reply in the file: left out (generation.on_missing=skip)"
     meta: dict[str, Any] = {
         "name": f"{cfg.model.name} on {cfg.data.name}",
-        "model": model_label(cfg),
+        "model": model_label(r),
         **({"model_checkpoint": source} if source else {}),
         "data": cfg.data.name,
         "items": len(items),
-        "generation": generation_label(cfg),
+        "generation": generation_label(r),
         "restraint": cfg.restraint,
         "bertscore_model": bert,
         "judge_model": judge_model,
@@ -209,7 +210,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         meta["judge_protocol"] = judge_protocol
     if pairs is not None:
         meta["judge_model"] = pairs["judge_model"]
-        meta["judge_mode"] = f"pairwise, A = {model_label(cfg)} vs B = {', '.join(pairs['opponents'])} (both orders)"
+        meta["judge_mode"] = f"pairwise, A = {model_label(r)} vs B = {', '.join(pairs['opponents'])} (both orders)"
     if verifier:
         meta["rule_verifier"] = f"{sum(verifier.values())}/{len(verifier)} replies obey their NI rule"
     statuses = {}
@@ -240,7 +241,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     sections: list[str] = []
     if pairs is not None:
         extra["pairwise"] = {k: v for k, v in pairs.items() if k != "pairs"}
-        sections.append(pairwise.render(pairs, model_label(cfg)))
+        sections.append(pairwise.render(pairs, model_label(r)))
     table = aggregate(verdicts) if verdicts is not None else None
     scalars = _scalars(metrics, table)
     if pairs is not None:

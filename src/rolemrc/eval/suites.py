@@ -19,14 +19,15 @@ evaluation's; judge answers are cached under ``<out_dir>/judge_cache`` (or ``jud
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
+from rolemrc.config import Judging, Replier
 from rolemrc.parts import build_chat, build_loggers
 from rolemrc.config_suites import check_suite_keys
 from rolemrc.data.schemas import TestItem
@@ -35,8 +36,8 @@ from rolemrc.eval import characterllm, general, reference, rolebench
 from rolemrc.eval.bench import characterbench, charactereval, coser, personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
-    check_backend, count_unmatched, generate, generate_remote, generation_backend, generation_label, item_id,
-    load_eval_model, model_label, prepare_generation, read_replies,
+    GENERATION_BACKENDS, check_backend, count_unmatched, generate, generate_remote, generation_backend,
+    generation_label, item_id, load_eval_model, model_label, prepare_generation, read_replies,
 )
 from rolemrc.eval.judge import JudgeIncomplete, finish_judged
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
@@ -48,55 +49,79 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Suite:
-    """A benchmark evaluate.py runs when the config key ``key`` is set: ``module`` has
-    ``evaluate(cfg, ctx)``, ``render(result)`` and ``scalars(result)``; a result's ``missing`` (a
-    sentence) marks it incomplete. ``check(cfg, backend)`` refuses what cannot run before
-    anything slow; ``meta(cfg, resolved)`` adds report fields; ``finish(result, out_dir)`` runs
-    after the report is printed and returns an error to raise (or None)."""
+    """A benchmark evaluate.py runs when the config key ``key`` is set. ``settings(cfg)``, called at
+    the door, picks what it reads of the config (default: the group at ``key``; see :func:`reading`);
+    its functions get only that and a :class:`ModelContext` (``ctx``): ``module`` has
+    ``evaluate(settings, ctx)``, ``render(result)`` and ``scalars(result)``; a result's ``missing`` (a
+    sentence) marks it incomplete. ``check(settings, ctx)`` refuses what cannot run before anything
+    slow; ``meta(settings, resolved)`` adds report fields (default: ``data``, the data group's name);
+    ``finish(result, out_dir)`` runs after the report is printed and returns an error to raise (or None)."""
 
     key: str
     module: Any
-    check: Callable[[Any, Any], None] = lambda cfg, backend: None
-    meta: Callable[[Any, dict[str, str]], dict[str, Any]] = lambda cfg, resolved: {"data": cfg.data.name}
+    check: Callable[[Any, "ModelContext"], None] = lambda settings, ctx: None
+    meta: Callable[[Any, dict[str, str]], dict[str, Any]] | None = None
     finish: Callable[[dict[str, Any], Path], Exception | None] = lambda res, out_dir: None
+    settings: Callable[[Any], Any] | None = None
 
     def wanted(self, cfg: Any) -> bool:
         return OmegaConf.select(cfg, self.key, default=None) is not None
 
 
+def reading(*keys: str) -> Callable[[Any], SimpleNamespace]:
+    """A suite's ``settings`` reading several groups: ``reading("data", "metrics")`` hands it
+    ``settings.data`` and ``settings.metrics`` (a dotted key by its last part)."""
+    return lambda cfg: SimpleNamespace(**{k.rpartition(".")[2]: OmegaConf.select(cfg, k) for k in keys})
+
+
 SUITES: Registry[Suite] = Registry("suite", doc="benchmark suites evaluate.py runs, in this order, when their key is set")
 
 
-def _characterllm_check(cfg: Any, backend: Any) -> None:
-    if not backend.generates:
+def _characterllm_check(settings: Any, ctx: "ModelContext") -> None:
+    if not ctx.backend.generates:
         raise ConfigError("CharacterLLM's multi-turn sessions are generated turn by turn from the model's own "
                           "earlier replies: generation.backend=file cannot supply them (use hf, vllm or openai)")
-    check_scorer(cfg)  # the judge's backend, model and key, before anything slow
+    check_scorer(ctx.judging.judge)  # the judge's backend, model and key, before anything slow
 
 
-def _general_check(cfg: Any, backend: Any) -> None:
-    if not backend.local:
+def _general_check(settings: Any, ctx: "ModelContext") -> None:
+    if not ctx.backend.local:
         raise ConfigError(f"benchmarks (lm-evaluation-harness) score a local model's log-probs: not with "
-                          f"generation.backend={backend.name}")
+                          f"generation.backend={ctx.backend.name}")
 
 
-def _general_meta(cfg: Any, resolved: dict[str, str]) -> dict[str, Any]:
-    return {"benchmarks": cfg.benchmarks.name, "compare": cfg.compare.path,
+def _general_meta(settings: Any, resolved: dict[str, str]) -> dict[str, Any]:
+    return {"benchmarks": settings.benchmarks.name, "compare": settings.compare.path,
             **({"compare_checkpoint": resolved["compare.path"]} if "compare.path" in resolved else {})}
 
 
-SUITES.register("rolebench", Suite("data.rolebench", rolebench), doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
-SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check,
-                                      finish=finish_judged), doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
-SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check, finish=finish_judged),
+def _whole(cfg: Any) -> Any:  # the bench modules still read the whole config (their own conversion pending)
+    return cfg
+
+
+def _backend_check(check: Callable[[Any, Any], None]) -> Callable[[Any, "ModelContext"], None]:
+    return lambda cfg, ctx: check(cfg, ctx.backend)
+
+
+SUITES.register("rolebench", Suite("data.rolebench", rolebench, settings=reading("data", "metrics")),
+                doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
+SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check, finish=finish_judged,
+                                      settings=reading("data")),
+                doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
+SUITES.register("personagym", Suite("data.personagym", personagym, _backend_check(personagym.check),
+                                    finish=finish_judged, settings=_whole),
                 doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
-SUITES.register("charactereval", Suite("data.charactereval", charactereval, charactereval.check),
+SUITES.register("charactereval", Suite("data.charactereval", charactereval, _backend_check(charactereval.check),
+                                       settings=_whole),
                 doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")
-SUITES.register("characterbench", Suite("data.characterbench", characterbench, characterbench.check),
+SUITES.register("characterbench", Suite("data.characterbench", characterbench, _backend_check(characterbench.check),
+                                        settings=_whole),
                 doc="data.characterbench: CharacterBench's thirteen test files judged by CharacterJudge")
-SUITES.register("coser", Suite("data.coser", coser, coser.check, finish=finish_judged),
+SUITES.register("coser", Suite("data.coser", coser, _backend_check(coser.check), finish=finish_judged,
+                               settings=_whole),
                 doc="data.coser: CoSER given-circumstance acting, four judged dimensions, BLEU and ROUGE-L")
-SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta),
+SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta,
+                                 settings=reading("benchmarks", "compare")),
                 doc="benchmarks: lm-evaluation-harness for model.path and compare.path (General delta)")
 
 
@@ -106,10 +131,16 @@ def wants_suites(cfg: Any) -> bool:
 
 
 class ModelContext:
-    """The evaluated model, loaded once on first use, and resumable generation into sub-folders."""
+    """What a suite gets besides its settings: ``replier`` (:class:`~rolemrc.config.Replier`) and its
+    ``backend``, ``judging`` (:class:`~rolemrc.config.Judging`), ``out_dir``, ``limit``; the model,
+    loaded once on first use, and resumable generation into sub-folders (:meth:`generate`)."""
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, replier: Replier, judging: Judging, limit: int | None = None) -> None:
+        self.replier = replier
+        self.judging = judging
+        self.limit = limit
+        self.out_dir = Path(replier.out_dir)
+        self.backend = generation_backend(replier)
         self._chat: Any = None
         self._model: Any = None
         self.generated = 0
@@ -127,7 +158,7 @@ class ModelContext:
     @property
     def chat(self) -> Any:
         if self._chat is None:
-            self._chat = build_chat(self.cfg.model)
+            self._chat = build_chat(self.replier.model)
         return self._chat
 
     @property
@@ -136,24 +167,21 @@ class ModelContext:
 
     @property
     def model(self) -> Any:
-        if self._model is None and generation_backend(self.cfg).loads_model:
-            self._model = load_eval_model(self.cfg, self.tokenizer)
+        if self._model is None and self.backend.loads_model:
+            self._model = load_eval_model(self.replier, self.tokenizer)
         return self._model
 
     def generate(self, sub_dir: str, items: Sequence[TestItem]) -> list[str | None]:
         """Greedy replies to ``items`` (their ``question`` messages), resuming from
         ``<out_dir>/<sub_dir>/generations.jsonl``; with ``generation.backend=file`` the file's
         replies, None for an item without one (``generation.on_missing=skip``)."""
-        sub = copy.deepcopy(self.cfg)
-        with open_dict(sub):
-            sub.out_dir = str(Path(self.cfg.out_dir) / sub_dir)
+        sub = self.replier.at(self.out_dir / sub_dir)
         Path(sub.out_dir).mkdir(parents=True, exist_ok=True)
         ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
-        backend = generation_backend(self.cfg)
-        if not backend.local:
-            if not backend.generates and self._replies is None:
-                self._replies = read_replies(self.cfg.generation.path, self.cfg.generation.reply_field)
-            run = generate_remote(sub, items, ids, sub.out_dir, self._replies)
+        if not self.backend.local:
+            if not self.backend.generates and self._replies is None:
+                self._replies = read_replies(sub.generation.path, sub.generation.reply_field)
+            run = generate_remote(sub, items, ids, self._replies)
             self.requests += run.requests
             self.missing += len(run.missing)
         else:
@@ -172,33 +200,35 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate the configured benchmarks; returns paths and each benchmark's results."""
     check_suite_keys(cfg)  # a key added with '+' that no suite reads (e.g. +data.rolebench.splitz=...)
 
-    backend = generation_backend(cfg)
     suites = {name: suite for name, suite in SUITES.items() if suite.wanted(cfg)}
     resolved: dict[str, str] = {}
-    if backend.local:
+    if GENERATION_BACKENDS.get(cfg.generation.backend).local:
         cfg, resolved = resolve_model_sources(cfg, "compare.path")
-    for suite in suites.values():
-        suite.check(cfg, backend)
-    check_backend(cfg)
+    # The door: the parts every suite is handed, typed once; each suite's settings picked here.
+    ctx = ModelContext(Replier.of(cfg), Judging.of(cfg), cfg.limit)
+    r = ctx.replier
+    settings = {name: s.settings(cfg) if s.settings else OmegaConf.select(cfg, s.key) for name, s in suites.items()}
+    for name, suite in suites.items():
+        suite.check(settings[name], ctx)
+    check_backend(r, ctx.judging.judge)
     refs = reference.picked(cfg)  # report.reference: the published rows named, before anything slow
-    out_dir = Path(cfg.out_dir)
+    out_dir = ctx.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = ModelContext(cfg)
     doc: dict[str, Any] = {}
     sections: list[str] = []
     scalars: dict[str, float] = {}
     meta: dict[str, Any] = {
-        "name": f"{model_label(cfg)} on {', '.join(suites)}",
-        "model": model_label(cfg),
+        "name": f"{model_label(r)} on {', '.join(suites)}",
+        "model": model_label(r),
         **({"model_checkpoint": resolved["model.path"]} if "model.path" in resolved else {}),
     }
     for name, suite in suites.items():
-        res = suite.module.evaluate(cfg, ctx)
+        res = suite.module.evaluate(settings[name], ctx)
         doc[name] = res
         sections.append(suite.module.render(res))
         scalars.update(suite.module.scalars(res))
-        meta.update(suite.meta(cfg, resolved))
-    meta["generation"] = generation_label(cfg)
+        meta.update(suite.meta(settings[name], resolved) if suite.meta else {"data": r.data.name})
+    meta["generation"] = generation_label(r)
     doc["counts"] = {"generated": ctx.generated, "resumed": ctx.resumed, "cut_at_max_new_tokens": ctx.cut,
                      "replies_missing": ctx.missing, "generation_requests": ctx.requests}
     if ctx.replies_file is not None:  # rows matched to no item of any benchmark read

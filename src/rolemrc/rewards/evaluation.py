@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rolemrc.config import Replier
 from rolemrc.data.readers import read_examples
 from rolemrc.errors import ConfigError
 from rolemrc.fileio import atomic_write_json
@@ -40,17 +41,17 @@ def is_reward_model(path: Any) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in archs)
 
 
-def held_out_pairs(cfg: Any) -> list[Any]:
-    """``data.pairs_val``, else the held-out ``data.val_fraction`` of ``data.pairs`` (seed ``cfg.seed``)."""
-    data = cfg.data
+def held_out_pairs(r: Replier) -> list[Any]:
+    """``data.pairs_val``, else the held-out ``data.val_fraction`` of ``data.pairs`` (seed ``r.seed``)."""
+    data = r.data
     if data.get("pairs_val"):
-        pairs, _ = read_examples(list(data.pairs_val), "pairs", data.on_error, int(cfg.seed))
+        pairs, _ = read_examples(list(data.pairs_val), "pairs", data.on_error, int(r.seed))
         return pairs
     if not data.get("pairs") or not float(data.val_fraction) > 0:
-        raise ConfigError(f"model.path={cfg.model.path} is a reward model, scored on held-out preference pairs: "
+        raise ConfigError(f"model.path={r.model.path} is a reward model, scored on held-out preference pairs: "
                           f"data={data.name} has none (set data.pairs_val=[{{path: <pairs.jsonl>}}], or data.pairs "
                           "with data.val_fraction > 0)")
-    _, report = read_examples(list(data.pairs), "pairs", data.on_error, int(cfg.seed), holdout=float(data.val_fraction))
+    _, report = read_examples(list(data.pairs), "pairs", data.on_error, int(r.seed), holdout=float(data.val_fraction))
     if not report.held_out:
         raise ConfigError(f"data.val_fraction={data.val_fraction} holds out no pair of data.pairs: set data.pairs_val")
     return list(report.held_out)
@@ -62,23 +63,23 @@ def _scores(chosen: list[float], rejected: list[float]) -> dict[str, Any]:
     return {"pairs": n, "accuracy": sum(m > 0 for m in margins) / n, "margin": sum(margins) / n}
 
 
-def run_reward_model(cfg: Any) -> dict[str, Any]:
-    """Score the reward model at ``cfg.model.path`` on held-out pairs; returns the metrics."""
-    pairs = held_out_pairs(cfg)
-    if cfg.get("limit"):
-        pairs = pairs[: int(cfg.limit)]
-    out_dir = Path(str(cfg.out_dir))
+def run_reward_model(r: Replier, limit: int | None = None) -> dict[str, Any]:
+    """Score the reward model at ``r.model.path`` on held-out pairs (the first ``limit``); returns the metrics."""
+    pairs = held_out_pairs(r)
+    if limit:
+        pairs = pairs[: int(limit)]
+    out_dir = Path(r.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reward = RewardModelReward(cfg.model.path, tokenizer=cfg.model.get("tokenizer"),
-                               batch_size=int(cfg.generation.batch_size), device=cfg.generation.device,
-                               dtype=cfg.model.dtype, trust_remote_code=bool(cfg.model.trust_remote_code),
+    m = r.model
+    reward = RewardModelReward(m.path, tokenizer=m.get("tokenizer"), batch_size=int(r.generation.batch_size),
+                               device=r.generation.device, dtype=m.dtype, trust_remote_code=bool(m.trust_remote_code),
                                where="model")
-    log.info("scoring reward model %s on %d held-out pairs", cfg.model.path, len(pairs))
+    log.info("scoring reward model %s on %d held-out pairs", m.path, len(pairs))
     prompts = [p.prompt for p in pairs]
     chosen = reward(prompts=prompts, completions=[p.chosen for p in pairs])
     rejected = reward(prompts=prompts, completions=[p.rejected for p in pairs])
     reward.close()
-    metrics: dict[str, Any] = {"model": str(cfg.model.path), **_scores(chosen, rejected)}
+    metrics: dict[str, Any] = {"model": str(m.path), **_scores(chosen, rejected)}
     by_task: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for p, c, r in zip(pairs, chosen, rejected, strict=True):
         if p.task:
@@ -86,7 +87,7 @@ def run_reward_model(cfg: Any) -> dict[str, Any]:
             by_task[p.task][1].append(r)
     metrics["by_task"] = {task: _scores(*sides) for task, sides in sorted(by_task.items())}
     atomic_write_json(out_dir / "metrics.json", metrics)
-    lines = [f"# Reward model: {cfg.model.path}", "",
+    lines = [f"# Reward model: {m.path}", "",
              f"{metrics['pairs']} held-out pairs: accuracy {metrics['accuracy']:.4f}, mean margin {metrics['margin']:.4f}",
              ""]
     if metrics["by_task"]:

@@ -23,7 +23,8 @@ from torch import nn
 from rolemrc.checkpointing.state import read_model_state
 from rolemrc.errors import CheckpointError, DestinationError, StorageError
 from rolemrc.fileio import atomic_dir, atomic_write_json, cache_root, partial_path, storage_error
-from rolemrc.models.loading import load_model, load_tokenizer, unwrap
+from rolemrc.models.family import base_model
+from rolemrc.models.loading import load_model, load_tokenizer
 from rolemrc.models.logprob_head import install_logprob_head, restore_linear_head
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
     """
     out = Path(out_dir)
     is_peft = hasattr(model, "get_base_model")
-    if is_peft and getattr(unwrap(model), "is_loaded_in_4bit", False):
+    if is_peft and getattr(base_model(model), "is_loaded_in_4bit", False):
         # QLoRA: the adapter goes onto the full-precision base, as it would be served
         return export_pretrained(_onto_full_precision_base(model, base), tokenizer, out, merge_lora, base, source)
     restore_linear_head(model)  # saved models are plain transformers models
@@ -177,7 +178,7 @@ def export_pretrained(model: nn.Module, tokenizer: Any, out_dir: str | Path, mer
             to_save = model.merge_and_unload()
         else:
             to_save = model
-        config = unwrap(to_save).config
+        config = base_model(to_save).config
         training_cache, config.use_cache = config.use_cache, True  # exports are for inference (KV cache)
         try:
             kind = "adapter" if is_peft and not merge_lora else "model"
@@ -206,7 +207,7 @@ def _onto_full_precision_base(model: nn.Module, base: str | None) -> nn.Module:
         raise ValueError("a 4-bit (QLoRA) model without the path of its base weights cannot be exported")
     name = model.active_adapter if isinstance(model.active_adapter, str) else "default"
     adapter = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
-    dtype = unwrap(model).config.dtype
+    dtype = base_model(model).config.dtype
     full = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), copy.deepcopy(model.peft_config[name]))
     _load_adapter(full, adapter, "the live QLoRA model")
     return full

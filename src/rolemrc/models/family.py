@@ -105,11 +105,6 @@ def final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Every decoder layer's self-attention block, in layer order."""
-    return [layer_block(layer, family_of(model).attention) for layer in decoder_layers(model)]
-
-
 def attention_implementation(model: nn.Module) -> str:
     """The attention function ``model`` runs: ``sdpa``, ``eager``, ``flash_attention_2`` or a name
     registered with transformers' ``AttentionInterface``.

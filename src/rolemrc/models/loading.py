@@ -170,11 +170,6 @@ def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper."""
-    return family.base_model(model)
-
-
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode (no dropout) inside the block, its previous train/eval mode

@@ -12,12 +12,8 @@ from torch import nn
 
 from rolemrc.models import family
 from rolemrc.models.kernels import liger_sequence_logprobs
-from rolemrc.objectives.logprobs import (
-    SequenceLogProbs,
-    SequenceLogProbsEntropy,
-    sequence_logprobs,
-    sequence_logprobs_and_entropy,
-)
+from rolemrc.objectives.logprobs import (SequenceLogProbs, SequenceLogProbsEntropy, sequence_logprobs,
+                                         sequence_logprobs_and_entropy)
 
 
 class LogprobHead(nn.Module):

@@ -217,8 +217,7 @@ class AdapterReference(Reference):
 class PrecomputedReference(Reference):
     mode = "precomputed"
 
-    def __init__(self, model: nn.Module, key: str, cache_dir: str, batch_size: int,
-                 read_checkpoint: ReadCheckpoint | None = None) -> None:
+    def __init__(self, key: str, cache_dir: str, batch_size: int, read_checkpoint: ReadCheckpoint | None = None) -> None:
         self.key = key  # the initial weights (fingerprinted before anything is restored) + settings
         self.cache_dir = cache_dir
         self.batch_size = batch_size
@@ -241,12 +240,12 @@ class PrecomputedReference(Reference):
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         tables, rows = checkpoint.get(CKPT_TABLES) or {}, checkpoint.get(CKPT_ROWS) or {}
         for stage, table in tables.items():
-            if self._accept(stage, table, rows.get(stage)):
+            if self._accept(stage, rows.get(stage)):
                 self.tables[stage] = table.float()
                 if stage in rows:
                     self.rows[stage] = rows[stage]
 
-    def _accept(self, stage: str, table: torch.Tensor, rows_fp: str | None) -> bool:
+    def _accept(self, stage: str, rows_fp: str | None) -> bool:
         """A checkpoint's table serves only the rows it was computed for (FSDP restores after
         ``on_fit_start``, when this run's rows are known)."""
         mine = self.rows.get(stage)
@@ -379,5 +378,5 @@ def make_reference(model: nn.Module, mode: str, *, cache_dir: str | None = None,
     if mode == "precomputed":
         if cache_dir is None:
             raise ValueError("objective.reference=precomputed needs a cache folder")
-        return PrecomputedReference(model, reference_key(model, settings), cache_dir, batch_size, read_checkpoint)
+        return PrecomputedReference(reference_key(model, settings), cache_dir, batch_size, read_checkpoint)
     raise ValueError(f"objective.reference must be one of {REFERENCE_MODES}, got {mode!r}")

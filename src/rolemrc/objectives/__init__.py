@@ -6,40 +6,10 @@ its reduction to a step's loss (:func:`preference_loss`). The training modules
 compute every loss term with these functions.
 """
 
-from rolemrc.objectives.dpo import (
-    LOSS_TYPES,
-    DPOOutput,
-    LossType,
-    average_logps,
-    dpo_loss,
-    pair_mean,
-    preference_loss,
-)
-from rolemrc.objectives.logprobs import (
-    IGNORE_INDEX,
-    SequenceLogProbs,
-    SequenceLogProbsEntropy,
-    sequence_logprobs,
-    sequence_logprobs_and_entropy,
-    shift_labels,
-    token_logprobs,
-    token_nll,
-)
+from rolemrc.objectives.dpo import LOSS_TYPES, DPOOutput, LossType, average_logps, dpo_loss, pair_mean, preference_loss
+from rolemrc.objectives.logprobs import (IGNORE_INDEX, SequenceLogProbs, SequenceLogProbsEntropy, sequence_logprobs,
+                                         sequence_logprobs_and_entropy, shift_labels, token_logprobs, token_nll)
 
-__all__ = [
-    "IGNORE_INDEX",
-    "LOSS_TYPES",
-    "DPOOutput",
-    "LossType",
-    "SequenceLogProbs",
-    "SequenceLogProbsEntropy",
-    "average_logps",
-    "dpo_loss",
-    "pair_mean",
-    "preference_loss",
-    "sequence_logprobs",
-    "sequence_logprobs_and_entropy",
-    "shift_labels",
-    "token_logprobs",
-    "token_nll",
-]
+__all__ = ["IGNORE_INDEX", "LOSS_TYPES", "DPOOutput", "LossType", "SequenceLogProbs", "SequenceLogProbsEntropy",
+           "average_logps", "dpo_loss", "pair_mean", "preference_loss", "sequence_logprobs",
+           "sequence_logprobs_and_entropy", "shift_labels", "token_logprobs", "token_nll"]

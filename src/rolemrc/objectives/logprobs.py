@@ -30,6 +30,7 @@ Objectives import no Lightning and no transformers model classes: these are plai
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,21 +39,11 @@ from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
 
-__all__ = [
-    "IGNORE_INDEX",
-    "SequenceLogProbs",
-    "SequenceLogProbsEntropy",
-    "sequence_logprobs",
-    "sequence_logprobs_and_entropy",
-    "shift_labels",
-    "token_logprobs",
-    "token_nll",
-]
+__all__ = ["IGNORE_INDEX", "SequenceLogProbs", "SequenceLogProbsEntropy", "sequence_logprobs",
+           "sequence_logprobs_and_entropy", "shift_labels", "token_logprobs", "token_nll"]
 
 
-def shift_labels(
-    labels: Tensor, sequence_ids: Tensor | None = None, ignore_index: int = IGNORE_INDEX
-) -> Tensor:
+def shift_labels(labels: Tensor, sequence_ids: Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Align unshifted labels (``labels == input_ids`` style) with the hidden states.
 
     ``labels: [B, T]`` -> ``[B, T]`` with ``out[:, t] = labels[:, t + 1]`` and ``ignore_index`` in
@@ -65,32 +56,23 @@ def shift_labels(
     if sequence_ids is not None:
         _check_same_shape(sequence_ids, labels)
         crosses = torch.ones_like(labels, dtype=torch.bool)
-        crosses[..., :-1] = (sequence_ids[..., :-1] != sequence_ids[..., 1:]) | (
-            sequence_ids[..., :-1] < 0
-        )
+        crosses[..., :-1] = (sequence_ids[..., :-1] != sequence_ids[..., 1:]) | (sequence_ids[..., :-1] < 0)
         out = out.masked_fill(crosses, ignore_index)
     return out
 
 
 def _check_same_shape(sequence_ids: Tensor, labels: Tensor) -> None:
     if sequence_ids.shape != labels.shape:
-        raise ValueError(
-            f"sequence_ids shape {tuple(sequence_ids.shape)} != labels shape "
-            f"{tuple(labels.shape)}"
-        )
+        raise ValueError(f"sequence_ids shape {tuple(sequence_ids.shape)} != labels shape {tuple(labels.shape)}")
 
 
 def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None) -> None:
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            "expected hidden [..., H] and weight [V, H]; "
-            f"got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
+        raise ValueError(f"expected hidden [..., H] and weight [V, H]; got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
     if labels.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] = "
-            f"{tuple(hidden.shape[:-1])}"
-        )
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if labels.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
@@ -99,10 +81,7 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor |
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     """fp32, or fp64 when an input is fp64 (so float64 gradcheck tests the real math)."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
 
 
 def _tile_logits(h_tile: Tensor, w_blk: Tensor, b_blk: Tensor | None) -> Tensor:
@@ -173,17 +152,9 @@ class _LinearTargetLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        targets: Tensor,
-        chunk_size: int,
-        vocab_chunk_size: int,
-        with_entropy: bool = False,
-        entropy_grad: bool = False,
-    ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
+                chunk_size: int, vocab_chunk_size: int, with_entropy: bool = False,
+                entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             logp, lse, entropy = _target_logprob_tiles(hidden, weight, bias, targets, chunk_size, vocab_chunk_size,
                                                        with_entropy)
@@ -264,16 +235,9 @@ class _LinearTargetLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-def _flat_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    targets: Tensor,
-    chunk_size: int,
-    vocab_chunk_size: int,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> tuple[Tensor, Tensor]:
+def _flat_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+                   vocab_chunk_size: int, with_entropy: bool = False,
+                   entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_size=} {vocab_chunk_size=}")
     vocab = weight.shape[0]
@@ -281,21 +245,13 @@ def _flat_logprobs(
     if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
         bad = targets[(targets < 0) | (targets >= vocab)][:5].tolist()
         raise ValueError(f"labels must be in [0, {vocab}) or the ignore index; found {bad}")
-    return _LinearTargetLogProb.apply(
-        hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size, with_entropy, entropy_grad
-    )
+    return _LinearTargetLogProb.apply(hidden, weight, bias, targets.long(), chunk_size, vocab_chunk_size, with_entropy,
+                                      entropy_grad)
 
 
-def token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    chunk_size: int = 1024,
-    *,
-    bias: Tensor | None = None,
-    vocab_chunk_size: int = 8192,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[Tensor, Tensor]:
+def token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 1024, *,
+                   bias: Tensor | None = None, vocab_chunk_size: int = 8192,
+                   ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
     """Log-probs of the (aligned) labels at the supervised positions.
 
     hidden ``[B, T, H]`` (decoder output before lm_head, any float dtype), weight ``[V, H]``,
@@ -308,10 +264,7 @@ def token_logprobs(
     """
     _check_inputs(hidden, weight, labels, bias)
     mask = labels != ignore_index
-    return (
-        _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size)[0],
-        mask,
-    )
+    return _flat_logprobs(hidden[mask], weight, bias, labels[mask], chunk_size, vocab_chunk_size)[0], mask
 
 
 class SequenceLogProbs(NamedTuple):
@@ -321,18 +274,9 @@ class SequenceLogProbs(NamedTuple):
     num_tokens: Tensor
 
 
-def sequence_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    sequence_ids: Tensor | None = None,
-    chunk_size: int = 1024,
-    *,
-    bias: Tensor | None = None,
-    vocab_chunk_size: int = 8192,
-    num_sequences: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> SequenceLogProbs:
+def sequence_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids: Tensor | None = None,
+                      chunk_size: int = 1024, *, bias: Tensor | None = None, vocab_chunk_size: int = 8192,
+                      num_sequences: int | None = None, ignore_index: int = IGNORE_INDEX) -> SequenceLogProbs:
     """Sum of token log-probs per sequence (the DPO policy/reference quantity).
 
     Without ``sequence_ids`` each batch row is one sequence (``S = B``). For packed rows pass
@@ -357,19 +301,10 @@ class SequenceLogProbsEntropy(NamedTuple):
     entropy: Tensor
 
 
-def sequence_logprobs_and_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    sequence_ids: Tensor | None = None,
-    chunk_size: int = 1024,
-    *,
-    bias: Tensor | None = None,
-    vocab_chunk_size: int = 8192,
-    num_sequences: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    entropy_grad: bool = False,
-) -> SequenceLogProbsEntropy:
+def sequence_logprobs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, sequence_ids: Tensor | None = None,
+                                  chunk_size: int = 1024, *, bias: Tensor | None = None, vocab_chunk_size: int = 8192,
+                                  num_sequences: int | None = None, ignore_index: int = IGNORE_INDEX,
+                                  entropy_grad: bool = False) -> SequenceLogProbsEntropy:
     """:func:`sequence_logprobs` and, from the same tiles, the sum over each sequence's supervised
     positions of the entropy of the next-token distribution (``-sum_v p_v log p_v``; what TRL's
     GRPO logs as ``entropy``, as a token mean). The entropy costs one more tile-sized buffer while

@@ -291,14 +291,7 @@ class ApiClient:
                 raise Fault("empty_choices", "the answer has no choices")
             return sorted((c.model_dump() for c in choices), key=lambda c: c.get("index") or 0)
 
-        def checked(choices: list[dict[str, Any]]) -> Any:
-            try:
-                return check(choices) if check is not None else choices
-            except ValueError as e:
-                raise Fault("rejected", rejected_detail(e)) from e
-
-        return await self._request(lambda: self.client.completions.create(**body), lambda r: checked(extract(r)),
-                                   None, tag, 0)
+        return await self._request(lambda: self.client.completions.create(**body), extract, check, tag, 0)
 
     async def post(self, path: str, body: dict[str, Any], *, tag: str) -> Outcome:
         """``POST <base_url><path>`` with a JSON ``body`` (a server's own routes, e.g. vLLM's
@@ -325,7 +318,7 @@ class ApiClient:
         log.debug("%s: attempt %d failed (%s), retrying", self.what, state.attempt_number, fault)
 
     async def _request(self, send: Callable[[], Awaitable[Any]], extract: Callable[[Any], Any],
-                       check: Callable[[str], Any] | None, tag: str, est_tokens: int) -> Outcome:
+                       check: Callable[[Any], Any] | None, tag: str, est_tokens: int) -> Outcome:
         attempts = 0
         last: Fault | None = None
 
@@ -366,7 +359,7 @@ class ApiClient:
             try:
                 return raw, check(raw)
             except ValueError as e:
-                last = Fault("rejected", rejected_detail(e), text=raw)
+                last = Fault("rejected", rejected_detail(e), text=raw if isinstance(raw, str) else None)
                 self.counts["rejected"] += 1
                 raise last from e
 

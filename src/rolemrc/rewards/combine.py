@@ -107,6 +107,16 @@ def disagreement_rate(judge: Sequence[float | None], verifier: Sequence[float | 
     return sum((j >= 0.5) != (v >= 1.0) for j, v in pairs) / len(pairs), len(pairs)
 
 
+def mean_metrics(names: Sequence[str], per: Tensor, rewards: Tensor) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``/std`` of each reward's column of ``per`` (over the completions
+    it applies to), and ``reward``, ``reward_std`` of the weighted sums ``rewards``."""
+    metrics: dict[str, float] = {}
+    for k, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
+        metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+    return {**metrics, "reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
+
+
 class RewardSet:
     """Named rewards with weights (TRL's ``reward_funcs`` / ``reward_weights``, summed then normalised)."""
 
@@ -134,15 +144,10 @@ class RewardSet:
             values[name] = got
             per[:, k] = torch.tensor([float("nan") if v is None else v for v in got], dtype=torch.float64)
         rewards = self.combine(per, names)
-
-        metrics: dict[str, float] = {}
-        for k, name in enumerate(names):
-            metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
-            metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
+        metrics = mean_metrics(names, per, rewards)
+        for name in names:
             if isinstance(self.rewards[name], JudgeReward):  # skipped judgements: reported, not scored
                 metrics[f"rewards/{name}/missing"] = float(sum(self.rewards[name].last_missing.values()))
-        metrics["reward"] = torch.nanmean(rewards).item()
-        metrics["reward_std"] = nanstd(rewards).item()
         for jn in (nm for nm in names if isinstance(self.rewards[nm], JudgeReward)):
             for vn in (nm for nm in names if isinstance(self.rewards[nm], VerifierReward)):
                 rate, _ = disagreement_rate(values[jn], values[vn])

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolemrc.objectives.grpo import nanstd
-from rolemrc.rewards.combine import RewardScores, RewardSet
+from rolemrc.rewards.combine import RewardScores, RewardSet, mean_metrics
 
 TURN_AGGREGATIONS: tuple[str, ...] = ("mean", "last", "min", "sum")
 
@@ -96,9 +95,6 @@ def score_dialogues(rewards: RewardSet, dialogues: Sequence[Sequence[Mapping[str
         for col, name in enumerate(whole):
             per[:, names.index(name)] = got.per_reward[:, col]
     total = rewards.combine(per, names)
-    for col, name in enumerate(names):
-        metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, col]).item()
-        metrics[f"rewards/{name}/std"] = nanstd(per[:, col]).item()
-    metrics["reward"], metrics["reward_std"] = torch.nanmean(total).item(), nanstd(total).item()
+    metrics.update(mean_metrics(names, per, total))
     return DialogueScores(RewardScores(names, per, total, metrics), turn_values,
                           torch.tensor(index, dtype=torch.long))

@@ -24,18 +24,16 @@ from typing import Any
 import lightning as L
 import torch
 
-from rolemrc.callbacks.throughput import batch_counts
+from rolemrc.callbacks.throughput import ValidationPause, batch_counts
 
 
-class RunSummary(L.Callback):
+class RunSummary(ValidationPause):
     """See the module. ``figures`` holds the summary after training (every rank)."""
 
     def __init__(self) -> None:
         self.figures: dict[str, Any] = {}
         self._tokens: torch.Tensor | None = None
         self._t0: float | None = None
-        self._paused = 0.0
-        self._pause_start: float | None = None
         self._restored: dict[str, Any] = {}  # the figures of the processes before this one
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,14 +70,6 @@ class RunSummary(L.Callback):
         self._tokens = real if self._tokens is None else self._tokens + real
         if 0 < trainer.max_steps <= trainer.global_step:  # the last step: validate before stopping
             trainer.should_stop = True
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._pause_start = time.perf_counter()  # validation time is not training time
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._pause_start is not None:
-            self._paused += time.perf_counter() - self._pause_start
-            self._pause_start = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.figures = self.summarise(trainer, pl_module)

@@ -111,7 +111,23 @@ def batch_counts(batch: dict[str, Tensor]) -> Tensor:
     return torch.stack([v.reshape(()).to(ids.device) for v in values])
 
 
-class ThroughputMonitor(L.Callback):
+class ValidationPause(L.Callback):
+    """Keeps validation time out of training time: ``_paused``, the seconds spent validating
+    (each subclass resets it where its clock starts)."""
+
+    _paused = 0.0
+    _pause_start: float | None = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pause_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pause_start is not None:
+            self._paused += time.perf_counter() - self._pause_start
+        self._pause_start = None
+
+
+class ThroughputMonitor(ValidationPause):
     """Logs ``perf/*`` throughput (and MFU on CUDA); see the module docstring.
 
     Args:
@@ -167,15 +183,6 @@ class ThroughputMonitor(L.Callback):
         every = self.every or trainer.log_every_n_steps or 1
         if self._batches >= every:
             self._log(trainer)
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._pause_start = time.perf_counter()
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        start = getattr(self, "_pause_start", None)
-        if start is not None and self._t0 is not None:
-            self._paused += time.perf_counter() - start
-        self._pause_start = None
 
     def _log(self, trainer: L.Trainer) -> None:
         now = time.perf_counter()

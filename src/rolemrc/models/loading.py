@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -175,12 +175,6 @@ def per_rank_entries(checkpoint: dict[str, Any], rank: int, world_size: int) -> 
     return saved[rank]
 
 
-def run_state_parts(pl_module: L.LightningModule) -> tuple[Any, ...]:
-    """The objects whose state ``pl_module`` wants in every checkpoint (its ``run_state_parts()``,
-    declared with its default on :class:`rolemrc.modules.base.PolicyModule`)."""
-    return tuple(pl_module.run_state_parts())
-
-
 class RunInterrupted(Exception):
     """Training stopped by SIGINT (Ctrl-C) or SIGTERM after a checkpoint at a step boundary;
     the recipe prints how to continue and exits with status 128 + ``signum``."""
@@ -235,8 +229,9 @@ SAVE_COST_FACTOR = 10  # a checkpoint by time waits at least this many times as 
 
 
 class RunState(L.Callback):
-    """Saves the RNG states, and the state of the module's :func:`run_state_parts`, with every
-    checkpoint and restores them (the parts' as Lightning restores the checkpoint, the RNG states
+    """Saves the RNG states, and the state of the module's ``run_state_parts()`` (declared with its
+    default on :class:`rolemrc.modules.base.PolicyModule`), with every checkpoint and restores
+    them (the parts' as Lightning restores the checkpoint, the RNG states
     when training starts, after Lightning's own setup consumed random numbers); puts the learning
     rate where this run's schedule has it; reopens an epoch ``max_steps`` cut short; and saves
     ``last.ckpt`` of each ``save_last`` ModelCheckpoint when training ends at a step no checkpoint holds yet
@@ -347,9 +342,9 @@ class RunState(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()
         own: dict[str, Any] = {}
-        for part in run_state_parts(pl_module):
+        for part in pl_module.run_state_parts():
             (own if part.per_rank else checkpoint).update(part.state_dict())
-        if any(part.per_rank for part in run_state_parts(pl_module)):
+        if any(part.per_rank for part in pl_module.run_state_parts()):
             checkpoint[PER_RANK_KEY] = gather_per_rank(own, trainer.world_size)
         self._saved_step = trainer.global_step
         self._last_save = time.monotonic()  # any save (an epoch end's too) restarts the clock
@@ -363,7 +358,7 @@ class RunState(L.Callback):
         self._saved_step = int(checkpoint.get("global_step", -1))  # nothing new to save at this step
         self.restored_before_validation = saved_as_a_step_ended(checkpoint)
         per_rank = per_rank_entries(checkpoint, trainer.global_rank, trainer.world_size)
-        for part in run_state_parts(pl_module):
+        for part in pl_module.run_state_parts():
             part.load_state_dict(per_rank if getattr(part, "per_rank", False) else checkpoint)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

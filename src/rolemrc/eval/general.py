@@ -24,7 +24,6 @@ and settings.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -32,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import open_dict
+from omegaconf import OmegaConf
 
 from rolemrc.parts import build_chat
 from rolemrc.config import Replier, plain
@@ -192,9 +191,7 @@ def check_data_offline(b: Any, specs: list[tuple[str, Any, str | None]]) -> None
 
 
 def _compare_model(r: Replier, path: str) -> tuple[Any, Any]:
-    model = copy.deepcopy(r.model)
-    with open_dict(model):
-        model.path = path
+    model = OmegaConf.merge(r.model, {"path": path})
     chat = build_chat(model)
     return load_eval_model(replace(r, model=model), chat.tokenizer), chat.tokenizer
 

@@ -191,8 +191,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     agree = agreement(verdicts, verifier) if verdicts is not None and verifier else None
 
     bert = (metrics.info.get("bertscore") or {}).get("model") if metrics is not None else None
-    if gen.missing:
-        meta_missing = f"{len(gen.missing)} of {n_items} test items have no reply in the file: left out (generation.on_missing=skip)"
     meta: dict[str, Any] = {
         "name": f"{cfg.model.name} on {cfg.data.name}",
         "model": model_label(r),
@@ -205,7 +203,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "judge_model": judge_model,
     }
     if gen.missing:
-        meta["replies_missing"] = meta_missing
+        meta["replies_missing"] = (f"{len(gen.missing)} of {n_items} test items have no reply in the file: left out "
+                                   "(generation.on_missing=skip)")
     if judge_protocol:
         meta["judge_protocol"] = judge_protocol
     if pairs is not None:

@@ -581,7 +581,8 @@ CONFIG_DOOR = [
     "rolemrc.synth.pipeline:run", "rolemrc.synth.config:validate",
 ]
 # The other recipes are typed at their doors the same way (evaluate.py: rolemrc.config.Replier and
-# Judging; probe.py and synthesize.py: their groups): each recipe's config class names the root keys
+# Judging; probe.py: its groups and rolemrc.probing.run.Capture; synthesize.py: each stage its groups
+# beside the shared rolemrc.synth.pipeline.Context): each recipe's config class names the root keys
 # of the whole config in the modules that recipe runs.
 RECIPES = {  # config class (file) -> the modules whose functions it is handed to
     "TrainConfig": ("config.py", ["rolemrc.*"]),
@@ -597,7 +598,6 @@ CONFIG_NOT_YET: tuple[str, ...] = (
         "personagym": "_ask _examples_cfg _judge_cfgs check evaluate"}.items() for f in fs.split()),
     *(f"rolemrc.eval.dialogue:{f}" for f in ("_judge_and_report check hf_generate judge_consistency play_local "
                                               "play_openai run_dialogues vllm_generate").split()),
-    "rolemrc.synth.*",
 )
 
 

@@ -112,10 +112,6 @@ def left_padded(prompts: Sequence[list[int]], pad_id: int, device: torch.device 
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device)}
 
 
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def iter_activations(
     model: nn.Module,
     prompts: Sequence[list[int]],
@@ -134,7 +130,7 @@ def iter_activations(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     stack = decoder(model)
-    device = model_device(model)
+    device = next(model.parameters()).device
     with eval_mode(model), torch.no_grad(), LastTokenCapture(model, site) as capture:
         for start in range(0, len(order), batch_size):
             indices = order[start:start + batch_size]

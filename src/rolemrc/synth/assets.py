@@ -28,6 +28,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "profile_example.yaml": ("persona", "profile"),
     "paper_table2.yaml": ("groups", "totals"),
 }
+# Files only RoleLLM's stages read (rolemrc.synth.roleplay): checked the same way, hashed by those
+# stages' own fingerprints rather than by Assets.fingerprint.
+ROLEPLAY: dict[str, tuple[str, ...]] = {
+    "roleplay_prompts.yaml": ("context_instruct_system", "context_instruct_user", "rolegpt_system"),
+}
 
 
 class Assets:
@@ -53,10 +58,11 @@ class Assets:
                 raise ValueError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{p}: expected a mapping at the top level")
-        missing = [k for k in REQUIRED.get(name, ()) if k not in data]
+        required = REQUIRED.get(name) or ROLEPLAY.get(name, ())
+        missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"{p}: missing key(s) {', '.join(missing)}")
-        for k in REQUIRED.get(name, ()):
+        for k in required:
             v = data[k]
             if v is None or (isinstance(v, (list, str, dict)) and not v):
                 raise ValueError(f"{p}: key {k!r} is empty")
@@ -99,12 +105,13 @@ class Assets:
         return h.hexdigest()[:16]
 
     def render(self, file: str, key: str, **values: Any) -> str:
-        """Fill template ``key`` of ``file`` ('prompts' or 'templates'); missing values raise."""
-        table = self.prompts if file == "prompts" else self.templates
-        text = table[key]
+        """Fill template ``key`` of ``file`` ('prompts', 'templates' or a file of :data:`ROLEPLAY`);
+        missing values raise."""
+        name = file if file in ROLEPLAY else f"{file}.yaml"
+        table = self.prompts if file == "prompts" else self.templates if file == "templates" else self.load(name)
         try:
-            return string.Template(str(text)).substitute(values)
+            return string.Template(str(table[key])).substitute(values)
         except KeyError as e:
-            raise KeyError(f"{self.path(file + '.yaml')}: template {key!r} uses ${e.args[0]}, which is not provided (provided: {', '.join(sorted(values))})") from None
+            raise KeyError(f"{self.path(name)}: template {key!r} uses ${e.args[0]}, which is not provided (provided: {', '.join(sorted(values))})") from None
         except ValueError as e:
-            raise ValueError(f"{self.path(file + '.yaml')}: template {key!r}: {e} (write $$ for a literal $)") from None
+            raise ValueError(f"{self.path(name)}: template {key!r}: {e} (write $$ for a literal $)") from None

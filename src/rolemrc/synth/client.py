@@ -125,9 +125,9 @@ class Usage:
         return s + ")"
 
 
-def make_budget(cfg: BudgetConfig) -> Budget:
+def make_budget(limits: BudgetConfig) -> Budget:
     """One budget for the whole run (every stage, generator and embedder)."""
-    return Budget(cfg.max_requests, cfg.max_tokens, names=("budget.max_requests", "budget.max_tokens"))
+    return Budget(limits.max_requests, limits.max_tokens, names=("budget.max_requests", "budget.max_tokens"))
 
 
 @dataclass
@@ -162,9 +162,9 @@ class _Client:
 
     what = "client"
 
-    def __init__(self, cfg: GeneratorConfig | EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache,
-                 dry_run: bool = False) -> None:
-        self.cfg = cfg
+    def __init__(self, endpoint: GeneratorConfig | EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget,
+                 cache: Cache, dry_run: bool = False) -> None:
+        self.endpoint = endpoint
         self.budget_cfg = budget_cfg
         self.budget = budget
         self.cache = cache
@@ -173,9 +173,9 @@ class _Client:
         self.api: Optional[ApiClient] = None
         if not dry_run:
             self.api = ApiClient(
-                self.what, base_url=cfg.base_url, api_key_env=cfg.api_key_env, concurrency=cfg.concurrency,
-                timeout_s=cfg.timeout_s, max_attempts=cfg.max_retries + 1, backoff_s=cfg.backoff_s,
-                max_backoff_s=cfg.max_backoff_s, budget=budget,
+                self.what, base_url=endpoint.base_url, api_key_env=endpoint.api_key_env,
+                concurrency=endpoint.concurrency, timeout_s=endpoint.timeout_s, max_attempts=endpoint.max_retries + 1,
+                backoff_s=endpoint.backoff_s, max_backoff_s=endpoint.max_backoff_s, budget=budget,
             )
 
     @property
@@ -193,11 +193,11 @@ class Generator(_Client):
     """Chat completions with cache, budget, retries and a dry-run mode."""
 
     what = "generator"
-    cfg: GeneratorConfig
+    endpoint: GeneratorConfig
 
     def payload(self, req: ChatRequest) -> dict[str, Any]:
         """The request body; also what the cache key is computed from."""
-        c = self.cfg
+        c = self.endpoint
         messages = req.messages
         body: dict[str, Any] = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
         if c.top_p is not None:
@@ -234,7 +234,7 @@ class Generator(_Client):
             self.usage.cached += 1
             return ChatResult(req.tag, hit)
         est_prompt = self.estimate_prompt_tokens(body)
-        est_completion = min(self.budget_cfg.completion_tokens.get(req.kind, self.cfg.max_tokens), self.cfg.max_tokens)
+        est_completion = min(self.budget_cfg.completion_tokens.get(req.kind, self.endpoint.max_tokens), self.endpoint.max_tokens)
         if self.dry_run:
             self.usage.est_prompt_tokens += est_prompt
             self.usage.est_completion_tokens += est_completion
@@ -249,7 +249,7 @@ class Generator(_Client):
         self.usage.prompt_tokens += pt
         self.usage.completion_tokens += ct
         self.budget.settle(est_prompt + est_completion, pt + ct)
-        self.cache.put(key, content, self.cfg.model)
+        self.cache.put(key, content, self.endpoint.model)
         return ChatResult(req.tag, content, attempts=out.attempts)
 
 
@@ -266,16 +266,17 @@ class RemoteEmbedder(_Client):
     """``/v1/embeddings`` of an OpenAI-compatible server, batched and cached per batch."""
 
     what = "embedder"
-    cfg: EmbedderConfig
+    endpoint: EmbedderConfig
 
-    def __init__(self, cfg: EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache, dry_run: bool = False) -> None:
-        if not cfg.base_url or not cfg.model:
+    def __init__(self, embedder: EmbedderConfig, budget_cfg: BudgetConfig, budget: Budget, cache: Cache,
+                 dry_run: bool = False) -> None:
+        if not embedder.base_url or not embedder.model:
             raise ValueError("embedder.backend=openai needs embedder.base_url and embedder.model")
-        super().__init__(cfg, budget_cfg, budget, cache, dry_run)
+        super().__init__(embedder, budget_cfg, budget, cache, dry_run)
         self._dim: Optional[int] = None
 
     async def _batch(self, texts: list[str], tag: str) -> Optional[np.ndarray]:
-        body = {"model": self.cfg.model, "input": texts}
+        body = {"model": self.endpoint.model, "input": texts}
         key = request_key({"endpoint": "embeddings", **body})
         self.usage.requests += 1
         self.usage.by_kind["embed"] = self.usage.by_kind.get("embed", 0) + 1
@@ -299,21 +300,21 @@ class RemoteEmbedder(_Client):
         if out.status == "budget_exhausted":
             raise BudgetExhausted(out.error or "budget exhausted")
         if not out.ok:
-            raise EmbeddingFailed(f"embedder request {tag} at {self.cfg.base_url} failed after {out.attempts} attempt(s): {out.error}")
+            raise EmbeddingFailed(f"embedder request {tag} at {self.endpoint.base_url} failed after {out.attempts} attempt(s): {out.error}")
         arr = np.asarray(out.value, dtype=np.float32)
         pt = out.prompt_tokens or est
         self.usage.prompt_tokens += pt
         self.budget.settle(est, pt)
         self._dim = arr.shape[1]
-        self.cache.put(key, json.dumps({"b64": base64.b64encode(arr.tobytes()).decode("ascii"), "shape": list(arr.shape)}), self.cfg.model)
+        self.cache.put(key, json.dumps({"b64": base64.b64encode(arr.tobytes()).decode("ascii"), "shape": list(arr.shape)}), self.endpoint.model)
         return arr
 
     async def embed(self, texts: list[str], is_query: bool, tag: str, on_batch: Callable[[int], None] = lambda n: None) -> np.ndarray:
         import asyncio
 
-        prefix = self.cfg.query_prefix if is_query else self.cfg.doc_prefix
+        prefix = self.endpoint.query_prefix if is_query else self.endpoint.doc_prefix
         texts = [prefix + t for t in texts]
-        bs = self.cfg.batch_size
+        bs = self.endpoint.batch_size
 
         async def one(i: int) -> Optional[np.ndarray]:
             out = await self._batch(texts[i : i + bs], f"{tag}[{i}:{i + bs}]")
@@ -332,6 +333,6 @@ class RemoteEmbedder(_Client):
             rng = np.random.default_rng(len(texts))
             return rng.standard_normal((len(texts), self._dim or 8)).astype(np.float32)
         arr = np.concatenate(parts) if parts else np.zeros((0, 1), np.float32)  # type: ignore[arg-type]
-        if self.cfg.normalize:
+        if self.endpoint.normalize:
             arr = arr / np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr

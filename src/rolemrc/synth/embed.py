@@ -25,38 +25,38 @@ class LocalEmbedder:
     ``sentence_transformers``: the model's own pooling/normalisation modules, for any ST model.
     """
 
-    def __init__(self, cfg: EmbedderConfig) -> None:
-        self.cfg = cfg
-        self.path = cfg.model or default_model_path()
-        if cfg.backend == "sentence_transformers":
+    def __init__(self, embedder: EmbedderConfig) -> None:
+        self.embedder = embedder
+        self.path = embedder.model or default_model_path()
+        if embedder.backend == "sentence_transformers":
             from sentence_transformers import SentenceTransformer
 
-            self._st = SentenceTransformer(self.path, device=cfg.device)
+            self._st = SentenceTransformer(self.path, device=embedder.device)
         else:
             import torch
             from transformers import AutoModel, AutoTokenizer
 
             self._tok = AutoTokenizer.from_pretrained(self.path)
-            self._model = AutoModel.from_pretrained(self.path).to(cfg.device).eval()
+            self._model = AutoModel.from_pretrained(self.path).to(embedder.device).eval()
             self._torch = torch
 
     _loaded: dict[tuple[str, str, str], LocalEmbedder] = {}
 
     @classmethod
-    def get(cls, cfg: EmbedderConfig) -> LocalEmbedder:
+    def get(cls, embedder: EmbedderConfig) -> LocalEmbedder:
         """Load once per process (model, backend, device); prefixes and batch size may differ."""
-        key = (cfg.backend, cfg.model or default_model_path(), cfg.device)
+        key = (embedder.backend, embedder.model or default_model_path(), embedder.device)
         inst: Optional[LocalEmbedder] = cls._loaded.get(key)
         if inst is None:
-            inst = cls._loaded[key] = cls(cfg)
-        inst.cfg = cfg
+            inst = cls._loaded[key] = cls(embedder)
+        inst.embedder = embedder
         return inst
 
     def embed(self, texts: list[str], is_query: bool, on_batch: Callable[[int], None] = lambda n: None) -> np.ndarray:
         """(len(texts), dim) float32; L2-normalised when ``embedder.normalize``."""
-        prefix = self.cfg.query_prefix if is_query else self.cfg.doc_prefix
+        prefix = self.embedder.query_prefix if is_query else self.embedder.doc_prefix
         texts = [prefix + t for t in texts]
-        bs = self.cfg.batch_size
+        bs = self.embedder.batch_size
         out = []
         for i in range(0, len(texts), bs):
             batch = texts[i : i + bs]
@@ -65,16 +65,16 @@ class LocalEmbedder:
         if not out:
             return np.zeros((0, 1), np.float32)
         arr = np.concatenate(out).astype(np.float32)
-        if self.cfg.normalize:
+        if self.embedder.normalize:
             arr = arr / np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr
 
     def _encode(self, batch: list[str]) -> np.ndarray:
-        if self.cfg.backend == "sentence_transformers":
-            self._st.max_seq_length = self.cfg.max_length
+        if self.embedder.backend == "sentence_transformers":
+            self._st.max_seq_length = self.embedder.max_length
             return self._st.encode(batch, batch_size=len(batch), convert_to_numpy=True, show_progress_bar=False)
         torch = self._torch
-        enc = self._tok(batch, padding=True, truncation=True, max_length=self.cfg.max_length, return_tensors="pt").to(self.cfg.device)
+        enc = self._tok(batch, padding=True, truncation=True, max_length=self.embedder.max_length, return_tensors="pt").to(self.embedder.device)
         with torch.inference_mode():
             hidden = self._model(**enc).last_hidden_state
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)

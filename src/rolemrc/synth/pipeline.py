@@ -15,6 +15,7 @@ import re
 import shlex
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,7 +44,10 @@ from rolemrc.synth.assets import Assets
 from rolemrc.synth.client import (
     Cache, ChatRequest, ChatResult, Generator, RemoteEmbedder, Usage, make_budget,
 )
-from rolemrc.synth.config import ROLELLM_STAGES, ROLEMRC_STAGES, STAGES, SynthConfig
+from rolemrc.synth.config import (
+    ROLELLM_STAGES, ROLEMRC_STAGES, STAGES, AssembleConfig, BudgetConfig, DialoguesConfig, EmbedderConfig,
+    GeneratorConfig, MatchConfig, MRCConfig, PersonasConfig, ProfilesConfig, SynthConfig,
+)
 from rolemrc.synth.embed import LocalEmbedder
 from rolemrc.synth.records import check_pair, check_sft, check_test
 from rolemrc.synth.search import extreme_inner_product
@@ -52,18 +56,22 @@ from rolemrc.synth.store import StageDir, fingerprint, read_jsonl, write_jsonl
 from rolemrc.tasks import TEST_TASKS
 
 
-class Context:
-    """What every stage needs: config, folders, cache, budget, output and progress."""
+# The config groups a stage reads, handed to its runner and its fingerprint after the context, in
+# this order; a stage not listed reads the group of its own name.
+STAGE_GROUPS: dict[str, tuple[str, ...]] = {"match": ("mrc", "match", "embedder")}
 
-    def __init__(self, cfg: SynthConfig, out: Path, console: Console, progress: Optional[Progress]) -> None:
-        self.cfg = cfg
-        self.out = out
-        self.console = console
-        self.progress = progress
-        self.assets = Assets(cfg.assets_dir)
-        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(cfg.out_dir) / "cache"
-        self.cache = Cache(cache_dir, read_only=cfg.dry_run)
-        self.budget = make_budget(cfg.budget)
+
+class Context:
+    """What the stages share (each is handed its own groups beside it, :data:`STAGE_GROUPS`): the
+    run's folder, seed and dry-run flag, the assets, the chat endpoint (``generator``) and the
+    request cache and budget (``limits``, counted in ``budget``) every request goes through,
+    output and progress."""
+
+    def __init__(self, out: Path, console: Console, progress: Optional[Progress], *, assets: Assets, cache: Cache,
+                 generator: GeneratorConfig, limits: BudgetConfig, seed: int, dry_run: bool) -> None:
+        self.out, self.console, self.progress, self.assets, self.cache = out, console, progress, assets, cache
+        self.generator, self.limits, self.seed, self.dry_run = generator, limits, seed, dry_run
+        self.budget = make_budget(limits)
         self.usage: dict[str, Usage] = {}
         self.fps: dict[str, str] = {}
         self.missing: dict[str, list[dict[str, Any]]] = {}  # stage -> records without an answer
@@ -114,7 +122,7 @@ class Context:
         usage = self.usage.setdefault(stage, Usage())
 
         async def go() -> tuple[list[ChatResult], Optional[str]]:
-            gen = Generator(self.cfg.generator, self.cfg.budget, self.budget, self.cache, dry_run=self.cfg.dry_run)
+            gen = Generator(self.generator, self.limits, self.budget, self.cache, dry_run=self.dry_run)
 
             async def one(r: ChatRequest) -> ChatResult:
                 out = await gen.chat(r)
@@ -129,7 +137,7 @@ class Context:
 
         results, halted = asyncio.run(go())
         if halted:
-            raise RuntimeError(f"{stage}: {halted} at {self.cfg.generator.base_url}; later requests were not sent "
+            raise RuntimeError(f"{stage}: {halted} at {self.generator.base_url}; later requests were not sent "
                                "(check generator.base_url, generator.model and the API key); finished answers are cached")
         spent = [r for r in results if r.kind == "budget_exhausted"]
         if spent:
@@ -151,8 +159,7 @@ def output_fingerprint(fp: str, missing: int) -> str:
     return f"{fp}+missing{missing}" if missing else fp
 
 
-def _generator_fp(cfg: SynthConfig) -> dict[str, Any]:
-    g = cfg.generator
+def _generator_fp(g: GeneratorConfig) -> dict[str, Any]:
     # Where the server lives and how hard we push it do not change what it returns.
     return {k: getattr(g, k) for k in ("model", "temperature", "top_p", "max_tokens", "seed", "structured_output", "extra_body")}
 
@@ -160,47 +167,58 @@ def _generator_fp(cfg: SynthConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------ stages
 
 
-def _standin_note(ctx: Context, what: str, key: str, err: Exception) -> None:
-    ctx.standins.append(what)
-    ctx.console.print(escape(f"dry run: {key} cannot be read here ({type(err).__name__}: {err}); planning with "
-                             f"stand-in {what} (request counts are the real ones, token estimates rough)"), style="yellow")
-
-
-def run_personas(ctx: Context) -> dict[str, Any]:
+def _read_source(ctx: Context, what: str, key: str, c: Any, read: Callable[..., Any], standin: Callable[..., Any]) -> Any:
+    """``read(c, seed)``; a dry run whose hub source ``c`` cannot be read (offline) plans with
+    ``standin(c)`` instead, and says so."""
     try:
-        personas, stats = load_personas(ctx.cfg.personas, ctx.cfg.seed)
-    except (ConnectionError, OSError) as e:  # the hub unreachable (offline): datasets raises these
-        if not (ctx.cfg.dry_run and ctx.cfg.personas.source == "hub"):
+        return read(c, ctx.seed)
+    except (ConnectionError, OSError) as err:  # the hub unreachable (offline): datasets raises these
+        if not (ctx.dry_run and c.source == "hub"):
             raise
-        _standin_note(ctx, "personas", f"personas.path={ctx.cfg.personas.path} (hub)", e)
-        personas, stats = standin_personas(ctx.cfg.personas)
+        ctx.standins.append(what)
+        ctx.console.print(escape(f"dry run: {key}.path={c.path} (hub) cannot be read here ({type(err).__name__}: "
+                                 f"{err}); planning with stand-in {what} (request counts are the real ones, token "
+                                 "estimates rough)"), style="yellow")
+        return standin(c)
+
+
+def _keep_valid(ctx: Context, stage: str, kept: str, answers: list[Optional[str]],
+                finish: Callable[[int, str], tuple[Any, Any]], reason: Callable[[Any], str],
+                ) -> tuple[list[Any], list[Any], dict[str, int]]:
+    """Answer ``i`` checked by ``finish(i, answer)`` (-> valid record, or None and the invalid one):
+    the valid ones written to ``<stage>/<kept>``, the others to ``<stage>/invalid.jsonl`` and
+    counted by ``reason``; returns both and the counts. A request without a usable answer after
+    every retry is skipped (reported as missing, asked again on a rerun)."""
+    good, bad = [], []
+    for i, text in enumerate(answers):
+        if text is not None:
+            ok, invalid = finish(i, text)
+            if ok is not None:
+                good.append(ok)
+            else:
+                bad.append(invalid)
+    write_jsonl(ctx.stage(stage).file(kept), good)
+    write_jsonl(ctx.stage(stage).file("invalid.jsonl"), bad)
+    return good, bad, dict(Counter(reason(b) for b in bad))
+
+
+def run_personas(ctx: Context, c: PersonasConfig) -> dict[str, Any]:
+    personas, stats = _read_source(ctx, "personas", "personas", c, load_personas, standin_personas)
     if not personas:
-        raise DataError(f"personas: no persona read from {ctx.cfg.personas.path} "
+        raise DataError(f"personas: no persona read from {c.path} "
                         f"({', '.join(f'{k}={v}' for k, v in stats.items())})")
     write_jsonl(ctx.stage("personas").file("personas.jsonl"), personas)
     return {"personas": len(personas), **stats}
 
 
-def run_profiles(ctx: Context) -> dict[str, Any]:
+def run_profiles(ctx: Context, c: ProfilesConfig) -> dict[str, Any]:
     personas = list(read_jsonl(ctx.stage("personas").file("personas.jsonl")))
     prof.example_profile(ctx.assets)
-    min_chars = ctx.cfg.profiles.min_section_chars
+    min_chars = c.min_section_chars
     answers = ctx.generate("profiles", [prof.request(ctx.assets, p, min_chars) for p in personas])
-    good, bad = [], []
-    for p, text in zip(personas, answers):
-        if text is None:
-            continue  # no usable answer after every retry: reported as missing, asked again on a rerun
-        ok, invalid = prof.finish(p, text, min_chars)
-        if ok is not None:
-            good.append(ok)
-        else:
-            bad.append(invalid)
+    good, bad, reasons = _keep_valid(ctx, "profiles", "profiles.jsonl", answers,
+                                     lambda i, text: prof.finish(personas[i], text, min_chars), lambda b: b["reason"])
     d = ctx.stage("profiles")
-    write_jsonl(d.file("profiles.jsonl"), good)
-    write_jsonl(d.file("invalid.jsonl"), bad)
-    reasons: dict[str, int] = {}
-    for b in bad:
-        reasons[b["reason"]] = reasons.get(b["reason"], 0) + 1
     missing = ctx.write_missing("profiles")
     if not good:
         raise RuntimeError(f"profiles: none of the {len(personas)} personas got a valid profile ({reasons or ''}"
@@ -209,8 +227,7 @@ def run_profiles(ctx: Context) -> dict[str, Any]:
             "missing": missing}
 
 
-def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.ndarray:
-    e = ctx.cfg.embedder
+def _embed(ctx: Context, e: EmbedderConfig, texts: list[str], is_query: bool, label: str) -> np.ndarray:
     if ctx.standins:
         # Dry run on stand-in inputs: matches are meaningless, so nothing is embedded.
         return np.random.default_rng(len(texts)).standard_normal((len(texts), 8)).astype(np.float32)
@@ -219,7 +236,7 @@ def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.nda
         usage = ctx.usage.setdefault("match", Usage())
 
         async def go() -> np.ndarray:
-            emb = RemoteEmbedder(e, ctx.cfg.budget, ctx.budget, ctx.cache, dry_run=ctx.cfg.dry_run)
+            emb = RemoteEmbedder(e, ctx.limits, ctx.budget, ctx.cache, dry_run=ctx.dry_run)
             try:
                 return await emb.embed(texts, is_query, label, advance)
             finally:
@@ -233,30 +250,23 @@ def _embed(ctx: Context, texts: list[str], is_query: bool, label: str) -> np.nda
     return LocalEmbedder.get(e).embed(texts, is_query, advance)
 
 
-def run_match(ctx: Context) -> dict[str, Any]:
-    cfg = ctx.cfg
+def run_match(ctx: Context, mrc: MRCConfig, match: MatchConfig, embedder: EmbedderConfig) -> dict[str, Any]:
     profiles = list(read_jsonl(ctx.stage("profiles").file("profiles.jsonl")))
-    try:
-        pool, mstats = load_mrc(cfg.mrc, cfg.seed)
-    except (ConnectionError, OSError) as e:  # the hub unreachable (offline)
-        if not (cfg.dry_run and cfg.mrc.source == "hub"):
-            raise
-        _standin_note(ctx, "MRC items", f"mrc.path={cfg.mrc.path} (hub)", e)
-        pool, mstats = standin_mrc(cfg.mrc)
+    pool, mstats = _read_source(ctx, "MRC items", "mrc", mrc, load_mrc, standin_mrc)
     if not any(m["answerable"] for m in pool):
-        raise DataError(f"match: no answerable MRC item in {cfg.mrc.path} (is mrc.no_answer_marker right?)")
+        raise DataError(f"match: no answerable MRC item in {mrc.path} (is mrc.no_answer_marker right?)")
     d = ctx.stage("match")
     write_jsonl(d.file("mrc_pool.jsonl"), pool)
-    ptexts = [dlg.load_profile(p).matching_text(cfg.match.profile_sections) for p in profiles]
-    if cfg.match.mrc_text == "question":
+    ptexts = [dlg.load_profile(p).matching_text(match.profile_sections) for p in profiles]
+    if match.mrc_text == "question":
         mtexts = [m["question"] for m in pool]
     else:
         mtexts = [m["question"] + "\n" + next((t for t, s in zip(m["passages"], m["selected"]) if s), m["passages"][0]) for m in pool]
-    pe = _embed(ctx, ptexts, True, "profiles")
-    me = _embed(ctx, mtexts, False, "mrc")
-    if cfg.dry_run and pe.shape[1] != me.shape[1]:
+    pe = _embed(ctx, embedder, ptexts, True, "profiles")
+    me = _embed(ctx, embedder, mtexts, False, "mrc")
+    if ctx.dry_run and pe.shape[1] != me.shape[1]:
         # One side came from the cache, the other is a dry-run stand-in: any common shape will do.
-        rng = np.random.default_rng(cfg.seed)
+        rng = np.random.default_rng(ctx.seed)
         pe, me = rng.standard_normal((len(ptexts), 8)).astype(np.float32), rng.standard_normal((len(mtexts), 8)).astype(np.float32)
     np.save(d.file("profile_emb.npy"), pe)
     np.save(d.file("mrc_emb.npy"), me)
@@ -265,13 +275,13 @@ def run_match(ctx: Context) -> dict[str, Any]:
     for part, flag in (("answerable", True), ("unanswerable", False)):
         idx = np.array([i for i, m in enumerate(pool) if m["answerable"] is flag], dtype=np.int64)
         if ctx.standins:
-            idx = idx[: max(64, cfg.match.top_k)]  # stand-in inputs: any match will do, found quickly
+            idx = idx[: max(64, match.top_k)]  # stand-in inputs: any match will do, found quickly
         for p in profiles:
             result[p["id"]]["related"][part] = []
             result[p["id"]]["unrelated"][part] = []
         if len(idx) == 0:
             continue
-        found = extreme_inner_product(pe, me[idx], cfg.match.top_k, cfg.match.chunk_size)
+        found = extreme_inner_product(pe, me[idx], match.top_k, match.chunk_size)
         for qi, p in enumerate(profiles):
             for rel, key in (("related", "max"), ("unrelated", "min")):
                 hits = [{"id": pool[idx[j]]["id"], "score": float(s)} for j, s in zip(found[f"{key}_idx"][qi], found[f"{key}_score"][qi])]
@@ -285,30 +295,16 @@ def run_match(ctx: Context) -> dict[str, Any]:
     }
 
 
-def run_dialogues(ctx: Context) -> dict[str, Any]:
-    cfg = ctx.cfg
+def run_dialogues(ctx: Context, c: DialoguesConfig) -> dict[str, Any]:
     profiles = {p["id"]: dlg.load_profile(p) for p in read_jsonl(ctx.stage("profiles").file("profiles.jsonl"))}
     pool = {m["id"]: m for m in read_jsonl(ctx.stage("match").file("mrc_pool.jsonl"))}
     matches = {m["profile_id"]: m for m in read_jsonl(ctx.stage("match").file("matches.jsonl"))}
-    plans, short = dlg.plan(cfg.dialogues, list(profiles), matches, cfg.seed)
-    builder = dlg.Builder(cfg.dialogues, ctx.assets, cfg.seed)
+    plans, short = dlg.plan(c, list(profiles), matches, ctx.seed)
+    builder = dlg.Builder(c, ctx.assets, ctx.seed)
     built = [builder.build(p, profiles[p.profile_id], pool.get(p.mrc_id) if p.mrc_id else None) for p in plans]
     answers = ctx.generate("dialogues", [b.request for b in built])
-    items, bad = [], []
-    for b, text in zip(built, answers):
-        if text is None:
-            continue  # reported as missing, asked again on a rerun
-        ok, invalid = b.finish(text)
-        if ok is not None:
-            items.append(ok)
-        else:
-            bad.append(invalid)
-    d = ctx.stage("dialogues")
-    write_jsonl(d.file("items.jsonl"), items)
-    write_jsonl(d.file("invalid.jsonl"), bad)
-    reasons: dict[str, int] = {}
-    for x in bad:
-        reasons[f"{x['kind']}:{x['reason']}"] = reasons.get(f"{x['kind']}:{x['reason']}", 0) + 1
+    items, bad, reasons = _keep_valid(ctx, "dialogues", "items.jsonl", answers, lambda i, text: built[i].finish(text),
+                                      lambda x: f"{x['kind']}:{x['reason']}")
     stats = {"planned": len(plans), "items": len(items), "invalid": len(bad), "invalid_by_reason": reasons,
              "missing": ctx.write_missing("dialogues"), **builder.counters}
     if short:
@@ -339,8 +335,7 @@ def _no_test_reason(by_task: dict[str, list[Any]], frac: float, cap: Optional[in
             + ") and each keeps one for training; raise the dialogue quotas or set assemble.test_fraction=0")
 
 
-def run_assemble(ctx: Context) -> dict[str, Any]:
-    cfg, a = ctx.cfg, ctx.cfg.assemble
+def run_assemble(ctx: Context, a: AssembleConfig) -> dict[str, Any]:
     items = list(read_jsonl(ctx.stage("dialogues").file("items.jsonl")))
     by_task: dict[str, list[dict[str, Any]]] = {}
     for it in items:
@@ -350,7 +345,7 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
         group = by_task[task]
         k = _test_count(len(group), a.test_fraction, a.test_max_per_task) if task in TEST_TASKS else 0
         order = list(range(len(group)))
-        random.Random(f"{cfg.seed}:test:{task}").shuffle(order)
+        random.Random(f"{ctx.seed}:test:{task}").shuffle(order)
         held = set(order[:k])
         for i, it in enumerate(group):
             (test if i in held else train).append(it)
@@ -358,7 +353,7 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
         ctx.console.print(escape(f"warning: {_no_test_reason(by_task, a.test_fraction, a.test_max_per_task)}; "
                                  "test.jsonl is empty"), style="yellow")
     sft, pairs = [], []
-    rng = random.Random(f"{cfg.seed}:pairs")
+    rng = random.Random(f"{ctx.seed}:pairs")
     for it in train:
         to_pairs = it["pair"] is not None and (a.pairs == "both" or rng.random() < a.pair_fraction)
         to_sft = it["pair"] is None or a.pairs == "both" or not to_pairs
@@ -374,14 +369,14 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
         test_recs.append(rec)
     mixed: dict[str, int] = {}
     for i, src in enumerate(a.mix):
-        recs, skipped = load_mix(src, cfg.seed + i)
+        recs, skipped = load_mix(src, ctx.seed + i)
         (pairs if src.into == "pairs" else sft).extend(recs)
         mixed[src.task] = mixed.get(src.task, 0) + len(recs)
         if skipped:
             mixed[f"{src.task}:skipped"] = skipped
     if a.shuffle:
-        random.Random(f"{cfg.seed}:shuffle:sft").shuffle(sft)
-        random.Random(f"{cfg.seed}:shuffle:pairs").shuffle(pairs)
+        random.Random(f"{ctx.seed}:shuffle:sft").shuffle(sft)
+        random.Random(f"{ctx.seed}:shuffle:pairs").shuffle(pairs)
     # The readers take these files as they are: check every record before writing.
     for i, r in enumerate(sft):
         check_sft(r, f"sft.jsonl:{i + 1}")
@@ -402,7 +397,7 @@ def run_assemble(ctx: Context) -> dict[str, Any]:
     return {"sft": len(sft), "pairs": len(pairs), "test": len(test_recs), "mixed": mixed, "counts": counts}
 
 
-RUNNERS: Registry[Callable[[Context], dict[str, Any]]] = Registry("stages", doc="synthesize.py's stages (stages=[...])")
+RUNNERS: Registry[Callable[..., dict[str, Any]]] = Registry("stages", doc="synthesize.py's stages (stages=[...])")
 RUNNERS.register("personas", run_personas)
 RUNNERS.register("profiles", run_profiles)
 RUNNERS.register("match", run_match)
@@ -412,22 +407,24 @@ RUNNERS.register("context_instruct", roleplay.run_context_instruct)  # RoleLLM's
 RUNNERS.register("rolegpt", roleplay.run_rolegpt)
 
 
-def stage_fingerprint(ctx: Context, name: str) -> str:
-    cfg = ctx.cfg
-    asdict = dataclasses.asdict
+def stage_fingerprint(ctx: Context, name: str, *groups: Any) -> str:
+    """What stage ``name``'s output depends on: its ``groups`` (:data:`STAGE_GROUPS`), the stage it
+    reads, the generator, the assets and the seed, as far as each shapes it."""
+    own, gen = [dataclasses.asdict(g) for g in groups], _generator_fp(ctx.generator)
     if name == "personas":
-        return fingerprint(name, asdict(cfg.personas), cfg.seed)
+        return fingerprint(name, *own, ctx.seed)
     if name == "profiles":
-        return fingerprint(name, ctx.upstream("personas"), _generator_fp(cfg), asdict(cfg.profiles), ctx.assets.fingerprint())
+        return fingerprint(name, ctx.upstream("personas"), gen, *own, ctx.assets.fingerprint())
     if name == "match":
-        e = {k: v for k, v in asdict(cfg.embedder).items() if k not in ("base_url", "api_key_env", "concurrency", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "device")}
-        return fingerprint(name, ctx.upstream("profiles"), asdict(cfg.mrc), asdict(cfg.match), e, cfg.seed)
+        mrc, match, e = own
+        e = {k: v for k, v in e.items() if k not in ("base_url", "api_key_env", "concurrency", "timeout_s", "max_retries", "backoff_s", "max_backoff_s", "device")}
+        return fingerprint(name, ctx.upstream("profiles"), mrc, match, e, ctx.seed)
     if name == "dialogues":
-        return fingerprint(name, ctx.upstream("match"), _generator_fp(cfg), asdict(cfg.dialogues), ctx.assets.fingerprint(), cfg.seed)
+        return fingerprint(name, ctx.upstream("match"), gen, *own, ctx.assets.fingerprint(), ctx.seed)
     if name == "assemble":
-        return fingerprint(name, ctx.upstream("dialogues"), asdict(cfg.assemble), cfg.seed)
+        return fingerprint(name, ctx.upstream("dialogues"), *own, ctx.seed)
     if name in ROLELLM_STAGES:
-        return roleplay.stage_fingerprint(ctx, name, _generator_fp(cfg))
+        return roleplay.stage_fingerprint(ctx, name, *groups, gen)
     raise ValueError(name)
 
 
@@ -477,11 +474,10 @@ def summary_table(counts: dict[str, dict[str, Any]], paper: dict[str, Any]) -> T
     return t
 
 
-def dry_run_table(usage: dict[str, Usage], cfg: SynthConfig) -> Table:
+def dry_run_table(usage: dict[str, Usage], g: GeneratorConfig) -> Table:
     t = Table(title="dry run: requests a real run would make")
     for col in ("stage", "requests", "cached", "to send", "est. prompt tokens", "est. completion tokens", "est. cost (USD)"):
         t.add_column(col, justify="left" if col == "stage" else "right")
-    g = cfg.generator
     priced = g.price_input_per_m is not None and g.price_output_per_m is not None
     tot = Usage()
     total_cost = 0.0
@@ -563,7 +559,9 @@ def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[l
         progress = None
         if show:
             progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True))
-        ctx = Context(cfg, out, console, progress)
+        ctx = Context(out, console, progress, assets=Assets(cfg.assets_dir),
+                      cache=Cache(Path(cfg.cache_dir or Path(cfg.out_dir) / "cache"), read_only=cfg.dry_run),
+                      generator=cfg.generator, limits=cfg.budget, seed=cfg.seed, dry_run=cfg.dry_run)
         names = [s for s in STAGES if s in cfg.stages]
         if not cfg.dry_run:
             # A key the run will need is checked before any stage starts, naming its variable.
@@ -578,8 +576,9 @@ def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[l
             names = (list(ROLEMRC_STAGES[: ROLEMRC_STAGES.index(chain[-1]) + 1]) if chain else []) + \
                 [s for s in names if s not in ROLEMRC_STAGES]
         for name in names:
+            groups = [getattr(cfg, g) for g in STAGE_GROUPS.get(name, (name,))]
             d = ctx.stage(name)
-            fp = stage_fingerprint(ctx, name)
+            fp = stage_fingerprint(ctx, name, *groups)
             if not cfg.force and not cfg.dry_run and d.done(fp):
                 stats = d.marker()["stats"]  # type: ignore[index]
                 ctx.fps[name] = output_fingerprint(fp, stats.get("missing", 0))
@@ -588,7 +587,7 @@ def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[l
                 continue
             t0 = time.perf_counter()
             d.start()
-            stats = RUNNERS[name](ctx)
+            stats = RUNNERS[name](ctx, *groups)
             u = ctx.usage.get(name)
             if u is not None:
                 stats["usage"] = {"requests": u.requests, "cached": u.cached, "sent": u.sent, "retries": u.retries,
@@ -605,7 +604,7 @@ def run(cfg: SynthConfig, console: Optional[Console] = None, command: Optional[l
             where = "(dry run: nothing kept)" if cfg.dry_run else f"-> {d.path}"
             console.print(escape(f"{line} | {stats['seconds']}s {where}"), soft_wrap=True)
         if cfg.dry_run:
-            print_whole(console, dry_run_table(ctx.usage, cfg))
+            print_whole(console, dry_run_table(ctx.usage, cfg.generator))
             real = _real_run_command(command)
             console.print(escape(f"dry run: nothing was written; the real run writes into {Path(cfg.out_dir).resolve()}"
                                  + (f": {real}" if real else " (the same command without dry_run=true)")),

@@ -47,10 +47,10 @@ from rolemrc.data.schemas import DataError
 from rolemrc.errors import InputNotFound
 from rolemrc.synth.client import ChatRequest
 from rolemrc.synth.records import extract_json_text, wire_schema
+from rolemrc.synth.roleplay_config import ContextInstructConfig, RoleGPTConfig
 from rolemrc.synth.store import fingerprint, write_jsonl
 
-PROMPTS = "roleplay_prompts.yaml"
-PROMPT_KEYS = ("context_instruct_system", "context_instruct_user", "rolegpt_system")
+PROMPTS = "roleplay_prompts.yaml"  # its keys: rolemrc.synth.assets.ROLEPLAY
 _AI_SLIP = re.compile(r"\b(as an ai|an ai (language )?model|as a language model|i am an ai)\b", re.I)
 
 
@@ -161,23 +161,6 @@ def profile(role: dict[str, Any]) -> RoleProfile:
                        [(d["user"], d["assistant"]) for d in role["dialogue"]])
 
 
-def _prompts(ctx: Any) -> dict[str, Any]:
-    data = ctx.assets.load(PROMPTS)
-    missing = [k for k in PROMPT_KEYS if not data.get(k)]
-    if missing:
-        raise ValueError(f"{ctx.assets.path(PROMPTS)}: missing key(s) {', '.join(missing)}")
-    return data
-
-
-def _fill(ctx: Any, key: str, **values: Any) -> str:
-    import string
-
-    try:
-        return string.Template(str(_prompts(ctx)[key])).substitute(values)
-    except KeyError as e:
-        raise KeyError(f"{ctx.assets.path(PROMPTS)}: template {key!r} uses ${e.args[0]}, which is not provided") from None
-
-
 def _file_hash(path: str | None) -> str:
     if not path:
         return ""
@@ -211,8 +194,7 @@ def check_triples(text: str) -> Triples:
         raise Rejected("schema", str(e).splitlines()[0]) from None
 
 
-def run_context_instruct(ctx: Any) -> dict[str, Any]:
-    c = ctx.cfg.context_instruct
+def run_context_instruct(ctx: Any, c: ContextInstructConfig) -> dict[str, Any]:
     roles = load_roles(c.roles, need_script=True)
     plans: list[tuple[dict[str, Any], int, str]] = []
     for role in roles:
@@ -224,10 +206,10 @@ def run_context_instruct(ctx: Any) -> dict[str, Any]:
     requests = [
         ChatRequest(
             kind="context_instruct", tag=f"{role['name']}#{i}",
-            messages=[{"role": "system", "content": _fill(ctx, "context_instruct_system").strip()},
-                      {"role": "user", "content": _fill(ctx, "context_instruct_user", name=role["name"],
-                                                        description=role["description"] or "(none given)",
-                                                        segment=seg, n=c.per_segment).strip()}],
+            messages=[{"role": "system", "content": ctx.assets.render(PROMPTS, "context_instruct_system").strip()},
+                      {"role": "user", "content": ctx.assets.render(
+                          PROMPTS, "context_instruct_user", name=role["name"],
+                          description=role["description"] or "(none given)", segment=seg, n=c.per_segment).strip()}],
             schema_name="qa_confidence_triples", schema=wire_schema(Triples), placeholder=placeholder,
             check=check_triples,
         )
@@ -269,17 +251,16 @@ def check_reply(text: str) -> str:
 
 def rolegpt_messages(ctx: Any, role: dict[str, Any], question: str, few_shot: int) -> list[dict[str, str]]:
     phrases = ", ".join(f'"{p}"' for p in role["catchphrases"]) or "(none given)"
-    msgs = [{"role": "system", "content": _fill(ctx, "rolegpt_system", name=role["name"],
-                                                description=role["description"] or "(none given)",
-                                                catchphrases=phrases).strip()}]
+    msgs = [{"role": "system", "content": ctx.assets.render(
+        PROMPTS, "rolegpt_system", name=role["name"], description=role["description"] or "(none given)",
+        catchphrases=phrases).strip()}]
     for d in role["dialogue"][:few_shot]:
         msgs += [{"role": "user", "content": d["user"]}, {"role": "assistant", "content": d["assistant"]}]
     msgs.append({"role": "user", "content": question})
     return msgs
 
 
-def run_rolegpt(ctx: Any) -> dict[str, Any]:
-    c = ctx.cfg.rolegpt
+def run_rolegpt(ctx: Any, c: RoleGPTConfig) -> dict[str, Any]:
     roles = load_roles(c.roles, need_script=False)
     questions = load_questions(c.questions)
     plans = [(role, q) for role in roles for q in (questions[: c.per_role] if c.per_role else questions)]
@@ -295,13 +276,12 @@ def run_rolegpt(ctx: Any) -> dict[str, Any]:
             "missing": ctx.write_missing("rolegpt")}
 
 
-def stage_fingerprint(ctx: Any, name: str, generator_fp: dict[str, Any]) -> str:
+def stage_fingerprint(ctx: Any, name: str, c: ContextInstructConfig | RoleGPTConfig,
+                      generator_fp: dict[str, Any]) -> str:
     prompts = hashlib.sha256(ctx.assets.path(PROMPTS).read_bytes()).hexdigest()[:16]
     if name == "context_instruct":  # the roles as read: a changed script_file redoes the stage
-        c = ctx.cfg.context_instruct
         return fingerprint(name, asdict(c), load_roles(c.roles, need_script=True), generator_fp, prompts)
     if name == "rolegpt":
-        c = ctx.cfg.rolegpt
         return fingerprint(name, asdict(c), load_roles(c.roles, need_script=False), _file_hash(c.questions),
                            generator_fp, prompts)
     raise ValueError(name)

@@ -8,11 +8,5 @@ and reading weights and other entries out of them (:mod:`.state`); Lightning is 
 from rolemrc.checkpointing.find import checkpoint_run_dir, find_checkpoint, is_training_checkpoint
 from rolemrc.checkpointing.state import full_state_dict, read_checkpoint_entries, read_model_state
 
-__all__ = [
-    "checkpoint_run_dir",
-    "find_checkpoint",
-    "full_state_dict",
-    "is_training_checkpoint",
-    "read_checkpoint_entries",
-    "read_model_state",
-]
+__all__ = ["checkpoint_run_dir", "find_checkpoint", "full_state_dict", "is_training_checkpoint",
+           "read_checkpoint_entries", "read_model_state"]

@@ -16,8 +16,5 @@ def policy_hidden(model: nn.Module, decoder: nn.Module, batch: dict[str, torch.T
     (``model.packed_attention``) picks the route for packed rows."""
     if "segments" in batch:
         return packed_hidden(decoder, batch, packed_route(model, packs_with_context, packed_attention))
-    return decoder(
-        input_ids=batch["input_ids"],
-        attention_mask=batch.get("attention_mask"),
-        position_ids=batch.get("position_ids"),
-    ).last_hidden_state
+    return decoder(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids")).last_hidden_state

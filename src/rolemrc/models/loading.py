@@ -72,10 +72,8 @@ def resolve_attn_implementation(name: str) -> str:
     if name == "auto":
         return "flash_attention_2" if have_flash and torch.cuda.is_available() else "sdpa"
     if name == "flash_attention_2" and not have_flash:
-        raise ImportError(
-            "model.attn_implementation=flash_attention_2 needs flash-attn, which is not installed "
-            "(GPU nodes: pip install 'rolemrc[gpu]'); use model.attn_implementation=sdpa"
-        )
+        raise ImportError("model.attn_implementation=flash_attention_2 needs flash-attn, which is not installed "
+                          "(GPU nodes: pip install 'rolemrc[gpu]'); use model.attn_implementation=sdpa")
     return name
 
 
@@ -105,12 +103,8 @@ def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     if cfg.path is None:
         from transformers import AutoConfig
 
-        kwargs = dict(
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        kwargs = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         kwargs.update(plain(cfg.init))  # an explicit vocab_size (e.g. a padded hub vocab) wins
         try:
             config = AutoConfig.for_model(cfg.arch, **kwargs)
@@ -124,16 +118,12 @@ def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type=cfg.quantization.quant_type,
+                load_in_4bit=True, bnb_4bit_quant_type=cfg.quantization.quant_type,
                 bnb_4bit_use_double_quant=cfg.quantization.double_quant,
-                bnb_4bit_compute_dtype=_dtype(cfg.quantization.compute_dtype),
-            )
+                bnb_4bit_compute_dtype=_dtype(cfg.quantization.compute_dtype))
         with _naming("model.path", cfg.path):
-            model = auto.from_pretrained(
-                cfg.path, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
-                **extra, **kwargs
-            )
+            model = auto.from_pretrained(cfg.path, dtype=dtype, attn_implementation=attn,
+                                         trust_remote_code=cfg.trust_remote_code, **extra, **kwargs)
     model.config.use_cache = False
     if head == "score":  # the head reads each row's last token that is not padding
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -151,16 +141,9 @@ def load_model(cfg: Any, tokenizer: Any, head: str = "lm") -> nn.Module:
     if cfg.peft.enabled:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.peft.r,
-                lora_alpha=cfg.peft.alpha,
-                lora_dropout=cfg.peft.dropout,
-                target_modules=plain(cfg.peft.target_modules),
-                task_type="CAUSAL_LM" if head == "lm" else "SEQ_CLS",
-            ),
-        )
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.peft.r, lora_alpha=cfg.peft.alpha, lora_dropout=cfg.peft.dropout,
+            target_modules=plain(cfg.peft.target_modules), task_type="CAUSAL_LM" if head == "lm" else "SEQ_CLS"))
     if head == "lm":
         install_logprob_head(model)
     if getattr(cfg, "kernels", "none") != "none":  # optional GPU kernels (rolemrc.models.kernels), imported lazily

@@ -98,14 +98,11 @@ class SegmentLayout:
                 cu_k.append(len(k_idx))
             lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
             lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-            self._cache[key] = (
-                torch.tensor(q_idx, dtype=torch.long, device=device),
-                torch.tensor(k_idx, dtype=torch.long, device=device),
-                torch.tensor(cu_q, dtype=torch.int32, device=device),
-                torch.tensor(cu_k, dtype=torch.int32, device=device),
-                max(lens_q, default=0),
-                max(lens_k, default=0),
-            )
+            self._cache[key] = (torch.tensor(q_idx, dtype=torch.long, device=device),
+                                torch.tensor(k_idx, dtype=torch.long, device=device),
+                                torch.tensor(cu_q, dtype=torch.int32, device=device),
+                                torch.tensor(cu_k, dtype=torch.int32, device=device),
+                                max(lens_q, default=0), max(lens_k, default=0))
         return self._cache[key]
 
     def context_mask(self, n_ctx: int, n_q: int, device: torch.device) -> Tensor:
@@ -127,17 +124,12 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 
 def _use_flash_attn(query: Tensor) -> bool:
-    return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and importlib.util.find_spec("flash_attn") is not None
-    )
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("flash_attn") is not None)
 
 
-def attend_segments(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: SegmentLayout,
-    dropout: float = 0.0, scaling: float | None = None,
-) -> Tensor:
+def attend_segments(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: SegmentLayout,
+                    dropout: float = 0.0, scaling: float | None = None) -> Tensor:
     """Attention over the pieces of ``layout``.
 
     query ``[B, Hq, T, D]``, key/value ``[B, Hkv, T, D]`` -> ``[B, T, Hq, D]`` (the layout
@@ -216,9 +208,8 @@ def _dispatcher(original: str) -> Callable:
                   dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
         layout = kwargs.pop(LAYOUT_KWARG, None)
         if layout is None:
-            return _original_attention(module, original)(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
+            return _original_attention(module, original)(module, query, key, value, attention_mask, dropout=dropout,
+                                                         scaling=scaling, **kwargs)
         if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or hasattr(module, "sinks"):
             raise NotImplementedError("packed attention supports plain causal attention only "
                                       "(no sliding window, logit softcapping or attention sinks)")

@@ -53,12 +53,10 @@ def check_policy(precision: str, model_dtype: str, full_finetune: bool) -> Preci
     """The policy, with a warning when it trains half-precision master weights."""
     policy = precision_policy(precision, model_dtype)
     if policy.master != torch.float32 and full_finetune:
-        log.warning(
-            "trainer.precision=%s stores the trained weights and AdamW states in %s: updates smaller than "
-            "a weight's rounding step (bf16: ~0.4%% of it) are lost, e.g. most of DPO's at lr 4e-7. "
-            "Use trainer.precision=bf16-mixed (fp32 masters, bf16 compute) unless memory forbids it.",
-            precision, str(policy.master).removeprefix("torch."),
-        )
+        log.warning("trainer.precision=%s stores the trained weights and AdamW states in %s: updates smaller than "
+                    "a weight's rounding step (bf16: ~0.4%% of it) are lost, e.g. most of DPO's at lr 4e-7. "
+                    "Use trainer.precision=bf16-mixed (fp32 masters, bf16 compute) unless memory forbids it.",
+                    precision, str(policy.master).removeprefix("torch."))
     return policy
 
 

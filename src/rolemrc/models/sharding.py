@@ -36,11 +36,9 @@ def shard_model(model: nn.Module, device_mesh: Any, s: Any, master_dtype: torch.
 
     # The full mesh would silently become HSDP; shard over the data-parallel dimension.
     mesh = device_mesh["data_parallel"]
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(s.param_dtype), reduce_dtype=_dtype(s.reduce_dtype)),
-        offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy(),
-    )
+    mp_policy = MixedPrecisionPolicy(param_dtype=_dtype(s.param_dtype), reduce_dtype=_dtype(s.reduce_dtype))
+    offload_policy = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
 
     def shard(unit: nn.Module | list[nn.Module]) -> None:
         for m in unit if isinstance(unit, list) else [unit]:

@@ -278,9 +278,7 @@ class PolicyModule(L.LightningModule):
                                       fused=self.fused_adamw(params) or None)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = int(round(o.warmup_ratio * total))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(o.scheduler, warmup, total, o.min_lr_ratio)
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o.scheduler, warmup, total, o.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def fused_adamw(self, params: list[torch.nn.Parameter]) -> bool:

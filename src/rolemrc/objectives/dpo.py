@@ -180,20 +180,12 @@ def _pair_loss(kind: str, beta: float, c: Tensor, r: Tensor, pol_diff: Tensor, r
     raise ValueError(f"unknown loss_type {kind!r}")
 
 
-def dpo_loss(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
-    *,
-    beta: float = 0.1,
-    loss_type: LossType | list[str] | tuple[str, ...] = "sigmoid",
-    loss_weights: list[float] | tuple[float, ...] | None = None,
-    label_smoothing: float = 0.0,
-    chosen_tokens: Tensor | None = None,
-    rejected_tokens: Tensor | None = None,
-    discopop_tau: float = 0.05,
-) -> DPOOutput:
+def dpo_loss(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, ref_chosen_logps: Tensor,
+             ref_rejected_logps: Tensor, *, beta: float = 0.1,
+             loss_type: LossType | list[str] | tuple[str, ...] = "sigmoid",
+             loss_weights: list[float] | tuple[float, ...] | None = None, label_smoothing: float = 0.0,
+             chosen_tokens: Tensor | None = None, rejected_tokens: Tensor | None = None,
+             discopop_tau: float = 0.05) -> DPOOutput:
     """The DPO loss family per preference pair; all inputs ``[B]``. ``loss_type`` is one type or a
     list combined with ``loss_weights`` (see :func:`loss_terms`); ``chosen_tokens`` /
     ``rejected_tokens``: the responses' token counts, for the length-averaged losses (``ipo``,
@@ -232,14 +224,8 @@ def pair_mean(values: Tensor, num_pairs: Tensor | None = None) -> Tensor:
     return total / num_pairs.to(total.dtype).clamp(min=1)
 
 
-def preference_loss(
-    losses: Tensor,
-    chosen_logps: Tensor,
-    *,
-    sft_weight: float = 0.0,
-    num_pairs: Tensor | None = None,
-    num_chosen_tokens: Tensor | int | None = None,
-) -> tuple[Tensor, Tensor | None]:
+def preference_loss(losses: Tensor, chosen_logps: Tensor, *, sft_weight: float = 0.0, num_pairs: Tensor | None = None,
+                    num_chosen_tokens: Tensor | int | None = None) -> tuple[Tensor, Tensor | None]:
     """The preference objective of a batch: ``pair_mean(losses, num_pairs)`` plus, when
     ``sft_weight > 0``, ``sft_weight * nll_chosen`` with ``nll_chosen = token_nll(chosen_logps,
     num_chosen_tokens)`` (the chosen responses' summed log-probs ``[B]`` over their tokens).

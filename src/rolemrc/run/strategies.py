@@ -37,12 +37,9 @@ def build_strategy(s: Any, model: Any, trainer: Any) -> Any:
         return DDPStrategy(find_unused_parameters=False)
     if s.name == "fsdp":
         if model.quantization.load_in_4bit:
-            raise ValueError(
-                "strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "
-                "cannot be sharded by FSDP2); use strategy=single or ddp for QLoRA"
-            )
+            raise ValueError("strategy=fsdp with 4-bit QLoRA is not supported here (bitsandbytes 4-bit params "
+                             "cannot be sharded by FSDP2); use strategy=single or ddp for QLoRA")
         # Pure data parallel: every device of every node holds one shard (no tensor parallelism).
-        return AtomicModelParallelStrategy(
-            data_parallel_size=world_size(trainer), tensor_parallel_size=1, save_distributed_checkpoint=True
-        )
+        return AtomicModelParallelStrategy(data_parallel_size=world_size(trainer), tensor_parallel_size=1,
+                                           save_distributed_checkpoint=True)
     raise ValueError(f"strategy.name must be single, ddp or fsdp, got {s.name!r}")

@@ -577,7 +577,8 @@ CONFIG_DOOR = [
     "rolemrc.models.source:resolve_model_sources",  # rewrites model.path (and compare.path) at every entry's door
     "rolemrc.run.resume:*",  # before Hydra starts, and the record of what a continuation changed
     "rolemrc.memory:*",  # python -m rolemrc.memory: its own entry
-    "rolemrc.eval.run:run", "rolemrc.eval.suites:run_suites", "rolemrc.probing.run:run",  # the other recipes' entries
+    "rolemrc.eval.run:run", "rolemrc.eval.suites:run_suites", "rolemrc.eval.dialogue:run_dialogues",
+    "rolemrc.probing.run:run",  # the other recipes' entries
     "rolemrc.synth.pipeline:run", "rolemrc.synth.config:validate",
 ]
 # The other recipes are typed at their doors the same way (evaluate.py: rolemrc.config.Replier and
@@ -590,15 +591,8 @@ RECIPES = {  # config class (file) -> the modules whose functions it is handed t
     "ProbeConfig": ("config.py", ["rolemrc.probing.*"]),
     "SynthConfig": ("synth/config.py", ["rolemrc.synth.*"]),
 }
-# Functions not converted yet (module:qualified name patterns): none may be added.
-CONFIG_NOT_YET: tuple[str, ...] = (
-    *(f"rolemrc.eval.bench.{m}:{f}" for m, fs in {
-        "characterbench": "ask check evaluate", "charactereval": "evaluate",
-        "coser": "check evaluate judge_all score simulate",
-        "personagym": "_ask _examples_cfg _judge_cfgs check evaluate"}.items() for f in fs.split()),
-    *(f"rolemrc.eval.dialogue:{f}" for f in ("_judge_and_report check hf_generate judge_consistency play_local "
-                                              "play_openai run_dialogues vllm_generate").split()),
-)
+# Functions not converted yet (module:qualified name patterns): none left, and none may be added.
+CONFIG_NOT_YET: tuple[str, ...] = ()
 
 
 def _root_keys(src: Path = SRC / PROJECT, cls_name: str = "TrainConfig", file: str = "config.py") -> set[str]:

@@ -52,8 +52,8 @@ class ScriptedModel:
     """Stands in for the tiny model's greedy continuations: at turn k, ``REPLIES[k-1]`` as the
     template tokenises it (the turn read from the prompt: its assistant turns so far)."""
 
-    def __init__(self, cfg: Any, model: Any, tokenizer: Any, stops: Any, fail_after: int | None = None) -> None:
-        self.chat = ChatFormat(tokenizer, eot=cfg.model.eot_token)
+    def __init__(self, r: Any, model: Any, tokenizer: Any, stops: Any, fail_after: int | None = None) -> None:
+        self.chat = ChatFormat(tokenizer, eot=r.model.eot_token)
         self.prompts: list[list[int]] = []
         self.fail_after = fail_after
 

@@ -36,7 +36,7 @@ import json
 import logging
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -61,7 +61,7 @@ from rolemrc.eval.report import _pct, log_to_loggers, print_console, write_repor
 from rolemrc.eval.verifiers import verify
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.source import resolve_model_sources
-from rolemrc.parts import build_chat, build_loggers
+from rolemrc.parts import build_chat, make_loggers
 from rolemrc.rollout.engine import Sampling
 from rolemrc.rollout.hf import greedy_generate_ids, pad_id_of, stop_token_ids
 from rolemrc.rollout.vllm import build_llm, llm_generate, require_vllm
@@ -193,42 +193,42 @@ def _chunks(items: Sequence[Any], n: int) -> list[Sequence[Any]]:
 VLLM_CHUNK = 256  # seeds per vLLM rollout (it schedules a whole turn's prompts itself); written after each
 
 
-def play_local(cfg: Any, seeds: Sequence[Seed], env: Environment, chat: Any, generate: Callable[[list[list[int]]],
-               list[list[int]]], stops: Sequence[int], store: GenerationStore, per: int) -> list[tuple[str, str]]:
+def play_local(seeds: Sequence[Seed], env: Environment, chat: Any, generate: Callable[[list[list[int]]],
+               list[list[int]]], stops: Sequence[int], store: GenerationStore, per: int, max_turns: int,
+               max_tokens: int | None) -> list[tuple[str, str]]:
     """Conversations for ``seeds`` with a local engine (:func:`rolemrc.env.roll`), appended to
     ``store`` every ``per`` seeds; returns the failed ones' (seed id, why): their user could not
     answer (never scored, not stored: a rerun holds them again)."""
-    max_tokens = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.data.get("max_length")
     failed: list[tuple[str, str]] = []
     for chunk in _chunks(seeds, per):
         episodes = [env.reset(s.row) for s in chunk]
-        convs = roll(episodes, chat, generate, stop_ids=stops, max_turns=cfg.env.max_turns, max_tokens=max_tokens)
+        convs = roll(episodes, chat, generate, stop_ids=stops, max_turns=max_turns, max_tokens=max_tokens)
         store.append([_record(s, c, len(e.opening)) for s, c, e in zip(chunk, convs, episodes, strict=True)
                       if not c.failed])
         failed += [(s.id, f"{c.reason}: {c.error}") for s, c in zip(chunk, convs, strict=True) if c.failed]
     return failed
 
 
-def hf_generate(cfg: Any, model: Any, tokenizer: Any,
+def hf_generate(r: Replier, model: Any, tokenizer: Any,
                 stops: Sequence[int]) -> Callable[[list[list[int]]], list[list[int]]]:
     """Greedy continuations with transformers (``generation.batch_size``, ``max_new_tokens``)."""
-    g = cfg.generation
+    g = r.generation
     pad = pad_id_of(tokenizer)
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
-        with restraint_hook(cfg.restraint)(model) if cfg.restraint else nullcontext():
+        with restraint_hook(r.restraint)(model) if r.restraint else nullcontext():
             return greedy_generate_ids(model, prompts, batch_size=g.batch_size, max_new_tokens=g.max_new_tokens,
                                        pad_id=pad, stop_ids=stops)
 
     return generate
 
 
-def vllm_generate(cfg: Any, stops: Sequence[int]) -> Callable[[list[list[int]]], list[list[int]]]:
+def vllm_generate(r: Replier, stops: Sequence[int]) -> Callable[[list[list[int]]], list[list[int]]]:
     """Greedy continuations with vLLM (the stop token kept at the end of a stopped reply, as roll expects)."""
     vllm = require_vllm(VLLM_MISSING, ImportError)
-    g = cfg.generation
-    llm = build_llm(vllm, model=cfg.model.path, tokenizer=cfg.model.tokenizer, max_model_len=g.max_model_len,
-                    seed=cfg.seed, **dict(plain(g.vllm_kwargs) or {}))
+    g = r.generation
+    llm = build_llm(vllm, model=r.model.path, tokenizer=r.model.tokenizer, max_model_len=g.max_model_len,
+                    seed=r.seed, **dict(plain(g.vllm_kwargs) or {}))
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         outs = llm_generate(vllm, llm, prompts, Sampling(g.max_new_tokens), stops)
@@ -296,20 +296,20 @@ def openai_reply(g: Any, cache: AnswerCache, counts: Counter[str], sent: list[in
     return reply
 
 
-def play_openai(cfg: Any, seeds: Sequence[Seed], env: Environment, store: GenerationStore) -> tuple[int, dict, list]:
-    """Conversations for ``seeds`` with the served model (:func:`rolemrc.env.converse`); returns
-    (requests sent, faults by kind, the unfinished conversations' (seed id, error))."""
-    g = cfg.generation
+def play_openai(r: Replier, e: Any, seeds: Sequence[Seed], env: Environment,
+                store: GenerationStore) -> tuple[int, dict, list]:
+    """Conversations for ``seeds`` with the served model (:func:`rolemrc.env.converse`; ``e``: the
+    ``env`` group); returns (requests sent, faults by kind, the unfinished conversations' (seed id, error))."""
+    g = r.generation
     counts: Counter[str] = Counter()
     sent = [0]
     failed: list[tuple[str, str]] = []
-    cache = AnswerCache(Path(g.cache_dir or Path(cfg.out_dir) / "generation_cache") / CACHE_FILE)
+    cache = AnswerCache(Path(g.cache_dir or Path(r.out_dir) / "generation_cache") / CACHE_FILE)
     try:
         reply = openai_reply(g, cache, counts, sent)
-        max_tokens = cfg.env.max_tokens
         for chunk in _chunks(seeds, max(g.batch_size, g.concurrency)):
             episodes = [env.reset(s.row) for s in chunk]
-            dialogues = converse(episodes, reply, max_turns=cfg.env.max_turns, max_tokens=max_tokens)
+            dialogues = converse(episodes, reply, max_turns=e.max_turns, max_tokens=e.max_tokens)
             store.append([_record(s, d, d.opening) for s, d in zip(chunk, dialogues, strict=True) if d.finished])
             failed += [(s.id, f"{d.reason + ': ' if d.reason else ''}{d.error}") for s, d in
                        zip(chunk, dialogues, strict=True) if not d.finished]
@@ -441,11 +441,12 @@ def check_consistency(text: str) -> int:
     return v
 
 
-def judge_consistency(cfg: Any, judge: Any, template: str, records: Sequence[Record]) -> tuple[list[Verdict], int]:
+def judge_consistency(judging: Judging, judge: Any, template: str,
+                      records: Sequence[Record]) -> tuple[list[Verdict], int]:
     """One :class:`Verdict` (dimension ``consistency``) per conversation, through its cache
     (``<judge cache>/consistency_cache.sqlite``); returns them and the requests sent."""
     prompts = [consistency_prompt(template, r) for r in records]
-    with AnswerCache(Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache") / CONSISTENCY_CACHE) as cache:
+    with AnswerCache(Path(judging.cache_dir) / CONSISTENCY_CACHE) as cache:
         answers, counts = ask_judge(judge.backend, cache, prompts, parse_verdict, check_consistency,
                                     "consistency prompt")
     return [Verdict(rec.id, rec.task or NO_TASK, CONSISTENCY, a["value"], a["status"], a["text"], a["attempts"],
@@ -592,29 +593,33 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
 # ---------------------------------------------------------------- the pipeline
 
 
-def check(cfg: Any) -> None:
-    """Before anything slow: the environment, the backend, the judge and its template."""
-    ENVS.get(cfg.env.name, where="env.name", hint=" (or none)")
-    check_generation(Replier.of(cfg), cfg.judge)
-    if judge_backend(cfg.judge) is not None:
-        load_template(cfg.dialogue.consistency_template)
-    if cfg.get("pairwise") is not None and cfg.pairwise.against not in (None, "", []):
-        raise ConfigError("pairwise.against compares single replies: not with env=" + str(cfg.env.name))
+def check(r: Replier, judging: Judging, e: Any, d: Any, pair: Any) -> None:
+    """Before anything slow: the environment (``e``: the ``env`` group), the backend, the judge and
+    its template (``d``: the ``dialogue`` group); no ``pairwise.against`` (``pair``)."""
+    ENVS.get(e.name, where="env.name", hint=" (or none)")
+    check_generation(r, judging.judge)
+    if judge_backend(judging.judge) is not None:
+        load_template(d.consistency_template)
+    if pair is not None and pair.against not in (None, "", []):
+        raise ConfigError("pairwise.against compares single replies: not with env=" + str(e.name))
 
 
 def run_dialogues(cfg: Any) -> dict[str, Any]:
     """``python evaluate.py env=<name>``: see the module."""
     check_data_dir(cfg.data)
-    check(cfg)
-    backend = generation_backend(cfg)
-    out_dir = Path(cfg.out_dir)
+    # The door: the evaluated model and the judge, typed once (the model's path again once resolved).
+    r, judging = Replier.of(cfg), Judging.of(cfg)
+    check(r, judging, cfg.env, cfg.dialogue, cfg.get("pairwise"))
+    backend = generation_backend(r)
+    out_dir = Path(r.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seeds, origin = load_seeds(cfg.data, cfg.limit)
     by_id = {s.id: s for s in seeds}
-    log.info("dialogue mode: %s holds %d conversations with env=%s (%s)", model_label(cfg), len(seeds), cfg.env.name,
+    log.info("dialogue mode: %s holds %d conversations with env=%s (%s)", model_label(r), len(seeds), cfg.env.name,
              origin)
     if backend.local:
         cfg, resolved = resolve_model_sources(cfg)
+        r = replace(r, model=cfg.model)
     else:
         resolved = {}
     store = dialogue_store(out_dir)
@@ -630,28 +635,28 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
             chat = build_chat(cfg.model)
             tokenizer = chat.tokenizer
             stops = stop_token_ids(tokenizer, chat.eot)
-            check_settings(out_dir, {"mode": "dialogue", "env": env_settings, "model": model_label(cfg),
+            check_settings(out_dir, {"mode": "dialogue", "env": env_settings, "model": model_label(r),
                                      "tokenizer": cfg.model.tokenizer, "chat_template": cfg.model.chat_template,
                                      "dtype": cfg.model.dtype, "backend": cfg.generation.backend,
                                      "max_new_tokens": cfg.generation.max_new_tokens, "restraint": cfg.restraint,
                                      "stop_ids": stops, "max_length": cfg.data.get("max_length")},
                            results=DIALOGUES_FILE)
-            if backend.loads_model and (todo or (uses_evaluated_model(cfg.judge) and cfg.model.path is None)):
-                model = load_eval_model(cfg, tokenizer)
+            if backend.loads_model and (todo or (uses_evaluated_model(judging.judge) and r.model.path is None)):
+                model = load_eval_model(r, tokenizer)
             if todo:
-                generate = (hf_generate(cfg, model, tokenizer, stops) if backend.loads_model
-                            else vllm_generate(cfg, stops))
+                generate = hf_generate(r, model, tokenizer, stops) if backend.loads_model else vllm_generate(r, stops)
                 env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed,
                                device=cfg.generation.device)
+                per = cfg.generation.batch_size if backend.loads_model else max(cfg.generation.batch_size, VLLM_CHUNK)
+                max_tokens = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.data.get("max_length")
                 try:
-                    failed = play_local(cfg, todo, env, chat, generate, stops, store, cfg.generation.batch_size
-                                        if backend.loads_model else max(cfg.generation.batch_size, VLLM_CHUNK))
+                    failed = play_local(todo, env, chat, generate, stops, store, per, cfg.env.max_turns, max_tokens)
                 finally:
                     env.close()
                 played.n_new = len(todo) - len(failed)
         else:
             check_openai(cfg.generation)
-            check_settings(out_dir, {"mode": "dialogue", "env": env_settings, "model": model_label(cfg),
+            check_settings(out_dir, {"mode": "dialogue", "env": env_settings, "model": model_label(r),
                                      "backend": "openai", "temperature": 0.0,
                                      "max_tokens": cfg.generation.max_new_tokens, "base_url": cfg.generation.base_url},
                            results=DIALOGUES_FILE)
@@ -659,7 +664,7 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
                 env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed,
                                device=cfg.generation.device)
                 try:
-                    played.requests, played.faults, failed = play_openai(cfg, todo, env, store)
+                    played.requests, played.faults, failed = play_openai(r, cfg.env, todo, env, store)
                 finally:
                     env.close()
                 played.n_new = len(todo) - len(failed)
@@ -675,7 +680,7 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
                 "(matched by id, else by its opening), or set generation.on_missing=skip to leave them out")
         if unmatched:
             log.warning("generation.path: %d conversation rows match no seed", unmatched)
-        atomic_write_text(out_dir / DIALOGUES_FILE, "".join(r.to_json() + "\n" for r in records))
+        atomic_write_text(out_dir / DIALOGUES_FILE, "".join(rec.to_json() + "\n" for rec in records))
         played.records, played.missing = records, missing
     log.info("dialogues: %d new, %d resumed from %s", played.n_new, played.n_resumed, store.path)
     if failed:
@@ -684,27 +689,30 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
             f"generation: {len(failed)} of {len(seeds)} conversations unfinished: a reply of the model or of the "
             f"user could not be obtained (faults: {fault_summary(played.faults)}; first: {first}); the "
             f"{len(played.records)} finished are in {store.path}; rerun the same command to hold only the rest")
-    return _judge_and_report(cfg, played, by_id, model, tokenizer, resolved.get("model.path"))
+    return _judge_and_report(r, judging, cfg.env, cfg.dialogue, cfg.logger, played, by_id, model, tokenizer,
+                             resolved.get("model.path"))
 
 
-def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model: Any, tokenizer: Any,
-                      source: str | None) -> dict[str, Any]:
-    out_dir = Path(cfg.out_dir)
+def _judge_and_report(r: Replier, judging: Judging, e: Any, d: Any, logger: Any, played: Played,
+                      seeds: Mapping[str, Seed], model: Any, tokenizer: Any, source: str | None) -> dict[str, Any]:
+    """Judge the conversations and write the report (``e``, ``d``, ``logger``: the ``env``,
+    ``dialogue`` and ``logger`` groups; ``source``: the checkpoint ``model.path`` was exported from)."""
+    out_dir = Path(r.out_dir)
     records = played.records
-    strip = bool(cfg.generation.get("strip_replies", False))
+    strip = bool(r.generation.get("strip_replies", False))
     verdicts: list[Verdict] | None = None
     cons: list[Verdict] = []
     judge_stats = None
     judge_model = None
     cons_requests = 0
     final_unparseable = False
-    if judge_backend(cfg.judge) is not None and records:
-        template = load_template(cfg.dialogue.consistency_template)
-        with build_judge(Judging.of(cfg), Replier.of(cfg), model, tokenizer) as judge:
+    if judge_backend(judging.judge) is not None and records:
+        template = load_template(d.consistency_template)
+        with build_judge(judging, r, model, tokenizer) as judge:
             judge_model = judge.backend.model_id
             verdicts = judge.judge(turn_items(records, seeds, strip))
             judge_stats = judge.last_stats
-            cons, cons_requests = judge_consistency(cfg, judge, template, records)
+            cons, cons_requests = judge_consistency(judging, judge, template, records)
             final_unparseable = not getattr(judge.backend, "retries_unparseable", True)
     rows = by_turn(records, seeds, verdicts or [], strip)
     overall = aggregate(verdicts) if verdicts is not None else None
@@ -715,13 +723,13 @@ def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model
     flat = scores(rows, consistency, records)
     ends = dict(sorted(Counter(r.reason for r in records).items()))
     meta: dict[str, Any] = {
-        "name": f"{cfg.model.name} on {cfg.data.name}, dialogues with env={cfg.env.name}",
-        "model": model_label(cfg),
+        "name": f"{r.model.name} on {r.data.name}, dialogues with env={e.name}",
+        "model": model_label(r),
         **({"model_checkpoint": source} if source else {}),
-        "data": cfg.data.name,
+        "data": r.data.name,
         "conversations": len(records),
-        "env": f"{cfg.env.name}, max_turns={cfg.env.max_turns}",
-        "generation": generation_label(cfg),
+        "env": f"{e.name}, max_turns={e.max_turns}",
+        "generation": generation_label(r),
         "judge_model": judge_model,
     }
     extra = {
@@ -742,7 +750,7 @@ def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model
             "judge_requests": (judge_stats.requests if judge_stats else 0) + cons_requests,
         },
     }
-    section = render(str(cfg.env.name), int(cfg.env.max_turns), records, columns, body, consistency, note,
+    section = render(str(e.name), int(e.max_turns), records, columns, body, consistency, note,
                      len(played.missing))
     paths = write_report(out_dir, verdicts=None if verdicts is None else [*verdicts, *cons], meta=meta, extra=extra,
                          sections=[section])
@@ -751,9 +759,9 @@ def _judge_and_report(cfg: Any, played: Played, seeds: Mapping[str, Seed], model
     scalars = dict(flat)  # and the judge's accuracy over all turns, as evaluate logs it
     scalars.update({f"judge/{name}/accuracy": s.accuracy for name, s in (overall or {}).items()
                     if s.accuracy is not None})
-    samples = [[r.id, k, before[-1]["content"], reply, r.reason] for r in records
-               for k, (before, reply) in enumerate(r.replies, start=1)]
-    log_to_loggers(build_loggers(cfg) if cfg.logger else [], scalars, samples, ["id", "turn", "user", "reply", "end"],
+    samples = [[rec.id, k, before[-1]["content"], reply, rec.reason] for rec in records
+               for k, (before, reply) in enumerate(rec.replies, start=1)]
+    log_to_loggers(make_loggers(logger) if logger else [], scalars, samples, ["id", "turn", "user", "reply", "end"],
                    tables={"dialogue_by_turn": (columns, [[str(c) for c in row] for row in body])},
                    images={"dialogue_by_turn": paths[PLOT_FILE]} if PLOT_FILE in paths else None)
     print_console(paths["summary.md"], judge=overall, sections=[section])

@@ -95,30 +95,18 @@ def _general_meta(settings: Any, resolved: dict[str, str]) -> dict[str, Any]:
             **({"compare_checkpoint": resolved["compare.path"]} if "compare.path" in resolved else {})}
 
 
-def _whole(cfg: Any) -> Any:  # the bench modules still read the whole config (their own conversion pending)
-    return cfg
-
-
-def _backend_check(check: Callable[[Any, Any], None]) -> Callable[[Any, "ModelContext"], None]:
-    return lambda cfg, ctx: check(cfg, ctx.backend)
-
-
 SUITES.register("rolebench", Suite("data.rolebench", rolebench, settings=reading("data", "metrics")),
                 doc="data.rolebench: RoleBench per split, RAW/CUS/SPE")
 SUITES.register("characterllm", Suite("data.characterllm", characterllm, _characterllm_check, finish=finish_judged,
                                       settings=reading("data")),
                 doc="data.characterllm: CharacterLLM Single/Turns judged 1-7")
-SUITES.register("personagym", Suite("data.personagym", personagym, _backend_check(personagym.check),
-                                    finish=finish_judged, settings=_whole),
+SUITES.register("personagym", Suite("data.personagym", personagym, personagym.check, finish=finish_judged),
                 doc="data.personagym: PersonaGym's PersonaScore per task, judged with its rubrics")
-SUITES.register("charactereval", Suite("data.charactereval", charactereval, _backend_check(charactereval.check),
-                                       settings=_whole),
+SUITES.register("charactereval", Suite("data.charactereval", charactereval, charactereval.check),
                 doc="data.charactereval: CharacterEval's twelve metrics scored by its reward model")
-SUITES.register("characterbench", Suite("data.characterbench", characterbench, _backend_check(characterbench.check),
-                                        settings=_whole),
+SUITES.register("characterbench", Suite("data.characterbench", characterbench, characterbench.check),
                 doc="data.characterbench: CharacterBench's thirteen test files judged by CharacterJudge")
-SUITES.register("coser", Suite("data.coser", coser, _backend_check(coser.check), finish=finish_judged,
-                               settings=_whole),
+SUITES.register("coser", Suite("data.coser", coser, coser.check, finish=finish_judged),
                 doc="data.coser: CoSER given-circumstance acting, four judged dimensions, BLEU and ROUGE-L")
 SUITES.register("general", Suite("benchmarks", general, _general_check, _general_meta,
                                  settings=reading("benchmarks", "compare")),

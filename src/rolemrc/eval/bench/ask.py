@@ -1,13 +1,16 @@
-"""Asking a judge (``cfg.judge``: hf or openai) for answers in a benchmark's own format, through
-an answer cache: the loop CharacterLLM's and CharacterBench's scoring share."""
+"""Asking a judge (the ``judge`` group, hf or openai, or a suite's own judge settings) for answers
+in a benchmark's own format, through an answer cache: the loop the judged suites share."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 from rolemrc.api import AnswerCache
-from rolemrc.eval.judge import OpenAIBackend, cache_key
+from rolemrc.eval.generation import model_label
+from rolemrc.eval.judge import OpenAIBackend, cache_key, make_judge
 
 Message = dict[str, str]
 
@@ -54,3 +57,30 @@ def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]]
         for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
             record(j, "failed" if a.status == "failed" else "ok", a.text, a.attempts, a.error)
     return [r for r in results if r is not None], stats
+
+
+@contextmanager
+def suite_judge(ctx: Any, cache_file: str, judge: Any = None, where: str = "judge") -> Iterator[tuple[Any, AnswerCache]]:
+    """The suite's judge backend (``judge``: other judge settings than ``ctx.judging``'s group,
+    named ``where`` in errors), closed after, and the answer cache ``<judge cache>/<cache_file>``.
+    A judge ``hf`` with ``model: null`` judges with the evaluated model (``ctx.model``)."""
+    judging = ctx.judging
+    model = ctx.model
+    built = make_judge(judging.judge if judge is None else judge, cache_dir=judging.cache_dir, model=model,
+                       tokenizer=ctx.tokenizer if model is not None else None, model_id=model_label(ctx.replier),
+                       device=judging.device, where=where)
+    assert built is not None
+    try:
+        with AnswerCache(Path(judging.cache_dir) / cache_file) as cache:
+            yield built.backend, cache
+    finally:
+        built.close()
+
+
+def ask_suite_judge(ctx: Any, cache_file: str, prompts: Sequence[list[Message]], parse: Callable[[str | None], Any],
+                    check: Callable[[str], Any], tag: str, judge: Any = None,
+                    where: str = "judge") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`ask_judge` with :func:`suite_judge`; the stats also name the judge's model and count the prompts."""
+    with suite_judge(ctx, cache_file, judge, where) as (backend, cache):
+        answers, counts = ask_judge(backend, cache, prompts, parse, check, tag)
+    return answers, {"judge_model": backend.model_id, "prompts": len(prompts), **counts}

@@ -38,13 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rolemrc.api import AnswerCache, Rejected
+from rolemrc.api import Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.bench.ask import ask_judge
+from rolemrc.eval.bench.ask import ask_suite_judge
 from rolemrc.eval.bench.files import field_of, read_json_list
-from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config
 from rolemrc.fileio import read_mapping, template_fields
 
 log = logging.getLogger(__name__)
@@ -320,40 +319,22 @@ def _check_score(text: str) -> float:
 # ---------------------------------------------------------------- judging
 
 
-def check(cfg: Any, backend: Any) -> None:
+def check(c: Any, ctx: Any) -> None:
     """Before anything slow: a judge that can run, the templates."""
-    c = cfg.data.characterbench
-    j = judge_config(cfg.judge)
+    j = judge_config(ctx.judging.judge)
     cls = judge_backend(j)
     if cls is None:
         raise ConfigError("data.characterbench is scored by CharacterJudge: add judge=hf judge.model=<CharacterJudge "
                           "folder> (or judge=openai with a served copy)")
-    if cls.judges_evaluated_model and j.model is None and not backend.loads_model:
+    if cls.judges_evaluated_model and j.model is None and not ctx.backend.loads_model:
         raise ConfigError(f"judge=hf needs judge.model (the CharacterJudge folder): with generation.backend="
-                          f"{backend.name} there is no evaluated model to judge with")
+                          f"{ctx.backend.name} there is no evaluated model to judge with")
     check_judge(j)
     load_templates(c, list(c.languages), list(c.dimensions or DIMENSIONS))
     load_prompt_template(c, list(c.languages))
 
 
-def ask(cfg: Any, ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The judge's answers to ``prompts`` (:func:`rolemrc.eval.bench.ask.ask_judge`), cached in
-    ``<judge cache>/characterbench_cache.sqlite``."""
-    judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
-                       tokenizer=ctx.tokenizer if ctx.model is not None else None, model_id=model_label(cfg),
-                       device=cfg.generation.device)
-    assert judge is not None
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
-    try:
-        with AnswerCache(cache_dir / "characterbench_cache.sqlite") as cache:
-            answers, stats = ask_judge(judge.backend, cache, prompts, parse_score, _check_score, "characterbench prompt")
-    finally:
-        judge.close()
-    return answers, {"judge_model": judge.backend.model_id, "prompts": len(prompts), **stats}
-
-
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    c = cfg.data.characterbench
+def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     langs, dims = list(c.languages), list(c.dimensions or DIMENSIONS)
     templates = load_templates(c, langs, dims)
     gen_templates = load_prompt_template(c, langs)
@@ -378,7 +359,8 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         judged.append((s, r))
     prompts = [judge_messages(s, templates[(s.lang, s.dim)], r, c.judge_system) for s, r in judged]
     log.info("CharacterBench: %d sessions, %d judge prompts", len(sessions), len(prompts))
-    answers, stats = ask(cfg, ctx, prompts)
+    answers, stats = ask_suite_judge(ctx, "characterbench_cache.sqlite", prompts, parse_score, _check_score,
+                                     "characterbench prompt")
     rows = [{"id": s.id, "language": s.lang, "dimension": s.dim, "reply": r, "status": a["status"],
              "score": a["value"], "answer": a["text"], "gold": s.gold} for (s, r), a in zip(judged, answers)]
     table: dict[str, Any] = {}
@@ -397,7 +379,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
                         "n_failed": sum(x["status"] in ("failed", "budget_exhausted") for x in mine), "max_gold": top}
         scored = [v["score"] for v in per.values() if v["score"] is not None]
         table[lang] = {"dimensions": per, "average": sum(scored) / len(scored) if scored else None}
-    out_dir = Path(cfg.out_dir) / "characterbench"
+    out_dir = Path(ctx.out_dir) / "characterbench"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "judgements.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows),
                                               encoding="utf-8")

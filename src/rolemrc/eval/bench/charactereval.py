@@ -147,9 +147,9 @@ def rm_input(profile: Any, context: str, reply: str, metric_zh: str) -> str:
             f"<Dimension>\n\n{metric_zh}")
 
 
-def check(cfg: Any, backend: Any) -> None:
+def check(c: Any, ctx: Any) -> None:
     """Before anything slow: the reward model's folder and settings."""
-    RewardJudge.check(cfg.data.charactereval.reward_model, "data.charactereval.reward_model")
+    RewardJudge.check(c.reward_model, "data.charactereval.reward_model")
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -164,18 +164,16 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "overall": _mean([v["mean"] for v in metrics.values()])}
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    c = cfg.data.charactereval
+def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     examples, profiles = load(c)
     texts = {ex.role: str(profiles[ex.role]) for ex in examples}
     items = [TestItem("charactereval", conversation(c, ex, texts[ex.role]), "", origin=ex.where,
                       extra={"id": ex.id}) for ex in examples]
     replies = ctx.generate("charactereval", items)
     rm = RewardJudge.load(c.reward_model, "data.charactereval.reward_model")
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
     records: list[dict[str, Any]] = []
     hits = 0
-    with AnswerCache(cache_dir / "charactereval_rm.sqlite") as cache:
+    with AnswerCache(Path(ctx.judging.cache_dir) / "charactereval_rm.sqlite") as cache:
         for ex, reply in zip(examples, replies, strict=True):
             if reply is None:  # generation.on_missing=skip: counted, not scored
                 continue
@@ -191,7 +189,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
                     raw, hits = float(got), hits + 1
                 records.append({"id": ex.id, "role": ex.role, "metric": en, "metric_zh": zh, "reply": scored,
                                 "score": raw * rm.scale + rm.offset})
-    out_dir = Path(cfg.out_dir) / "charactereval"
+    out_dir = Path(ctx.out_dir) / "charactereval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "scores.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
                                           encoding="utf-8")

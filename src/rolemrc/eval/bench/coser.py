@@ -41,7 +41,6 @@ the authors' and not shipped: ``data.coser.templates`` names a YAML file holding
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
@@ -54,11 +53,10 @@ from typing import Any, Sequence
 from rolemrc.api import AnswerCache, Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.generation import generation_backend, model_label
+from rolemrc.eval.bench.ask import ask_judge, suite_judge
+from rolemrc.eval.generation import model_label
 from rolemrc.eval.metrics import ensure_punkt
-from rolemrc.eval.judge import (
-    JUDGE_BACKENDS, OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge, uses_evaluated_model,
-)
+from rolemrc.eval.judge import JUDGE_BACKENDS, check_judge, judge_backend, judge_config, uses_evaluated_model
 from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
@@ -474,10 +472,10 @@ class SideModel:
     free text; every answer is cached (``<out_dir>/coser/side_cache.sqlite``), so a rerun replays
     the same scenes and asks only for what is missing."""
 
-    def __init__(self, node: Any, where: str, cfg: Any, ctx: Any, cache: AnswerCache) -> None:
+    def __init__(self, node: Any, where: str, ctx: Any, cache: AnswerCache) -> None:
         self.conf = side_config(node, where)
         self.where = where
-        self.cfg, self.ctx, self.cache = cfg, ctx, cache
+        self.ctx, self.cache = ctx, cache
         self._backend: Any = None
         self.requests = 0
 
@@ -486,39 +484,21 @@ class SideModel:
         if self._backend is None:
             cls = JUDGE_BACKENDS[self.conf.backend]
             self._backend = cls.build(self.conf, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
-                                      model_id=model_label(self.cfg), device=self.cfg.generation.device,
+                                      model_id=model_label(self.ctx.replier), device=self.ctx.judging.device,
                                       where=self.where)
         return self._backend
-
-    @property
-    def model_id(self) -> str:
-        return self.conf.model or model_label(self.cfg)
 
     def ask(self, prompts: Sequence[list[dict[str, str]]]) -> list[str | None]:
         """One answer per prompt (None where the request failed)."""
         if not prompts:
             return []
-        sampling = self.backend.sampling()
-        keys = [cache_key(self.backend.model_id, p, sampling) for p in prompts]
-        out: list[str | None] = [self.cache.get(k, valid=_free_text) for k in keys]
-        todo = [i for i, t in enumerate(out) if t is None]
-        asks = [prompts[i] for i in todo]
-
-        def record(j: int, ans: Any) -> None:
-            self.requests += ans.attempts
-            if ans.status == "failed" or ans.status == "budget_exhausted" or not (ans.text or "").strip():
-                log.warning("%s: no answer (%s)", self.where, ans.error or ans.status)
-                return
-            i = todo[j]
-            out[i] = ans.text
-            self.cache.put(keys[i], ans.text, self.backend.model_id)
-
-        if asks and isinstance(self.backend, OpenAIBackend):
-            asyncio.run(self.backend.answer_all(asks, record, check=_free_text, tag=self.where))
-        elif asks:  # hf: greedy free text (its verdict check does not apply)
-            for j, ans in enumerate(asyncio.run(self.backend.answer_all(asks))):
-                record(j, ans)
-        return out
+        answers, counts = ask_judge(self.backend, self.cache, prompts, lambda t: t if (t or "").strip() else None,
+                                    _free_text, self.where)
+        self.requests += counts["requests"]
+        for a in answers:
+            if a["value"] is None:
+                log.warning("%s: no answer (%s)", self.where, a["error"] or a["status"])
+        return [a["value"] for a in answers]
 
 
 def side_config(node: Any, where: str) -> Any:
@@ -532,11 +512,10 @@ def side_config(node: Any, where: str) -> Any:
     return conf
 
 
-def simulate(cfg: Any, ctx: Any, scenes: Sequence[Scene], t: Templates) -> list[Play]:
+def simulate(c: Any, ctx: Any, scenes: Sequence[Scene], t: Templates) -> list[Play]:
     """Every scene played out, round by round: the actors' turns of all scenes generated together
     (``<out_dir>/coser/round_NN/generations.jsonl``), then the environment's, then the next speakers."""
-    c = cfg.data.coser
-    cache_dir = Path(cfg.out_dir) / "coser"
+    cache_dir = Path(ctx.out_dir) / "coser"
     cache_dir.mkdir(parents=True, exist_ok=True)
     plays = []
     for s in scenes:
@@ -545,8 +524,8 @@ def simulate(cfg: Any, ctx: Any, scenes: Sequence[Scene], t: Templates) -> list[
         agents[NSP] = Agent(nsp_prompt(t, s), t.start)
         plays.append(Play(s, agents, s.speakers[0], random.Random(f"{c.seed}:{s.id}")))
     with AnswerCache(cache_dir / "side_cache.sqlite") as cache:
-        env = SideModel(c.environment, "data.coser.environment", cfg, ctx, cache)
-        nsp = SideModel(c.nsp, "data.coser.nsp", cfg, ctx, cache)
+        env = SideModel(c.environment, "data.coser.environment", ctx, cache)
+        nsp = SideModel(c.nsp, "data.coser.nsp", ctx, cache)
         for r in range(c.max_rounds):
             live = [p for p in plays if not p.done]
             if not live:
@@ -626,11 +605,11 @@ def read_simulations(g: Any, scenes: Sequence[Scene]) -> dict[str, list[dict[str
 # ---------------------------------------------------------------- judging and scores
 
 
-def check(cfg: Any, backend: Any) -> None:
+def check(c: Any, ctx: Any) -> None:
     """Before anything slow: the test file, the templates, the judge and the side models."""
-    c = cfg.data.coser
+    backend = ctx.backend
     load_templates(c.templates, simulate=backend.generates)
-    j = judge_config(cfg.judge)
+    j = judge_config(ctx.judging.judge)
     if judge_backend(j) is None:
         raise ConfigError("data.coser is scored by a judge: add judge=openai (judge.model=gpt-4o, the key in the "
                           "environment) or judge=hf (judge.model=<local model>)")
@@ -659,18 +638,12 @@ def check(cfg: Any, backend: Any) -> None:
     read_test_set(c.test_file)
 
 
-def judge_all(cfg: Any, ctx: Any, prompts: Sequence[tuple[str, list[dict[str, str]]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One ``{"status", "flaws", "raw", "cached", "error"}`` per (dimension, messages), and run stats."""
-    judge = make_judge(cfg.judge, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model,
-                       tokenizer=ctx.tokenizer, model_id=model_label(cfg), device=cfg.generation.device)
-    assert judge is not None
-    backend = judge.backend
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    stats: dict[str, Any] = {"judge_model": backend.model_id, "prompts": len(prompts), "cache_hits": 0, "requests": 0}
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
-    sampling = backend.sampling()
-    with AnswerCache(cache_dir / "coser_cache.sqlite") as cache:
+def judge_all(ctx: Any, prompts: Sequence[tuple[str, list[dict[str, str]]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One :func:`rolemrc.eval.bench.ask.ask_judge` answer per (dimension, messages), its
+    ``value`` the flaws (cached in ``<judge cache>/coser_cache.sqlite``), and run stats."""
+    results: list[dict[str, Any]] = [{}] * len(prompts)
+    stats: dict[str, Any] = {"prompts": len(prompts), "cache_hits": 0, "requests": 0}
+    with suite_judge(ctx, "coser_cache.sqlite") as (backend, cache):
         for dim in DIMENSIONS:
             def valid(text: str, dim: str = dim) -> list[dict[str, Any]]:
                 flaws = parse_critique(text, dim)
@@ -679,47 +652,22 @@ def judge_all(cfg: Any, ctx: Any, prompts: Sequence[tuple[str, list[dict[str, st
                 return flaws
 
             idx = [i for i, (d, _) in enumerate(prompts) if d == dim]
-            todo: dict[str, list[int]] = {}
-            for i in idx:
-                k = cache_key(backend.model_id, prompts[i][1], sampling)
-                text = cache.get(k, valid=valid)
-                if text is not None:
-                    results[i] = {"status": "ok", "flaws": parse_critique(text, dim), "raw": text, "cached": True,
-                                  "error": None}
-                    stats["cache_hits"] += 1
-                else:
-                    todo.setdefault(k, []).append(i)
-            keys = list(todo)
-            asks = [prompts[todo[k][0]][1] for k in keys]
-
-            def record(j: int, status: str, text: str | None, attempts: int, error: str | None,
-                       dim: str = dim, keys: list[str] = keys, todo: dict[str, list[int]] = todo) -> None:
-                flaws = parse_critique(text, dim) if status == "ok" else None
-                if status == "ok" and flaws is None:
-                    status = "unparseable"
-                if status == "ok":
-                    cache.put(keys[j], text or "", backend.model_id)
-                stats["requests"] += attempts
-                for i in todo[keys[j]]:
-                    results[i] = {"status": status, "flaws": flaws, "raw": text, "cached": False, "error": error}
-
-            if asks and isinstance(backend, OpenAIBackend):
-                asyncio.run(backend.answer_all(asks, lambda j, a: record(j, a.status, a.text, a.attempts, a.error),
-                                               check=valid, tag=f"coser {dim} prompt"))
-            elif asks:
-                for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
-                    record(j, "failed" if a.status == "failed" else "ok", a.text, a.attempts, a.error)
-    judge.close()
-    return [r for r in results if r is not None], stats
+            answers, counts = ask_judge(backend, cache, [prompts[i][1] for i in idx],
+                                        lambda text, dim=dim: parse_critique(text, dim), valid, f"coser {dim} prompt")
+            for i, a in zip(idx, answers, strict=True):
+                results[i] = a
+            stats["cache_hits"] += counts["cache_hits"]
+            stats["requests"] += counts["requests"]
+    return results, {"judge_model": backend.model_id, **stats}
 
 
 def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def score(cfg: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict[str, str]] | None]) -> dict[str, Any]:
+def score(c: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict[str, str]] | None]) -> dict[str, Any]:
     """Per-scene BLEU, ROUGE-L and the four judged scores; the means as the authors aggregate them."""
-    t = load_templates(cfg.data.coser.templates, simulate=False)
+    t = load_templates(c.templates, simulate=False)
     cases: dict[str, dict[str, Any]] = {}
     prompts: list[tuple[str, list[dict[str, str]]]] = []
     owners: list[tuple[str, str]] = []
@@ -736,13 +684,13 @@ def score(cfg: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict
             prompts.append((dim, [{"role": "system", "content": critic_prompt(t, s, dim)},
                                   {"role": "user", "content": text}]))
             owners.append((s.id, dim))
-    answers, stats = judge_all(cfg, ctx, prompts) if prompts else ([], {"judge_model": None, "prompts": 0})
+    answers, stats = judge_all(ctx, prompts) if prompts else ([], {"judge_model": None, "prompts": 0})
     status_counts: dict[str, dict[str, int]] = {d: {} for d in DIMENSIONS}
     for (sid, dim), a in zip(owners, answers):
         case = cases[sid]
-        entry: dict[str, Any] = {"status": a["status"], "flaws": a["flaws"], "raw": a["raw"], "error": a["error"]}
+        entry: dict[str, Any] = {"status": a["status"], "flaws": a["value"], "raw": a["text"], "error": a["error"]}
         if a["status"] == "ok":
-            entry["score"] = dimension_score(a["flaws"], case["actor_rounds"])
+            entry["score"] = dimension_score(a["value"], case["actor_rounds"])
         case["critique"][dim] = entry
         status_counts[dim][a["status"]] = status_counts[dim].get(a["status"], 0) + 1
     for case in cases.values():
@@ -758,18 +706,17 @@ def score(cfg: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict
     return {"scores": means, "cases": cases, "judge": stats, "statuses": status_counts}
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    c = cfg.data.coser
+def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     scenes = read_test_set(c.test_file)
-    limit = c.limit if c.limit is not None else cfg.get("limit")
+    limit = c.limit if c.limit is not None else ctx.limit
     if limit:
         scenes = scenes[: int(limit)]
-    backend = generation_backend(cfg)
+    backend = ctx.backend
     stalled: dict[str, str] = {}
     fallbacks = 0
     if backend.generates:
         t = load_templates(c.templates, simulate=True)
-        plays = simulate(cfg, ctx, scenes, t)
+        plays = simulate(c, ctx, scenes, t)
         sims: dict[str, list[dict[str, str]] | None] = {}
         for p in plays:
             fallbacks += p.nsp_fallbacks
@@ -778,14 +725,14 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
                 sims[p.scene.id] = None
             else:
                 sims[p.scene.id] = p.messages
-        out = Path(cfg.out_dir) / "coser" / "simulation.json"
+        out = Path(ctx.out_dir) / "coser" / "simulation.json"
         out.write_text(json.dumps([{"book_title": s.book, "i_p": s.i_p, "i_c": s.i_c, "simulation": sims[s.id],
                                     "involved_character_profiles": s.profiles}
                                    for s in scenes if sims[s.id] is not None], ensure_ascii=False, indent=2),
                        encoding="utf-8")
     else:
-        sims = read_simulations(cfg.generation, scenes)
-    res = score(cfg, ctx, scenes, sims)
+        sims = read_simulations(ctx.replier.generation, scenes)
+    res = score(c, ctx, scenes, sims)
     res.update({"scenes": len(scenes), "simulated": backend.generates, "stalled": stalled,
                 "nsp_fallbacks": fallbacks, "not_in_file": sum(v is None for k, v in sims.items() if k not in stalled)})
     missing = []
@@ -793,7 +740,7 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
         missing.append(f"{len(stalled)} of {len(scenes)} scenes stopped early (side model unanswered; first: "
                        f"{next(iter(stalled.items()))})")
     bad = {s: n for d in DIMENSIONS for s, n in res["statuses"][d].items() if s != "ok"}
-    retry = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(judge_config(cfg.judge)).asks_again else ())
+    retry = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(judge_config(ctx.judging.judge)).asks_again else ())
     judged_missing = sum(n for d in DIMENSIONS for s, n in res["statuses"][d].items() if s in retry)
     if judged_missing:
         missing.append(f"CoSER judge: {judged_missing} of {res['judge']['prompts']} critiques missing")

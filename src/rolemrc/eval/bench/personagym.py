@@ -39,7 +39,6 @@ counted as missing (never scored) and a rerun asks only for it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -49,11 +48,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
-from rolemrc.api import AnswerCache, Rejected
+from rolemrc.api import Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import OpenAIBackend, cache_key, check_judge, judge_backend, judge_config, make_judge
+from rolemrc.eval.bench.ask import ask_suite_judge
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config
 from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
@@ -246,13 +245,13 @@ def _mean(xs: Sequence[float | None]) -> float | None:
 # ---------------------------------------------------------------- judges
 
 
-def _judge_cfgs(cfg: Any) -> list[tuple[str, Any]]:
+def _judge_cfgs(c: Any, judge: Any) -> list[tuple[str, Any]]:
     """(where, judge config) of each judge: ``data.personagym.judges`` entries over ``judge``."""
-    base = OmegaConf.to_container(cfg.judge, resolve=True) if OmegaConf.is_config(cfg.judge) else dict(cfg.judge)
-    entries = list(cfg.data.personagym.judges or []) or [{}]
+    base = OmegaConf.to_container(judge, resolve=True) if OmegaConf.is_config(judge) else dict(judge)
+    entries = list(c.judges or []) or [{}]
     out = []
     for k, entry in enumerate(entries):
-        where = f"data.personagym.judges[{k}]" if cfg.data.personagym.judges else "judge"
+        where = f"data.personagym.judges[{k}]" if c.judges else "judge"
         over = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else entry
         if not isinstance(over, Mapping):
             raise ConfigError(f"{where}: expected a mapping of judge keys (model, base_url, ...), got {over!r}")
@@ -260,21 +259,19 @@ def _judge_cfgs(cfg: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def _examples_cfg(cfg: Any, judges: list[tuple[str, Any]]) -> tuple[str, Any] | None:
-    c = cfg.data.personagym
+def _examples_cfg(c: Any, judge: Any, judges: list[tuple[str, Any]]) -> tuple[str, Any] | None:
     if c.score_examples == "none":
         return None
     if c.examples_judge is None:
         return judges[0]
-    base = OmegaConf.to_container(cfg.judge, resolve=True)
+    base = OmegaConf.to_container(judge, resolve=True)
     over = OmegaConf.to_container(c.examples_judge, resolve=True) if OmegaConf.is_config(c.examples_judge) \
         else dict(c.examples_judge)
     return "data.personagym.examples_judge", judge_config({**base, **over}, "data.personagym.examples_judge")
 
 
-def check(cfg: Any, backend: Any) -> None:
+def check(c: Any, ctx: Any) -> None:
     """The judges and the examples model are configured and usable (before generation)."""
-    c = cfg.data.personagym
     if c.score_examples not in SCORE_EXAMPLES:
         raise ConfigError(f"data.personagym.score_examples must be one of {', '.join(SCORE_EXAMPLES)}, "
                           f"got {c.score_examples!r}")
@@ -287,8 +284,8 @@ def check(cfg: Any, backend: Any) -> None:
         c.system.format(persona="x")
     except (KeyError, IndexError, ValueError) as e:
         raise ConfigError(f"data.personagym.system: only the placeholder {{persona}} is filled in ({e!r})") from None
-    judges = _judge_cfgs(cfg)
-    ex = _examples_cfg(cfg, judges)
+    judges = _judge_cfgs(c, ctx.judging.judge)
+    ex = _examples_cfg(c, ctx.judging.judge, judges)
     for where, j in judges + ([ex] if ex else []):
         if judge_backend(j) is None:
             raise ConfigError(f"data.personagym is scored by judges: {where}.backend is none; add judge=openai "
@@ -296,48 +293,15 @@ def check(cfg: Any, backend: Any) -> None:
         check_judge(j, where)
 
 
-def _ask(cfg: Any, ctx: Any, where: str, jcfg: Any, prompts: Sequence[list[dict[str, str]]],
-         valid: Callable[[str], Any], cache: AnswerCache, tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One ``{"status", "text", "cached", "error"}`` per prompt from one judge, through the cache
-    (answers that pass ``valid`` only); and the judge's stats."""
-    judge = make_judge(jcfg, cache_dir=Path(cfg.out_dir) / "judge_cache", model=ctx.model, tokenizer=ctx.tokenizer
-                       if ctx.model is not None else None, model_id=model_label(cfg), device=cfg.generation.device,
-                       where=where)
-    assert judge is not None
-    backend = judge.backend
-    sampling = backend.sampling()
-    stats = {"model": backend.model_id, "prompts": len(prompts), "cache_hits": 0, "requests": 0}
-    keys = [cache_key(backend.model_id, p, sampling) for p in prompts]
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
-    todo: dict[str, list[int]] = {}
-    for i, k in enumerate(keys):
-        text = cache.get(k, valid=valid)
-        if text is not None:
-            results[i] = {"status": "ok", "text": text, "cached": True, "error": None}
-            stats["cache_hits"] += 1
-        else:
-            todo.setdefault(k, []).append(i)
-    todo_keys = list(todo)
-
-    def record(j: int, status: str, text: str | None, attempts: int, error: str | None) -> None:
-        k = todo_keys[j]
-        if status in ("ok", "unparseable"):
-            status = "ok" if _passes(valid, text) else "unparseable"
-        if status == "ok":
-            cache.put(k, text or "", backend.model_id)
-        stats["requests"] += attempts
-        for i in todo[k]:
-            results[i] = {"status": status, "text": text, "cached": False, "error": error}
-
-    asks = [prompts[idx[0]] for idx in todo.values()]
-    if asks and isinstance(backend, OpenAIBackend):
-        asyncio.run(backend.answer_all(asks, lambda j, a: record(j, a.status, a.text, a.attempts, a.error),
-                                       check=valid, tag=tag))
-    elif asks:
-        for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
-            record(j, a.status, a.text, a.attempts, a.error)  # hf: the text counts, not a verdict line
-    judge.close()
-    return [r for r in results if r is not None], stats
+def _ask(ctx: Any, judge: tuple[str, Any], prompts: Sequence[list[dict[str, str]]], valid: Callable[[str], Any],
+         tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One ``{"status", "text", "cached", "error", ...}`` per prompt from one judge (``(where, judge
+    config)``), through ``<judge cache>/personagym_cache.sqlite`` (answers that pass ``valid``
+    only); and the judge's stats."""
+    where, jcfg = judge
+    answers, st = ask_suite_judge(ctx, "personagym_cache.sqlite", prompts, lambda t: t if _passes(valid, t) else None,
+                                  valid, tag, judge=jcfg, where=where)
+    return answers, {"model": st.pop("judge_model"), **st}
 
 
 def _passes(valid: Callable[[str], Any], text: str | None) -> bool:
@@ -377,8 +341,7 @@ def _list_text(items: Sequence[str]) -> str:
     return str(list(items))
 
 
-def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
-    c = cfg.data.personagym
+def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     root = Path(str(c.root)).expanduser()
     mode = str(c.score_examples)
     templates = load_templates(root, list(c.tasks), need_examples=mode != "none")
@@ -393,44 +356,41 @@ def evaluate(cfg: Any, ctx: Any) -> dict[str, Any]:
     replies = dict(zip(keys, got))
     groups = _groups(loaded, replies, int(c.group_size))
 
-    judges = _judge_cfgs(cfg)
-    ex_cfg = _examples_cfg(cfg, judges)
-    cache_dir = Path(cfg.judge.cache_dir or Path(cfg.out_dir) / "judge_cache")
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    judges = _judge_cfgs(c, ctx.judging.judge)
+    ex_cfg = _examples_cfg(c, ctx.judging.judge, judges)
     stats: dict[str, Any] = {}
-    with AnswerCache(cache_dir / "personagym_cache.sqlite") as cache:
-        examples: list[list[str] | None] = [[""] * len(g.qa) for g in groups]
-        ex_status: list[str] = ["ok"] * len(groups)
-        if ex_cfg is not None:
-            assert templates.example is not None and templates.examples is not None
-            prompts = [[{"role": "user", "content": templates.examples.format(rubrics=_list_text(
-                [templates.example.format(persona=g.persona, question=q, rubric=templates.rubrics[g.task])
-                 for q, _ in g.qa]))}] for g in groups]
-            by_size: dict[int, list[int]] = {}
-            for i, g in enumerate(groups):  # the answer must hold examples for as many questions as its group has
-                by_size.setdefault(len(g.qa), []).append(i)
-            for n, idx in by_size.items():
-                answers, st = _ask(cfg, ctx, ex_cfg[0], ex_cfg[1], [prompts[i] for i in idx],
-                                   _examples_valid(n, mode), cache, "personagym examples")
-                _add(stats.setdefault("examples", {**st, "prompts": 0, "cache_hits": 0, "requests": 0}), st)
-                for i, a in zip(idx, answers):
-                    ex_status[i] = a["status"]
-                    examples[i] = score_examples(a["text"], n, mode) if a["status"] == "ok" else None
-        ready = [i for i, e in enumerate(examples) if e is not None]
-        grading = []
-        for i in ready:
-            g = groups[i]
-            rubrics = [templates.rubrics[g.task].format(persona=g.persona, question=q, response=r,
-                                                        score_example=ex)
-                       for (q, r), ex in zip(g.qa, examples[i])]  # type: ignore[arg-type]
-            grading.append([{"role": "system", "content": templates.system},
-                            {"role": "user", "content": templates.grading.format(rubrics=_list_text(rubrics))}])
-        verdicts: list[list[dict[str, Any]]] = []
-        stats["judges"] = []
-        for k, (where, j) in enumerate(judges):
-            answers, st = _ask(cfg, ctx, where, j, grading, lambda t: t, cache, f"personagym judge {k}")
-            verdicts.append(answers)
-            stats["judges"].append(st)
+    examples: list[list[str] | None] = [[""] * len(g.qa) for g in groups]
+    ex_status: list[str] = ["ok"] * len(groups)
+    if ex_cfg is not None:
+        assert templates.example is not None and templates.examples is not None
+        prompts = [[{"role": "user", "content": templates.examples.format(rubrics=_list_text(
+            [templates.example.format(persona=g.persona, question=q, rubric=templates.rubrics[g.task])
+             for q, _ in g.qa]))}] for g in groups]
+        by_size: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):  # the answer must hold examples for as many questions as its group has
+            by_size.setdefault(len(g.qa), []).append(i)
+        for n, idx in by_size.items():
+            answers, st = _ask(ctx, ex_cfg, [prompts[i] for i in idx], _examples_valid(n, mode),
+                               "personagym examples")
+            _add(stats.setdefault("examples", {**st, "prompts": 0, "cache_hits": 0, "requests": 0}), st)
+            for i, a in zip(idx, answers):
+                ex_status[i] = a["status"]
+                examples[i] = score_examples(a["text"], n, mode) if a["status"] == "ok" else None
+    ready = [i for i, e in enumerate(examples) if e is not None]
+    grading = []
+    for i in ready:
+        g = groups[i]
+        rubrics = [templates.rubrics[g.task].format(persona=g.persona, question=q, response=r,
+                                                    score_example=ex)
+                   for (q, r), ex in zip(g.qa, examples[i])]  # type: ignore[arg-type]
+        grading.append([{"role": "system", "content": templates.system},
+                        {"role": "user", "content": templates.grading.format(rubrics=_list_text(rubrics))}])
+    verdicts: list[list[dict[str, Any]]] = []
+    stats["judges"] = []
+    for k, judge in enumerate(judges):
+        answers, st = _ask(ctx, judge, grading, lambda t: t, f"personagym judge {k}")
+        verdicts.append(answers)
+        stats["judges"].append(st)
 
     rows: list[dict[str, Any]] = []
     for i, g in enumerate(groups):

@@ -20,7 +20,7 @@ from omegaconf import MISSING, OmegaConf, open_dict
 from rolemrc import asset
 # re-exported: rolemrc.config.OBJECTIVES and the objectives' schemas stay importable from here
 from rolemrc.config_objectives import (  # noqa: F401
-    DATA_KINDS, DPOObjectiveConfig, GRPOObjectiveConfig, GRPOVLLMConfig, GRPO_ROLLOUTS, KTOObjectiveConfig,
+    DATA_KINDS, DPOObjectiveConfig, GRPOObjectiveConfig, GRPOVLLMConfig, KTOObjectiveConfig,
     MODEL_HEADS, OBJECTIVES, OBJECTIVE_SCHEMAS, ORPOObjectiveConfig, Objective, ObjectiveConfig,
     PairObjectiveConfig, REFERENCE_MODES, RLOOObjectiveConfig, RewardObjectiveConfig, SFTObjectiveConfig,
     SimPOObjectiveConfig, VLLM_MODES, check_sync_ref, model_head, one_of, source_group,

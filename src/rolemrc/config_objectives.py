@@ -241,8 +241,16 @@ def _default_rewards() -> dict[str, Any]:
     return {"verifier": {"type": "verifier"}}
 
 
-GRPO_ROLLOUTS = ("hf", "vllm")
 VLLM_MODES = ("server", "colocate")
+# GRPO's rollout engines (rolemrc.rollout.ENGINES): name -> "package.module:Class", imported when built, so configs
+# read without torch. objective.rollout names one; the vLLM ones (VLLM_MODES) are rollout=vllm, vllm.mode the name.
+ENGINES: Registry[str] = Registry("rollout engine", doc="GRPO's rollout engines, by objective.rollout "
+                                  "(hf) or, for objective.rollout=vllm, objective.vllm.mode")
+ENGINES.register("hf", "rolemrc.rollout.hf:HFEngine", doc="transformers generate in this process")
+ENGINES.register("server", "rolemrc.rollout.vllm:ServerEngine",
+                 doc="a vLLM OpenAI-compatible server, weights synced each step")
+ENGINES.register("colocate", "rolemrc.rollout.vllm:ColocateEngine",
+                 doc="vllm.LLM in this process, weights loaded each step")
 
 
 @dataclass
@@ -292,43 +300,15 @@ class GRPOVLLMConfig:
 
 
 @dataclass
-class GRPOObjectiveConfig(ObjectiveConfig):
-    """``objective=grpo``: online RL on prompts (data kind ``prompts``): ``num_generations``
-    completions sampled per prompt, scored by ``rewards``, group-normalised advantages, TRL 1.16's
-    clipped surrogate (:func:`rolemrc.objectives.grpo.grpo_loss`). Key names and defaults are TRL
-    ``GRPOConfig``'s, except ``max_completion_length`` (TRL: 512). ``data.batch_size`` counts
-    prompts: a micro-batch is ``batch_size x num_generations`` completions (TRL's
-    ``per_device_train_batch_size`` counts completions)."""
+class PromptsObjectiveConfig(ObjectiveConfig):
+    """The keys and rules every prompts objective (grpo, rloo) shares: ``num_generations`` completions
+    sampled per prompt by ``rollout``'s engine (``temperature``, ``top_p``, ``top_k``,
+    ``max_completion_length``), scored by ``rewards``; the reference (``beta > 0``) and its sync."""
 
-    name: str = "grpo"
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default) | cispo | sapo | luspo | vespo
     beta: float = 0.0  # KL coefficient to the reference; 0 builds no reference
-    use_bias_correction_kl: bool = True  # the KL term x the importance ratio (TRL's default; DeepSeek-V3.2)
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: epsilon (DAPO's clip-higher: e.g. 0.28)
-    delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)
     num_iterations: int = 1  # TRL's mu: each step's rollouts train this many optimizer steps (old log-probs)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
-    sapo_temperature_pos: float = 1.0  # loss_type=sapo: the gate's temperature where the advantage is > 0
-    sapo_temperature_neg: float = 1.05  # loss_type=sapo: ... where it is <= 0
-    vespo_k_pos: float = 2.0  # loss_type=vespo: the Gamma weight's power, advantage >= 0
-    vespo_lambda_pos: float = 3.0  # loss_type=vespo: its decay, advantage >= 0
-    vespo_k_neg: float = 3.0  # loss_type=vespo: the power, advantage < 0
-    vespo_lambda_neg: float = 2.0  # loss_type=vespo: the decay, advantage < 0
-    top_entropy_quantile: float = 1.0  # rho: the policy term on the top-rho tokens by entropy only (1: all)
-    off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences drifted past it (None: off)
-    # the entropy bonus: loss - coef x the token mean of the entropies (0: off); adaptive (Skywork-OR1): the
-    # coefficient applies only while the last step's entropy is <= entropy_target, and moves by delta each step
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2
-    scale_rewards: str = "group"  # group | batch | none
-    # sum_then_normalize (TRL's default) | normalize_then_sum (GDPO: each reward normalised in its group, summed,
-    # then normalised over the step's completions; scale_rewards then plays no part)
-    multi_objective_aggregation: str = "sum_then_normalize"
     num_generations: int = 8  # completions per prompt (G)
     num_generations_eval: Optional[int] = None  # completions sampled per validation prompt (None: num_generations)
     temperature: float = 1.0
@@ -347,63 +327,33 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     rewards: dict[str, Any] = field(default_factory=_default_rewards)
     rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
     vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
-    # rollout=vllm: weight each token's (or sequence's) policy term by exp(trainer's - vLLM's log-probs) of the
-    # sampled tokens, truncated or masked to [clip_min, clip_max] (TRL's names and defaults)
-    vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
-    vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    vllm_importance_sampling_clip_min: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        from rolemrc.objectives.grpo import (
-            GRPO_LOSS_TYPES,
-            IMPORTANCE_SAMPLING_LEVELS,
-            MULTI_OBJECTIVE_AGGREGATIONS,
-            SCALE_REWARDS,
-            VLLM_IMPORTANCE_SAMPLING_MODES,
-        )
-
-        one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
-        one_of("objective.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        one_of("objective.multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
-        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"objective.{key} must be > 0 (the sapo gate divides by it), got {getattr(self, key)}")
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ConfigError(f"objective.top_entropy_quantile must be in [0, 1] (1: every token), "
-                              f"got {self.top_entropy_quantile}")
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
-            raise ConfigError(f"objective.off_policy_mask_threshold must be > 0 (e.g. 0.5) or null (off), "
-                              f"got {self.off_policy_mask_threshold}")
-        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
-            raise ConfigError(f"objective.entropy_coef_min ({self.entropy_coef_min}) must be <= objective."
-                              f"entropy_coef_max ({self.entropy_coef_max}): the adaptive coefficient's bounds")
-        if self.entropy_coef_delta < 0:
-            raise ConfigError(f"objective.entropy_coef_delta must be >= 0 (the adaptive coefficient's step), "
-                              f"got {self.entropy_coef_delta}")
-        self._check_vllm_correction(VLLM_IMPORTANCE_SAMPLING_MODES)
-        one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+    def check_shared_keys(self) -> None:
+        """The shared keys' rules (each objective's ``__post_init__`` runs them beside its own): the
+        reference, the rollout, the sampling keys and the reward set."""
         one_of("objective.reference", self.reference, ("copy", "adapter"))
-        one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
+        # the values objective.rollout takes: the engines' names, the vLLM ones as vllm
+        one_of("objective.rollout", self.rollout, tuple(dict.fromkeys("vllm" if n in VLLM_MODES else n for n in ENGINES)))
         if self.beta < 0:
             raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
         check_sync_ref(self)
-        if self.epsilon < 0:
-            raise ConfigError(f"objective.epsilon must be >= 0, got {self.epsilon}")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ConfigError(f"objective.epsilon_high must be >= 0, got {self.epsilon_high}")
-        if self.delta is not None and not self.delta > 0:
-            raise ConfigError(f"objective.delta must be > 0 (TRL recommends > 1 + epsilon), got {self.delta}")
         if self.num_iterations < 1:
             raise ConfigError(f"objective.num_iterations must be >= 1 (optimizer steps per rollout batch), "
                               f"got {self.num_iterations}")
-        if self.num_generations < 2:
-            raise ConfigError(f"objective.num_generations must be >= 2 (a group needs two completions to compare), "
-                              f"got {self.num_generations}")
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            raise ConfigError(f"objective.num_generations_eval must be >= 1 (completions sampled per validation "
-                              f"prompt; null: num_generations), got {self.num_generations_eval}")
-        check_sampling_and_rewards(self)
+        if not self.temperature > 0:
+            raise ConfigError(f"objective.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"objective.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"objective.max_completion_length must be >= 1, got {self.max_completion_length}")
+        if not self.rewards:
+            raise ConfigError("objective.rewards is empty: name at least one reward, e.g. {verifier: {type: verifier}}")
+        for name, spec in self.rewards.items():
+            if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
+                raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
+                                  f"or _target_, got {spec!r}")
 
     def conversation_tokens(self, data: Any, env: Any = None) -> int:
         """Tokens of the longest rollout the config allows: one completion after the prompt
@@ -417,24 +367,6 @@ class GRPOObjectiveConfig(ObjectiveConfig):
         turns = int(env.max_turns)
         cap = int(env.max_tokens) if env.max_tokens is not None else int(data.max_length)
         return max(reply + 1, min(cap, prompt + turns * reply + (turns - 1) * int(env.user.max_tokens)))
-
-    def _check_vllm_correction(self, modes: tuple[str, ...]) -> None:
-        """The vLLM importance-sampling keys (TRL's checks)."""
-        one_of("objective.vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, modes)
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and not low < high:
-            raise ConfigError(f"objective.vllm_importance_sampling_clip_min ({low}) must be less than "
-                              f"objective.vllm_importance_sampling_clip_max ({high})")
-        if not (self.rollout == "vllm" and self.vllm_importance_sampling_correction):
-            return
-        mode = self.vllm_importance_sampling_mode
-        if mode.endswith("truncate") and low is None and high is None:
-            raise ConfigError(f"objective.vllm_importance_sampling_mode={mode} clips the weights: set "
-                              "objective.vllm_importance_sampling_clip_max (e.g. 3.0) or _clip_min")
-        if self.loss_type == "vespo" and not mode.startswith("token"):
-            raise ConfigError(f"objective.loss_type=vespo takes the vLLM correction's per-token weights: set "
-                              f"objective.vllm_importance_sampling_mode=token_truncate or token_mask (got {mode}), "
-                              "or objective.vllm_importance_sampling_correction=false")
 
     def micro_batch_tokens(self, data: Any, env: Any = None) -> int:
         """Tokens of a training micro-batch (the memory formula's): ``data.batch_size x num_generations``
@@ -484,7 +416,110 @@ class GRPOObjectiveConfig(ObjectiveConfig):
 
 
 @dataclass
-class RLOOObjectiveConfig(ObjectiveConfig):
+class GRPOObjectiveConfig(PromptsObjectiveConfig):
+    """``objective=grpo``: online RL on prompts (data kind ``prompts``): ``num_generations``
+    completions sampled per prompt, scored by ``rewards``, group-normalised advantages, TRL 1.16's
+    clipped surrogate (:func:`rolemrc.objectives.grpo.grpo_loss`). Key names and defaults are TRL
+    ``GRPOConfig``'s, except ``max_completion_length`` (TRL: 512). ``data.batch_size`` counts
+    prompts: a micro-batch is ``batch_size x num_generations`` completions (TRL's
+    ``per_device_train_batch_size`` counts completions)."""
+
+    name: str = "grpo"
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default) | cispo | sapo | luspo | vespo
+    use_bias_correction_kl: bool = True  # the KL term x the importance ratio (TRL's default; DeepSeek-V3.2)
+    delta: Optional[float] = None  # two-sided clipping: cap of the unclipped ratio (> 1 + epsilon)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per sequence)
+    sapo_temperature_pos: float = 1.0  # loss_type=sapo: the gate's temperature where the advantage is > 0
+    sapo_temperature_neg: float = 1.05  # loss_type=sapo: ... where it is <= 0
+    vespo_k_pos: float = 2.0  # loss_type=vespo: the Gamma weight's power, advantage >= 0
+    vespo_lambda_pos: float = 3.0  # loss_type=vespo: its decay, advantage >= 0
+    vespo_k_neg: float = 3.0  # loss_type=vespo: the power, advantage < 0
+    vespo_lambda_neg: float = 2.0  # loss_type=vespo: the decay, advantage < 0
+    top_entropy_quantile: float = 1.0  # rho: the policy term on the top-rho tokens by entropy only (1: all)
+    off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences drifted past it (None: off)
+    # the entropy bonus: loss - coef x the token mean of the entropies (0: off); adaptive (Skywork-OR1): the
+    # coefficient applies only while the last step's entropy is <= entropy_target, and moves by delta each step
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    scale_rewards: str = "group"  # group | batch | none
+    # sum_then_normalize (TRL's default) | normalize_then_sum (GDPO: each reward normalised in its group, summed,
+    # then normalised over the step's completions; scale_rewards then plays no part)
+    multi_objective_aggregation: str = "sum_then_normalize"
+    # rollout=vllm: weight each token's (or sequence's) policy term by exp(trainer's - vLLM's log-probs) of the
+    # sampled tokens, truncated or masked to [clip_min, clip_max] (TRL's names and defaults)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    vllm_importance_sampling_clip_min: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        from rolemrc.objectives.grpo import (
+            GRPO_LOSS_TYPES,
+            IMPORTANCE_SAMPLING_LEVELS,
+            MULTI_OBJECTIVE_AGGREGATIONS,
+            SCALE_REWARDS,
+            VLLM_IMPORTANCE_SAMPLING_MODES,
+        )
+
+        one_of("objective.loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        one_of("objective.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        one_of("objective.multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"objective.{key} must be > 0 (the sapo gate divides by it), got {getattr(self, key)}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ConfigError(f"objective.top_entropy_quantile must be in [0, 1] (1: every token), "
+                              f"got {self.top_entropy_quantile}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ConfigError(f"objective.off_policy_mask_threshold must be > 0 (e.g. 0.5) or null (off), "
+                              f"got {self.off_policy_mask_threshold}")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ConfigError(f"objective.entropy_coef_min ({self.entropy_coef_min}) must be <= objective."
+                              f"entropy_coef_max ({self.entropy_coef_max}): the adaptive coefficient's bounds")
+        if self.entropy_coef_delta < 0:
+            raise ConfigError(f"objective.entropy_coef_delta must be >= 0 (the adaptive coefficient's step), "
+                              f"got {self.entropy_coef_delta}")
+        self._check_vllm_correction(VLLM_IMPORTANCE_SAMPLING_MODES)
+        one_of("objective.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        self.check_shared_keys()
+        if self.epsilon < 0:
+            raise ConfigError(f"objective.epsilon must be >= 0, got {self.epsilon}")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ConfigError(f"objective.epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.delta is not None and not self.delta > 0:
+            raise ConfigError(f"objective.delta must be > 0 (TRL recommends > 1 + epsilon), got {self.delta}")
+        if self.num_generations < 2:
+            raise ConfigError(f"objective.num_generations must be >= 2 (a group needs two completions to compare), "
+                              f"got {self.num_generations}")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ConfigError(f"objective.num_generations_eval must be >= 1 (completions sampled per validation "
+                              f"prompt; null: num_generations), got {self.num_generations_eval}")
+
+    def _check_vllm_correction(self, modes: tuple[str, ...]) -> None:
+        """The vLLM importance-sampling keys (TRL's checks)."""
+        one_of("objective.vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, modes)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and not low < high:
+            raise ConfigError(f"objective.vllm_importance_sampling_clip_min ({low}) must be less than "
+                              f"objective.vllm_importance_sampling_clip_max ({high})")
+        if not (self.rollout == "vllm" and self.vllm_importance_sampling_correction):
+            return
+        mode = self.vllm_importance_sampling_mode
+        if mode.endswith("truncate") and low is None and high is None:
+            raise ConfigError(f"objective.vllm_importance_sampling_mode={mode} clips the weights: set "
+                              "objective.vllm_importance_sampling_clip_max (e.g. 3.0) or _clip_min")
+        if self.loss_type == "vespo" and not mode.startswith("token"):
+            raise ConfigError(f"objective.loss_type=vespo takes the vLLM correction's per-token weights: set "
+                              f"objective.vllm_importance_sampling_mode=token_truncate or token_mask (got {mode}), "
+                              "or objective.vllm_importance_sampling_correction=false")
+
+
+@dataclass
+class RLOOObjectiveConfig(PromptsObjectiveConfig):
     """``objective=rloo``: online RL on prompts as GRPO (the same rollout, rewards, reuse and keys
     for sampling), with REINFORCE Leave-One-Out advantages (each reward minus the mean of its
     prompt's other completions), the KL to the reference taken out of the reward per sequence, and
@@ -494,39 +529,16 @@ class RLOOObjectiveConfig(ObjectiveConfig):
 
     name: str = "rloo"
     beta: float = 0.05  # KL coefficient, taken out of the reward (per sequence); 0 builds no reference
-    epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: epsilon
-    num_iterations: int = 1  # TRL's mu: each step's rollouts train this many optimizer steps (old log-probs)
+    num_generations: int = 2  # completions per prompt (at least 2: the leave-one-out baseline)
     normalize_advantages: bool = False  # divide the advantages by their std over the step's completions
     reward_clip_range: Optional[list[float]] = None  # [min, max]: rewards clipped before the KL (None: off)
-    num_generations: int = 2  # completions per prompt (at least 2: the leave-one-out baseline)
-    num_generations_eval: Optional[int] = None  # completions sampled per validation prompt (None: num_generations)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    max_completion_length: int = 256  # TRL: 512
-    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
-    reference: str = "copy"  # copy | adapter (needs model.peft.enabled); built only when beta > 0
-    # TR-DPO's reference sync, as objective=grpo's (TRL RLOOConfig's names and defaults)
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
-    rewards: dict[str, Any] = field(default_factory=_default_rewards)  # as objective=grpo's
-    rollout: str = "hf"  # hf (transformers generate) | vllm (objective.vllm: a server or colocated, GPU)
-    vllm: GRPOVLLMConfig = field(default_factory=GRPOVLLMConfig)
 
     def __post_init__(self) -> None:
-        one_of("objective.reference", self.reference, ("copy", "adapter"))
-        one_of("objective.rollout", self.rollout, GRPO_ROLLOUTS)
-        if self.beta < 0:
-            raise ConfigError(f"objective.beta must be >= 0, got {self.beta}")
-        check_sync_ref(self)
+        self.check_shared_keys()
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ConfigError(f"objective.epsilon and objective.epsilon_high must be >= 0, "
                               f"got {self.epsilon}, {self.epsilon_high}")
-        if self.num_iterations < 1:
-            raise ConfigError(f"objective.num_iterations must be >= 1 (optimizer steps per rollout batch), "
-                              f"got {self.num_iterations}")
         if self.num_generations < 2:
             raise ConfigError(f"objective.num_generations must be >= 2 (the leave-one-out baseline needs another "
                               f"completion of the prompt), got {self.num_generations}")
@@ -535,34 +547,6 @@ class RLOOObjectiveConfig(ObjectiveConfig):
         clip = self.reward_clip_range
         if clip is not None and (len(clip) != 2 or not float(clip[0]) <= float(clip[1])):
             raise ConfigError(f"objective.reward_clip_range must be [min, max] with min <= max, or null, got {clip!r}")
-        check_sampling_and_rewards(self)
-
-    # the rollout's shape, the reference rule and the run's checks are GRPO's
-    conversation_tokens = GRPOObjectiveConfig.conversation_tokens
-    micro_batch_tokens = GRPOObjectiveConfig.micro_batch_tokens
-    rollout_shape = GRPOObjectiveConfig.rollout_shape
-    needs_reference = GRPOObjectiveConfig.needs_reference
-    rolls_conversations = GRPOObjectiveConfig.rolls_conversations
-
-    check_run = GRPOObjectiveConfig.check_run  # the same rules (packing, vLLM, prompts), named rloo
-
-
-def check_sampling_and_rewards(objective: Any) -> None:
-    """The sampling keys and the reward set that every prompts objective (grpo, rloo) shares."""
-    if not objective.temperature > 0:
-        raise ConfigError(f"objective.temperature must be > 0, got {objective.temperature}")
-    if not 0 < objective.top_p <= 1:
-        raise ConfigError(f"objective.top_p must be in (0, 1], got {objective.top_p}")
-    if objective.top_k < 0:
-        raise ConfigError(f"objective.top_k must be >= 0 (0: off), got {objective.top_k}")
-    if objective.max_completion_length < 1:
-        raise ConfigError(f"objective.max_completion_length must be >= 1, got {objective.max_completion_length}")
-    if not objective.rewards:
-        raise ConfigError("objective.rewards is empty: name at least one reward, e.g. {verifier: {type: verifier}}")
-    for name, spec in objective.rewards.items():
-        if not isinstance(spec, dict) or not ("type" in spec or "_target_" in spec):
-            raise ConfigError(f"objective.rewards.{name} must be a mapping with type (verifier | judge) "
-                              f"or _target_, got {spec!r}")
 
 
 def one_of(key: str, value: Any, options: tuple[str, ...]) -> None:

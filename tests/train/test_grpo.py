@@ -554,6 +554,7 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
     rewards scored (1 of 4 here), not the mean of the ranks' shares (1/2); the loss metrics are each
     micro-batch's token-weighted value over the ranks, then their mean over the micro-batches."""
     from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.modules.scoring import rollout_metrics, sampling_metrics
 
     nan = float("nan")
 
@@ -568,7 +569,7 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
 
     stats = [rank([1.0, 0.0], [0.0, nan], [3, 6], [False, True]),  # 1 scored by both: disagree
              rank([1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [6, 6, 6], [True, True, True])]  # 3: agree
-    m = GRPOModule._rollout_metrics(stats)
+    m = rollout_metrics(stats)
     assert m["rewards/disagreement/judge_vs_rules"] == pytest.approx(1 / 4)
     assert m["rewards/judge/missing"] == 2.0
     assert m["completions/clipped_ratio"] == pytest.approx(4 / 5)
@@ -598,8 +599,8 @@ def test_rollout_and_loss_metrics_over_ranks_are_trls_global_values() -> None:
         return {"sampling": {"delta_sum": d_sum, "delta_count": d_n, "delta_max": d_max, "ratio_sum": r_sum,
                              "ratio_count": r_n, "ratio_min": r_min, "ratio_max": r_max}}
 
-    got = GRPOModule._sampling_metrics([[sampled(1.0, 2, 0.8, 2.0, 2, 0.5, 1.5), sampled(2.0, 2, 1.2, 4.0, 2, 1.0, 3.0)],
-                                        [sampled(3.0, 1, 3.0, 0.0, 1, 0.0, 0.0)]])
+    got = sampling_metrics([[sampled(1.0, 2, 0.8, 2.0, 2, 0.5, 1.5), sampled(2.0, 2, 1.2, 4.0, 2, 1.0, 3.0)],
+                            [sampled(3.0, 1, 3.0, 0.0, 1, 0.0, 0.0)]])
     assert got == pytest.approx({"sampling/sampling_logp_difference/mean": (3 / 4 + 3 / 1) / 2,
                                  "sampling/sampling_logp_difference/max": 3.0,
                                  "sampling/importance_sampling_ratio/min": 0.0,
@@ -615,10 +616,10 @@ def test_adaptive_control_pools_the_steps_entropy_over_micro_batches_and_ranks(t
     module = parts.module
     per_rank = [[{"entropy_window": (1.0, 1.0)}, {"entropy_window": (30.0, 10.0)}],  # 3 nats over 10 tokens
                 [{"entropy_window": (0.0, 9.0)}]]  # (1 + 30 + 0) / 20 = 1.55 <= 2: up
-    assert module._update_entropy_control(per_rank) == pytest.approx(0.15)
+    assert module.entropy_control.update(per_rank) == pytest.approx(0.15)
     assert module.entropy_control.last_entropy == pytest.approx(1.55)  # not the micro-batches' mean of means (4/3)
     per_rank = [[{"entropy_window": (50.0, 10.0)}], [{"entropy_window": (0.0, 10.0)}]]  # 2.5 > 2: down
-    assert module._update_entropy_control(per_rank) == pytest.approx(0.10)
+    assert module.entropy_control.update(per_rank) == pytest.approx(0.10)
     assert module.entropy_control.state_dict()["grpo_entropy_control"] == {"entropy_coef": pytest.approx(0.10),
                                                                            "last_entropy": 2.5}
 

@@ -228,7 +228,7 @@ def test_a_failed_user_is_neither_scored_nor_trained_and_all_failing_stops() -> 
 
     from rolemrc.env import Conversation
     from rolemrc.env.sampler import lay_out
-    from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.modules.scoring import Scorer
     from rolemrc.rewards import RewardSet
     from rolemrc.rollout import RolloutError
 
@@ -243,14 +243,13 @@ def test_a_failed_user_is_neither_scored_nor_trained_and_all_failing_stops() -> 
                       [(2, 5)], [{}], "script_end")
     failed = Conversation([*opening, {"role": "assistant", "content": "ab"}], [1, 2, 7, 4], 2, [0, 0, 1, 1],
                           [(2, 4)], [{}], "user_failed", error="HTTP 503")
-    module = SimpleNamespace(env_settings=SimpleNamespace(turn_rewards="mean", conversation_rewards=[]),
-                             rewards=RewardSet({"len": length}))
-    got = GRPOModule._dialogue_scores(module, [ok, failed], {"task": ["t", "t"]})
+    scorer = Scorer(None, RewardSet({"len": length}), SimpleNamespace(turn_rewards="mean", conversation_rewards=[]))
+    got = scorer.conversations([ok, failed], {"task": ["t", "t"]})
     assert calls == [1] and got.scores.rewards[0] == 3.0 and torch.isnan(got.scores.rewards[1])
     laid = lay_out([ok, failed], pad_id=0, prompt_width=2)
     assert laid["labels"][0].tolist() == [-100, -100, 7, 8, 4] and (laid["labels"][1] == -100).all()
     with pytest.raises(RolloutError, match="user failed in all 1 conversations of the step \\(user_failed: HTTP 503\\)"):
-        GRPOModule._dialogue_scores(module, [failed], {"task": ["t"]})
+        scorer.conversations([failed], {"task": ["t"]})
 
 
 class RecordSequences(L.Callback):
@@ -321,6 +320,7 @@ def test_trls_grpo_trainer_given_the_same_conversations_through_rollout_func_agr
     from trl import GRPOConfig, GRPOTrainer
 
     from rolemrc.modules.grpo import GRPOModule
+    from rolemrc.modules.scoring import rollout_metrics
 
     monkeypatch.setattr(GRPOModule, "generate", keyed_generate)
     parts = setup(train_cfg(*MT, "env.max_turns=3", "objective.loss_type=dapo", "data.batch_size=2"))
@@ -339,7 +339,7 @@ def test_trls_grpo_trainer_given_the_same_conversations_through_rollout_func_agr
     monkeypatch.setattr(GRPOModule, "score_conversations", spy)
     theirs_model = copy.deepcopy(module.model)
     loss, _ = module.step_loss(batch)
-    ours = {**GRPOModule._rollout_metrics(module._step_stats), **GRPOModule._loss_metrics([module._loss_stats])}
+    ours = {**rollout_metrics(module._step_stats), **GRPOModule._loss_metrics([module._loss_stats])}
     ours["num_tokens"] = sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in module._step_stats)  # as logged
     convs, rewards = rolled["convs"], rolled["rewards"]
     assert max(c.turns for c in convs) > 1 and len(set(rewards)) > 1

@@ -368,10 +368,10 @@ def test_every_engine_follows_the_protocol_and_the_hf_engine_continues_prompt_id
     the greedy ones equal to evaluation's batched greedy decoding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rolemrc.rollout import ENGINES, Engine, HFEngine, Sampling
+    from rolemrc.rollout import ENGINES, Engine, HFEngine, Sampling, engine_class
     from rolemrc.rollout.hf import greedy_generate_ids
 
-    assert set(ENGINES) == {"hf", "server", "colocate"} and all(issubclass(c, Engine) for c in ENGINES.values())
+    assert set(ENGINES) == {"hf", "server", "colocate"} and all(issubclass(engine_class(n), Engine) for n in ENGINES)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()

@@ -62,6 +62,7 @@ def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extr
     """Our step against TRL's ``_compute_loss`` on the same rollouts, TRL's advantages from the same
     rewards (and, beta > 0, the KL of the policy that sampled them); with num_iterations=2 also the
     reuse step, after the policy moved, with the rollout's sequence log-probs as the old ones."""
+    from rolemrc.modules.scoring import rollout_metrics
     from tests.objectives.test_rloo_trl import trl_rloo_advantages, trl_rloo_loss
 
     parts = setup(train_cfg(*RLOO, *extra))
@@ -99,7 +100,7 @@ def test_step_loss_equals_trls_loss_of_the_rollouts(train_cfg, monkeypatch, extr
     if o.beta > 0:  # TRL's kl: the token mean of old - ref over the generation batch
         want = float(((old_tokens - inputs["ref"]) * mask).sum() / mask.sum())
         assert stats["kl_sum"] / stats["kl_tokens"] == pytest.approx(want, rel=1e-4, abs=1e-7) and want != 0
-        assert module._rollout_metrics([stats])["kl"] == pytest.approx(want, rel=1e-4, abs=1e-7)
+        assert rollout_metrics([stats])["kl"] == pytest.approx(want, rel=1e-4, abs=1e-7)
 
     def compare(loss: torch.Tensor, inputs: dict[str, Any]) -> None:
         expected, logged = trl_rloo_loss(inputs["logps"], adv.float(), mask, old.float(), entropies=None,

@@ -15,8 +15,9 @@ simulation run):
    resumed run samples what the uninterrupted one samples). Completions are decoded without
    special tokens and scored by the :class:`~rolemrc.rewards.RewardSet` built once from
    ``objective.rewards`` (judge caches under ``<run_dir>/judge_cache``); the rewards become
-   group-normalised advantages (:func:`~rolemrc.objectives.grpo.group_advantages`). The step's
-   rollouts are buffered, one part per micro-batch;
+   group-normalised advantages (:func:`~rolemrc.objectives.grpo.group_advantages`): the
+   :class:`~rolemrc.modules.scoring.Scorer` part. The step's rollouts are buffered, one part per
+   micro-batch (:class:`~rolemrc.rollout.reuse.RolloutReuse`);
 2. **loss**, per micro-batch from the buffer: per-token log-probs of the completion tokens under
    the policy (with gradient) and, when ``beta > 0``, under the reference (DPO's ``copy`` or
    ``adapter``, no gradient), at the logits divided by ``temperature`` as TRL scores them, into
@@ -28,9 +29,9 @@ simulation run):
 
 With ``num_iterations=1`` old log-probs are not needed: the ratio is 1 and the gradient the plain
 policy gradient, as TRL's. With ``num_iterations > 1`` the step sampler reads each step's
-micro-batches that many times in a row (``step_use``); the rollouts are kept
-(:class:`RolloutReuse`, in the run state), the first use records its per-token log-probs and the
-later uses train on the same rollouts with those as old log-probs (clipped ratio).
+micro-batches that many times in a row (``step_use``); the rollouts are kept (``RolloutReuse``, in
+the run state), the first use records its per-token log-probs and the later uses train on the same
+rollouts with those as old log-probs (clipped ratio).
 ``scale_rewards=batch`` divides by the std over the step's completions on every rank (TRL's
 generation batch, gathered from every process).
 
@@ -50,6 +51,7 @@ means what ``train/reward`` means; also ``val/reward_std``, ``val/rewards/<name>
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from pathlib import Path
@@ -60,116 +62,28 @@ from torch import nn
 
 from rolemrc.config import TrainStep, objective_settings
 from rolemrc.env import make_env
-from rolemrc.env.rollout import ENV_ENDS
 from rolemrc.env.sampler import ConversationSampler
 from rolemrc.models.forward import policy_hidden
 from rolemrc.models.loading import decoder_and_head, eval_mode
 from rolemrc.models.precision import PrecisionPolicy
 from rolemrc.modules.base import PolicyModule, TokensSeen
+from rolemrc.modules.entropy import EntropyControl
 from rolemrc.modules.reference import Reference
-from rolemrc.objectives.grpo import (
-    GroupAdvantages,
-    adaptive_entropy_coef,
-    applied_entropy_coef,
-    entropy_term,
-    group_advantages,
-    grpo_loss,
-    high_entropy_mask,
-    nanstd,
-    normalized_sum_advantages,
-    vllm_importance_weights,
-    vllm_sampling_stats,
-)
+from rolemrc.modules.scoring import Scorer, gather_objects, repeated, rollout_metrics, sampling_metrics
+from rolemrc.objectives.grpo import (GroupAdvantages, applied_entropy_coef, entropy_term, grpo_loss, high_entropy_mask,
+                                     nanstd, vllm_importance_weights, vllm_sampling_stats)
 from rolemrc.objectives.logprobs import IGNORE_INDEX
-from rolemrc.rewards import RewardSet, build_rewards, disagreement_rate
+from rolemrc.rewards import RewardSet, build_rewards
 from rolemrc.rewards.combine import RewardScores
-from rolemrc.rewards.turns import DialogueScores, score_dialogues
-from rolemrc.rollout import HFEngine, RolloutError, Sampling, SamplingRNG, TurnSampler, make_engine
+from rolemrc.rollout import HFEngine, Sampling, SamplingRNG, TurnSampler, make_engine
 from rolemrc.rollout.hf import pad_id_of, stop_token_ids
+from rolemrc.rollout.reuse import RolloutReuse
 from rolemrc.rollout.sampler import completion_mask
 
 log = logging.getLogger(__name__)
 
-REUSE_KEY = "grpo_rollouts"  # top-level checkpoint entry: a generation batch still to be reused
-
-
-class RolloutReuse:
-    """``num_iterations > 1``: the step's rollouts (one part per micro-batch, with the old
-    log-probs recorded at their first use) kept for the following ``num_iterations - 1`` steps,
-    and how many uses they had; in every checkpoint taken while uses remain (a
-    :func:`run_state_parts` part, each rank's its own), so a run resumed mid-reuse trains on the same rollouts."""
-
-    per_rank = True  # each rank keeps its own prompts' rollouts
-
-    def __init__(self, num_iterations: int) -> None:
-        self.num_iterations = num_iterations
-        self.parts: list[dict[str, Any]] | None = None
-        self.uses = 0
-        self.metrics: dict[str, float] = {}  # their rollout metrics, logged again at each reuse
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.parts is None or self.uses >= self.num_iterations:
-            return {}
-        parts = [{k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in p.items()
-                  if k != "rollout_stats"} for p in self.parts]
-        return {REUSE_KEY: {"parts": parts, "uses": self.uses, "metrics": dict(self.metrics)}}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(REUSE_KEY)
-        self.parts, self.uses = (state["parts"], int(state["uses"])) if state else (None, 0)
-        self.metrics = dict(state.get("metrics", {})) if state else {}
-
-
 TOKENS_KEY = "grpo_num_tokens"  # top-level checkpoint entry: TRL's num_tokens so far
-ENTROPY_KEY = "grpo_entropy_control"  # top-level checkpoint entry: the entropy bonus's coefficient
-
-
-class EntropyControl:
-    """The entropy bonus's coefficient (``entropy_coef``) and, for adaptive control, the token-mean
-    entropy of the last optimizer step (``inf`` before the first: no bonus yet, as TRL); in every
-    checkpoint (a :func:`run_state_parts` part), so a resumed run applies what the uninterrupted one does."""
-
-    per_rank = False  # pooled over every rank: one state
-
-    def __init__(self, coef: float) -> None:
-        self.coef, self.last_entropy = float(coef), math.inf
-
-    def state_dict(self) -> dict[str, Any]:
-        return {ENTROPY_KEY: {"entropy_coef": self.coef, "last_entropy": self.last_entropy}}
-
-    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(ENTROPY_KEY)
-        if state:
-            self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
-
-
-def _extra_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A reward set's metrics besides the means and stds (judge ``missing`` counts, disagreement rates)."""
-    return {k: v for k, v in metrics.items() if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))}
-
-
-def conversation_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
-    """The step's conversations (every rank's): ``turns/mean``, ``turns/max``, ``ends/<reason>`` (how
-    many ended so: the rollout's reasons always, the environment's when seen), ``noncanonical_replies``
-    (replies sampled otherwise than the template tokenises their text) and ``rewards/<name>/turn_<k>``
-    (the mean of each per-turn reward over the replies at turn ``k``)."""
-    turns = torch.cat([s["turns"] for s in stats]).double()
-    out = {"turns/mean": turns.mean().item(), "turns/max": turns.max().item(),
-           "noncanonical_replies": float(sum(s["noncanonical"] for s in stats))}
-    ends = dict.fromkeys(ENV_ENDS, 0)
-    for s in stats:
-        for reason in s["ends"]:
-            ends[reason] = ends.get(reason, 0) + 1
-    out.update({f"ends/{reason}": float(n) for reason, n in sorted(ends.items())})
-    values = torch.cat([s["turn_values"] for s in stats])
-    index = torch.cat([s["turn_index"] for s in stats])
-    for k, name in enumerate(stats[0]["names"]):
-        column = values[:, k]
-        if bool(torch.isnan(column).all()):  # scored per conversation (or never applied): no by-turn figure
-            continue
-        for turn in sorted(set(index.tolist())):
-            out[f"rewards/{name}/turn_{turn}"] = torch.nanmean(column[index == turn]).item()
-    return out
+LAYOUT = ("input_ids", "attention_mask", "labels", "position_ids")  # a rollout's tensors the loss reads
 
 
 class GRPOModule(PolicyModule):
@@ -182,6 +96,10 @@ class GRPOModule(PolicyModule):
 
     # the step's passes without gradient besides the rollout: the memory simulation runs each as a module call
     no_grad_passes = ("reference_token_logps",)
+    # GRPO's loss and its options (the entropy bonus, vLLM's importance-sampling correction); RLOO: its own loss
+    grpo_loss = True
+    scorer_class: type[Scorer] = Scorer  # RLOO: the leave-one-out advantages
+    row_keys: tuple[str, ...] = ("advantages",)  # a rollout's [N] values split with its rows (RLOO: old log-probs)
 
     def __init__(self, model: nn.Module, objective: Any, optim: Any, policy: PrecisionPolicy,
                  reference: Reference | None = None, sharding: Any = None, packed_attention: str = "auto",
@@ -190,8 +108,9 @@ class GRPOModule(PolicyModule):
         if objective.beta > 0 and reference is None:
             raise ValueError(f"objective.beta={objective.beta} needs a reference (objective.reference=copy|adapter)")
         self.reference = reference if objective.beta > 0 else None
-        self._check_loss_options(objective)
-        self.entropy_control = self._entropy_control(objective)
+        if self.grpo_loss:
+            self._check_loss_options(objective)
+        self.entropy_control = EntropyControl.of(objective) if self.grpo_loss else None
         self._chat = chat
         self._rewards = rewards
         self._own_rewards = rewards is None
@@ -200,15 +119,14 @@ class GRPOModule(PolicyModule):
         self._sampler: Any = None  # the rollout kind: one turn (TurnSampler) or conversations (env), see sampler
         self._step_stats: list[dict[str, Any]] = []  # the step's rollout statistics (one per step and rank)
         self._loss_stats: list[dict[str, Any]] = []  # the step's micro-batches' loss metrics and token counts
-        self._rollout_buffer: list[dict[str, Any]] = []  # the step's rollouts not trained yet, one per micro-batch
-        self.reuse = RolloutReuse(int(objective.num_iterations))
+        self.reuse = RolloutReuse(int(objective.num_iterations))  # the step's rollouts, kept for num_iterations
         self.tokens_seen = TokensSeen(TOKENS_KEY)
         self._val_names: list[str] = []
         self.summary_notes: dict[str, str] = {}  # what the run summary's reward figures are means of
         self._engine: Any = None  # objective.rollout=vllm: rolemrc.rollout's engine, built at first use
 
     def _check_loss_options(self, objective: Any) -> None:
-        """Warn of loss options meant with others (TRL warns of the same settings); RLOO has none."""
+        """Warn of loss options meant with others (TRL warns of the same settings)."""
         level, loss_type = objective.importance_sampling_level, objective.loss_type
         if loss_type == "luspo" and level != "sequence":
             log.warning("objective.loss_type=luspo is meant with objective.importance_sampling_level=sequence (LUSPO)")
@@ -218,12 +136,6 @@ class GRPOModule(PolicyModule):
         if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
             log.warning("objective.importance_sampling_level=sequence with loss_type=%s sums per-token terms, weighting "
                         "each sequence by its length; GSPO's setup is objective.loss_type=grpo", loss_type)
-
-    def _entropy_control(self, objective: Any) -> EntropyControl | None:
-        """The entropy bonus's state (``entropy_coef != 0`` or ``use_adaptive_entropy``), else None; RLOO has none."""
-        if objective.entropy_coef == 0.0 and not objective.use_adaptive_entropy:
-            return None
-        return EntropyControl(objective.entropy_coef)
 
     # ---- parts ------------------------------------------------------------------------------
     def run_state_parts(self) -> tuple[Any, ...]:
@@ -250,6 +162,14 @@ class GRPOModule(PolicyModule):
             self._rewards = build_rewards(dict(self.objective.rewards), cache_dir=self._run_dir("judge_cache"),
                                           prefix="objective.rewards")
         return self._rewards
+
+    @property
+    def scorer(self) -> Scorer:
+        """The rollouts' scoring part (:mod:`rolemrc.modules.scoring`): :attr:`rewards`, over every rank."""
+        trainer = self._trainer
+        return self.scorer_class(self.objective, self.rewards, self.env_settings,
+                                 world=trainer.world_size if trainer is not None else 1,
+                                 rank=trainer.global_rank if trainer is not None else 0)
 
     @property
     def sampler(self) -> Any:
@@ -335,7 +255,8 @@ class GRPOModule(PolicyModule):
     def _vllm_correction(self) -> bool:
         """Whether the loss weights vLLM's rollouts by TRL's importance-sampling correction (RLOO: never,
         TRL's RLOOConfig has none)."""
-        return self.objective.rollout == "vllm" and bool(self.objective.vllm_importance_sampling_correction)
+        o = self.objective
+        return self.grpo_loss and o.rollout == "vllm" and bool(o.vllm_importance_sampling_correction)
 
     @property
     def rollout_engine(self) -> Any:
@@ -361,52 +282,15 @@ class GRPOModule(PolicyModule):
 
     def score(self, batch: dict[str, Any], new_ids: Any, seconds: float = float("nan")) -> dict[str, Any]:
         """The rest of :meth:`rollout` from the sampled ``new_ids`` ``[B x G, C]`` (with ``env``: the
-        conversations, :meth:`score_conversations`): rewards, advantages, layout."""
+        conversations, :meth:`score_conversations`): rewards, layout, advantages (:attr:`scorer`)."""
         if self.env_settings is not None:
             return self.score_conversations(batch, new_ids, seconds)
-        o = self.objective
-        g = o.num_generations
         _, _, texts = self.completions_from(new_ids)
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
-        scores = self.rewards(prompts, texts, columns)
-        # float64: identical rewards give a std of exactly 0 (float32 sums leave ~1e-8, which
-        # frac_reward_zero_std would not count as zero); the advantages are cast to float32 after
-        adv = self._advantages(scores.rewards.to(new_ids.device), scores.per_reward.to(new_ids.device), scores.names)
-        laid = self.sampler.lay_out(new_ids, batch, stop_ids=self.stop_ids, mask_cut=o.mask_truncated_completions)
-        batch.update({k: laid[k] for k in ("input_ids", "attention_mask", "labels", "position_ids")})
-        batch.update({
-            "advantages": adv.advantages.float(),
-            "rollout_stats": {
-                "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
-                "is_std_zero": adv.is_std_zero.cpu(), "lengths": laid["model_tokens"].cpu(),
-                "truncated": laid["cut"].cpu(), "prompt_tokens": int(batch["prompt_mask"].sum()) * g,
-                "extra": _extra_metrics(scores.metrics),
-                "seconds": seconds, "texts": texts,
-            },
-        })
-        return batch
-
-    def _dialogue_scores(self, convs: list[Any], columns: dict[str, list[Any]]) -> DialogueScores:
-        """:func:`~rolemrc.rewards.turns.score_dialogues` of ``convs`` with the ``env`` settings' aggregation.
-        A conversation whose user failed (an API fault: ``Conversation.failed``) is not scored (NaN: advantage
-        0, and :func:`~rolemrc.env.sampler.lay_out` trains none of it); every one failing stops the run."""
-        env = self.env_settings
-        keep = [i for i, c in enumerate(convs) if not c.failed]
-        if not keep:
-            errors = sorted({c.error for c in convs if c.error})[:2]
-            raise RolloutError(f"the environment's user failed in all {len(convs)} conversations of the step "
-                               f"({convs[0].reason}{': ' + '; '.join(errors) if errors else ''}): nothing to score")
-        got = score_dialogues(self.rewards, [convs[i].messages for i in keep], [convs[i].turns for i in keep],
-                              {k: [v[i] for i in keep] for k, v in columns.items()}, how=env.turn_rewards,
-                              whole=list(env.conversation_rewards))
-        if len(keep) == len(convs):
-            return got
-        scores, rows = got.scores, torch.tensor(keep)
-        per = torch.full((len(convs), len(scores.names)), float("nan"), dtype=torch.float64)
-        total = torch.full((len(convs),), float("nan"), dtype=torch.float64)
-        per[rows], total[rows] = scores.per_reward, scores.rewards
-        return DialogueScores(RewardScores(scores.names, per, total, scores.metrics), got.turn_values, got.turn_index)
+        prompts, columns = repeated(batch, self.objective.num_generations)
+        scores = self.scorer.completions(prompts, texts, columns)
+        laid = self.sampler.lay_out(new_ids, batch, stop_ids=self.stop_ids,
+                                    mask_cut=self.objective.mask_truncated_completions)
+        return self._scored(batch, laid, scores, seconds, texts=texts)
 
     def score_conversations(self, batch: dict[str, Any], convs: list[Any], seconds: float = float("nan")) -> dict[
             str, Any]:
@@ -414,62 +298,27 @@ class GRPOModule(PolicyModule):
         :mod:`rolemrc.rewards.turns` says (per turn, aggregated, or over the whole conversation), the
         advantages per conversation, the layout of :func:`~rolemrc.env.sampler.lay_out` (the completion:
         everything after the opening prompt, attended to; the loss on the role-player's tokens only)."""
-        o = self.objective
-        g, device = o.num_generations, batch["prompt_ids"].device
-        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
-        dialogue = self._dialogue_scores(convs, columns)
-        scores = dialogue.scores
-        adv = self._advantages(scores.rewards.to(device), scores.per_reward.to(device), scores.names)
-        laid = self.sampler.lay_out(convs, batch, mask_cut=o.mask_truncated_completions)
-        batch.update({k: laid[k].to(device) for k in ("input_ids", "attention_mask", "labels", "position_ids")})
-        batch.update({
-            "advantages": adv.advantages.float(),
-            "rollout_stats": {
-                "names": scores.names, "per_reward": scores.per_reward.cpu(), "rewards": scores.rewards.cpu(),
-                "is_std_zero": adv.is_std_zero.cpu(), "lengths": laid["model_tokens"], "truncated": laid["cut"],
-                "prompt_tokens": int(batch["prompt_mask"].sum()) * g, "extra": _extra_metrics(scores.metrics),
-                "seconds": seconds, "texts": [c.reply_texts() for c in convs],
-                "turns": torch.tensor([c.turns for c in convs]), "ends": [c.reason for c in convs],
-                "noncanonical": sum(c.noncanonical for c in convs),
-                "turn_values": dialogue.turn_values, "turn_index": dialogue.turn_index,
-            },
-        })
+        dialogue = self.scorer.conversations(convs, repeated(batch, self.objective.num_generations)[1])
+        laid = self.sampler.lay_out(convs, batch, mask_cut=self.objective.mask_truncated_completions)
+        return self._scored(batch, laid, dialogue.scores, seconds, texts=[c.reply_texts() for c in convs],
+                            turns=torch.tensor([c.turns for c in convs]), ends=[c.reason for c in convs],
+                            noncanonical=sum(c.noncanonical for c in convs), turn_values=dialogue.turn_values,
+                            turn_index=dialogue.turn_index)
+
+    def _scored(self, batch: dict[str, Any], laid: dict[str, torch.Tensor], scores: RewardScores, seconds: float,
+                **more: Any) -> dict[str, Any]:
+        """``batch`` with the rollout's layout, its advantages ``[N]`` and its statistics (logged at the step's end)."""
+        device = batch["prompt_ids"].device
+        batch.update({k: laid[k].to(device) for k in LAYOUT})
+        stats = self.scorer.stats(scores, laid, int(batch["prompt_mask"].sum()) * self.objective.num_generations,
+                                  seconds, **more)
+        adv = self._advantages(scores, batch, stats)
+        batch.update(advantages=adv.advantages.float(), rollout_stats={**stats, "is_std_zero": adv.is_std_zero.cpu()})
         return batch
 
-    def _advantages(self, rewards: torch.Tensor, per_reward: torch.Tensor | None = None,
-                    names: list[str] | None = None) -> GroupAdvantages:
-        """:func:`group_advantages` of this rank's rewards ``[N]`` (whole groups), or with
-        ``multi_objective_aggregation=normalize_then_sum`` :func:`normalized_sum_advantages` of its
-        per-reward scores ``[N, K]`` (``names``: their rewards, for the weights). ``scale_rewards=batch``
-        and ``normalize_then_sum`` normalise over the step's completions on EVERY rank, as TRL, which
-        gathers its generation batch's rewards from all processes, normalises them and keeps its
-        slice (group means and stds need no other rank: a group is never split across ranks here)."""
-        o = self.objective
-        world = self.trainer.world_size if self._trainer is not None else 1
-        by_reward = o.multi_objective_aggregation == "normalize_then_sum"
-        if by_reward:
-            if per_reward is None or names is None:
-                raise ValueError("multi_objective_aggregation=normalize_then_sum needs each reward's scores")
-            weights = torch.tensor([self.rewards.weights[name] for name in names], dtype=torch.float64)
-            values = per_reward
-        else:
-            values = rewards
-
-        def advantages(x: torch.Tensor) -> GroupAdvantages:
-            if by_reward:
-                return normalized_sum_advantages(x, weights.to(x.device), o.num_generations)
-            return group_advantages(x, o.num_generations, o.scale_rewards)
-
-        if world == 1 or (str(o.scale_rewards) != "batch" and not by_reward):
-            return advantages(values)
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, values.cpu())
-        start = sum(len(p) for p in parts[:self.trainer.global_rank])
-        adv = advantages(torch.cat(parts).to(values.device))
-        mine = slice(start, start + len(values))
-        return GroupAdvantages(adv.advantages[mine], adv.std[mine], adv.is_std_zero[mine])
+    def _advantages(self, scores: RewardScores, batch: dict[str, Any], stats: dict[str, Any]) -> GroupAdvantages:
+        """The laid-out ``batch``'s advantages (:meth:`Scorer.advantages`); RLOO takes its KL pass first."""
+        return self.scorer.advantages(scores, batch["prompt_ids"].device)
 
     # ---- the memory simulation (python -m rolemrc.memory ... --simulate) ----------------------
     memory_note = ("objective=grpo: simulated are the rollout (transformers generate of the step's data.batch_size x "
@@ -622,46 +471,19 @@ class GRPOModule(PolicyModule):
             left = int(attention.any(dim=0).int().argmax())  # left padding no row of this part needs
             part = {k: rolled[k][rows, left:] for k in ("input_ids", "attention_mask", "labels", "position_ids",
                                                           "sampling_logps") if k in rolled}
-            part.update(advantages=rolled["advantages"][rows], index=step["index"][start:start + size],
-                        step_completion_tokens=total)
+            part.update({k: rolled[k][rows] for k in self.row_keys if k in rolled})
+            part.update(index=step["index"][start:start + size], step_completion_tokens=total)
             parts.append(part)
             start += size
         parts[0]["rollout_stats"] = rolled["rollout_stats"]  # the step's: logged once
         return parts
-
-    def _take_rollouts(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Lay this micro-batch's share of the step's rollouts into ``batch`` (in place, so callbacks
-        count the sequences trained), generating the step's at its first micro-batch, or, on a
-        reuse (``step_use > 0``, ``num_iterations > 1``), taking the kept ones with their old
-        log-probs. Returns the part (its first use records its old log-probs there)."""
-        if "step_batch" in batch or not self._rollout_buffer:
-            use, reuse = int(batch.get("step_use", 0)), self.reuse
-            if use > 0 and reuse.parts is not None and reuse.uses == use:
-                device = batch["index"].device
-                self._rollout_buffer = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()
-                                         if k != "rollout_stats"} for p in reuse.parts]  # logged at the first use
-            else:
-                if use > 0:  # not expected: a checkpoint holds the rollouts it is in the middle of reusing
-                    log.warning("GRPO: use %d of a rollout batch that is not kept (%s): sampling a new one",
-                                use, "none kept" if reuse.parts is None else f"{reuse.uses} uses kept")
-                parts = self._step_rollouts(batch)
-                self._rollout_buffer = list(parts)  # popped; the kept list (the same parts) is not
-                reuse.parts, reuse.uses = (parts if reuse.num_iterations > 1 else None), 0
-        part = self._rollout_buffer.pop(0)
-        if not torch.equal(part["index"].cpu(), batch["index"].cpu()):
-            raise RuntimeError(f"GRPO: the micro-batch's prompts {batch['index'].tolist()} are not the ones rolled "
-                               f"out for it ({part['index'].tolist()}): the step's prompts came out of order")
-        batch.update({k: v for k, v in part.items() if k != "index"})
-        if not self._rollout_buffer and self.reuse.parts is not None:
-            self.reuse.uses += 1  # the step's last micro-batch: one more use of its rollouts
-        return part
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step's GRPO loss (takes its rollouts first unless
         ``batch`` already holds ``advantages``: the memory simulation and tests hand rollouts in)."""
         o = self.objective
         rolled_here = "advantages" not in batch
-        part = self._take_rollouts(batch) if rolled_here else None
+        part = self.reuse.take(batch, self._step_rollouts) if rolled_here else None
         control = self.entropy_control
         logps, mask, entropy = self.token_logps(self.model, batch, entropy=True, entropy_grad=control is not None)
         if part is not None and self.reuse.num_iterations > 1 and "old_logps" not in part:
@@ -760,74 +582,29 @@ class GRPOModule(PolicyModule):
         losses, self._loss_stats = self._loss_stats, []
         per_rank = [losses]
         if self.trainer.world_size > 1:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * self.trainer.world_size
-            dist.all_gather_object(gathered, ([{k: v for k, v in s.items() if k != "texts"} for s in stats], losses))
+            gathered = gather_objects(([{k: v for k, v in s.items() if k != "texts"} for s in stats], losses),
+                                      self.trainer.world_size)
             stats = [s for part, _ in gathered for s in part]
             per_rank = [part for _, part in gathered]
         if stats:
-            metrics = self._rollout_metrics(stats)
+            metrics = rollout_metrics(stats)
             rewards = torch.cat([s["rewards"] for s in stats])
             what = "conversations" if self.env_settings is not None else "completions"
             self.summary_notes["train/reward"] = (f"last step: {rewards.numel()} sampled {what}, "
                                                   f"{int((~torch.isnan(rewards)).sum())} scored")
             self.tokens_seen.count += int(sum(s["prompt_tokens"] + int(s["lengths"].sum()) for s in stats))
-            metrics.update(self._sampling_metrics(per_rank))
+            metrics.update(sampling_metrics(per_rank))
             self.reuse.metrics = dict(metrics)
         else:  # a reuse step: its rollouts' metrics again (a resumed run has them from the checkpoint)
             metrics = dict(self.reuse.metrics) if self.reuse.parts is not None else {}
         metrics["num_tokens"] = float(self.tokens_seen.count)
         metrics.update(self._loss_metrics(per_rank))
         if self.entropy_control is not None:
-            metrics["entropy_coef"] = self._update_entropy_control(per_rank)
+            metrics["entropy_coef"] = self.entropy_control.update(per_rank)
         for key, value in metrics.items():  # already over every rank: no sync
             # num_tokens in float64: Lightning stores a plain number in float32, exact only up to 2**24
             logged = torch.tensor(float(value), dtype=torch.float64) if key == "num_tokens" else float(value)
             self.log(f"train/{key}", logged, batch_size=1, on_step=True, on_epoch=False, sync_dist=False)
-
-    @staticmethod
-    def _sampling_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
-        """TRL's ``sampling/*`` of vLLM's correction: each rank's over its rollouts (every micro-batch's
-        first use), then the mean of the ranks' means and the extremes over ranks (0 where a rank has none)."""
-        ranks = [[e["sampling"] for e in part if "sampling" in e] for part in per_rank]
-        if not any(ranks):
-            return {}
-        values: dict[str, list[float]] = {"delta_mean": [], "delta_max": [], "ratio_min": [], "ratio_mean": [],
-                                          "ratio_max": []}
-        for entries in ranks:
-            def total(key: str) -> float:
-                return sum(e[key] for e in entries)
-
-            def pick(key: str, fn: Any) -> float:
-                kept = [e[key] for e in entries if not math.isnan(e[key])]
-                return fn(kept) if kept else 0.0
-
-            values["delta_mean"].append(total("delta_sum") / total("delta_count") if total("delta_count") else 0.0)
-            values["delta_max"].append(pick("delta_max", max))
-            values["ratio_mean"].append(total("ratio_sum") / total("ratio_count") if total("ratio_count") else 0.0)
-            values["ratio_min"].append(pick("ratio_min", min))
-            values["ratio_max"].append(pick("ratio_max", max))
-        return {"sampling/sampling_logp_difference/mean": sum(values["delta_mean"]) / len(ranks),
-                "sampling/sampling_logp_difference/max": max(values["delta_max"]),
-                "sampling/importance_sampling_ratio/min": min(values["ratio_min"]),
-                "sampling/importance_sampling_ratio/mean": sum(values["ratio_mean"]) / len(ranks),
-                "sampling/importance_sampling_ratio/max": max(values["ratio_max"])}
-
-    def _update_entropy_control(self, per_rank: list[list[dict[str, Any]]]) -> float:
-        """After the optimizer step: adaptive control (Skywork-OR1, as TRL) moves the coefficient by the
-        step's token-mean entropy over every micro-batch and rank (the tokens the bonus acts on) and keeps
-        that entropy for the next step's gate. Returns the coefficient (TRL logs it as ``entropy_coef``)."""
-        control, o = self.entropy_control, self.objective
-        assert control is not None
-        if o.use_adaptive_entropy:
-            windows = [e["entropy_window"] for part in per_rank for e in part if "entropy_window" in e]
-            entropy = sum(w[0] for w in windows) / max(sum(w[1] for w in windows), 1.0)
-            control.coef = adaptive_entropy_coef(control.coef, entropy, target=o.entropy_target,
-                                                 delta=o.entropy_coef_delta, coef_min=o.entropy_coef_min,
-                                                 coef_max=o.entropy_coef_max)
-            control.last_entropy = entropy
-        return control.coef
 
     @staticmethod
     def _loss_metrics(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -850,45 +627,6 @@ class GRPOModule(PolicyModule):
             out[key] = sum(kept) / len(kept) if kept else float("nan")
         return out
 
-    @staticmethod
-    def _rollout_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
-        """TRL's reward and completion metrics over the step's rollouts (every rank's)."""
-        names = stats[0]["names"]
-        rewards = torch.cat([s["rewards"] for s in stats]).double()
-        per = torch.cat([s["per_reward"] for s in stats]).double()
-        lengths = torch.cat([s["lengths"] for s in stats]).double()
-        truncated = torch.cat([s["truncated"] for s in stats]).bool()
-        metrics: dict[str, float] = {
-            "reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
-            "frac_reward_zero_std": torch.cat([s["is_std_zero"] for s in stats]).double().mean().item(),
-            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.double().mean().item(),
-        }
-        # TRL: the lengths of the completions that ended with a stop token (all 0 when none did)
-        ended = lengths[~truncated] if bool((~truncated).any()) else lengths.new_zeros(1)
-        metrics.update({"completions/mean_terminated_length": ended.mean().item(),
-                        "completions/min_terminated_length": ended.min().item(),
-                        "completions/max_terminated_length": ended.max().item()})
-        for k, name in enumerate(names):
-            metrics[f"rewards/{name}/mean"] = torch.nanmean(per[:, k]).item()
-            metrics[f"rewards/{name}/std"] = nanstd(per[:, k]).item()
-        pairs = {f"rewards/disagreement/{j}_vs_{v}": (a, b) for a, j in enumerate(names) for b, v in enumerate(names)}
-        for key in stats[0]["extra"]:
-            if key in pairs:  # the share over every rank's completions both scored, not a mean of shares
-                a, b = pairs[key]
-                rate, _ = disagreement_rate(*([None if math.isnan(x) else x for x in per[:, c].tolist()] for c in (a, b)))
-                metrics[key] = float("nan") if rate is None else rate
-                continue
-            values = [s["extra"][key] for s in stats if not math.isnan(s["extra"][key])]
-            summed = key.endswith("/missing")
-            metrics[key] = (sum(values) if summed else sum(values) / len(values)) if values else float("nan")
-        seconds = sum(s["seconds"] for s in stats)
-        metrics["completion_tokens_per_s"] = lengths.sum().item() / seconds if seconds > 0 else float("nan")
-        if "turns" in stats[0]:
-            metrics.update(conversation_metrics(stats))
-        return metrics
-
     # ---- validation: sampled as training samples -------------------------------------------
     @property
     def val_generations(self) -> int:
@@ -904,43 +642,25 @@ class GRPOModule(PolicyModule):
         return (torch.initial_seed() + 2_000_003 * (first + 1) + 999_983) % (2**63)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """``val_generations`` completions per prompt, sampled as training samples them (``temperature``,
-        ``top_p``, ``top_k``, ``max_completion_length``, the same stop tokens) and scored by the same
-        rewards, so ``val/reward`` means what ``train/reward`` means, on held-out prompts."""
-        g = self.val_generations
-        if self.env_settings is not None:
-            return self._validate_conversations(batch, g)
-        prompt_ids = batch["prompt_ids"].repeat_interleave(g, dim=0)
-        prompt_mask = batch["prompt_mask"].repeat_interleave(g, dim=0)
-        device = prompt_ids.device
-        cuda = device.type == "cuda"
-        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else "cpu"):
-            torch.manual_seed(self._val_seed(batch["index"]))
-            new_ids = self.generate(prompt_ids, prompt_mask, sample=True)
-        mask, truncated, texts = self.completions_from(new_ids)
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
-        scores = self.rewards(prompts, texts, columns)
+        """``val_generations`` completions (with ``env``: conversations) per prompt, sampled as training samples
+        them (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, the same stop tokens, the same
+        rollout kind) from a stream seeded by :meth:`_val_seed` (the training stream is left as it was) and
+        scored by the same rewards, so ``val/reward`` means what ``train/reward`` means, on held-out prompts."""
+        g, seed = self.val_generations, self._val_seed(batch["index"])
+        prompts, columns = repeated(batch, g)
+        sampler = copy.copy(self.sampler)  # the rollout kind, g per prompt, from a stream of its own
+        sampler.n, sampler.rng = g, SamplingRNG()
+        sampled, _ = sampler.sample_hf(self.generate, batch, seed)
+        if self.env_settings is None:
+            mask, cut, texts = self.completions_from(sampled)
+            scores, lengths = self.scorer.completions(prompts, texts, columns), mask.sum(dim=1)
+        else:
+            scores = self.scorer.conversations(sampled, columns).scores
+            lengths, cut = torch.tensor([sum(c.completion[1]) for c in sampled]), torch.tensor([c.cut for c in sampled])
         self._val_names = scores.names
         n, k = batch["index"].shape[0], len(scores.names)
         values = torch.cat([scores.rewards.view(n, g), scores.per_reward.reshape(n, g * k),
-                            mask.sum(dim=1).double().cpu().view(n, g), truncated.double().cpu().view(n, g)], dim=1)
-        self.collect_val(batch["index"], values.to(self.device))
-
-    def _validate_conversations(self, batch: dict[str, Any], g: int) -> None:
-        """:meth:`validation_step` with ``env``: ``g`` conversations per seed, rolled out as training rolls
-        them, from a stream seeded by :meth:`_val_seed` (the training stream is left as it was)."""
-        sampler = ConversationSampler(g, self.sampler.env, self.chat, stop_ids=self.stop_ids,
-                                      max_turns=self.sampler.max_turns, max_tokens=self.sampler.max_tokens)
-        convs, _ = sampler.sample_hf(self.generate, batch, self._val_seed(batch["index"]))
-        columns = {k: [v for v in values for _ in range(g)] for k, values in batch["columns"].items()}
-        scores = self._dialogue_scores(convs, columns).scores
-        self._val_names = scores.names
-        n, k = batch["index"].shape[0], len(scores.names)
-        lengths = torch.tensor([sum(c.completion[1]) for c in convs], dtype=torch.float64)
-        cut = torch.tensor([float(c.cut) for c in convs], dtype=torch.float64)
-        values = torch.cat([scores.rewards.view(n, g), scores.per_reward.reshape(n, g * k), lengths.view(n, g),
-                            cut.view(n, g)], dim=1)
+                            lengths.double().cpu().view(n, g), cut.double().cpu().view(n, g)], dim=1)
         self.collect_val(batch["index"], values.to(self.device))
 
     def val_metrics(self, values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,29 +11,26 @@ sampling)``, ``close()``; :class:`~rolemrc.rollout.engine.Sampling`: greedy or s
 
 GRPO picks its engine by name from :data:`ENGINES` (:func:`engine_name`: ``objective.rollout``, and
 ``objective.vllm.mode`` for vLLM); each class's ``build(objective, **kwargs)`` takes what it needs of
-``kwargs``. ``sampler.py``: the one-turn rollout on them (:class:`TurnSampler`, its RNG saved in
-checkpoints; :func:`padded` lays rows out as ``generate``'s ``[N, C]`` tensor).
+``kwargs``. The registry lives with the objectives' settings (``rolemrc.config_objectives``, no torch
+there: the values ``objective.rollout`` takes are read from it), each entry the engine's import path.
+``sampler.py``: the one-turn rollout on them (:class:`TurnSampler`, its RNG saved in checkpoints;
+:func:`padded` lays rows out as ``generate``'s ``[N, C]`` tensor); ``reuse.py``: the step's rollouts
+between its micro-batches and their reuse over ``num_iterations`` steps (:class:`RolloutReuse`).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from rolemrc.registry import Registry
+from rolemrc.config_objectives import ENGINES
 from rolemrc.rollout.engine import Engine, Sampling
 from rolemrc.rollout.hf import HFEngine
 from rolemrc.rollout.sampler import SamplingRNG, TurnSampler, padded
 from rolemrc.rollout.vllm import ColocateEngine, RolloutError, ServerEngine
 
 __all__ = ["ENGINES", "ColocateEngine", "Engine", "HFEngine", "RolloutError", "Sampling", "SamplingRNG",
-           "ServerEngine", "TurnSampler", "engine_name", "make_engine", "padded"]
-
-# engine name -> its class (``build(objective, **kwargs)``)
-ENGINES: Registry[Any] = Registry("rollout engine", doc="GRPO's rollout engines, by objective.rollout "
-                                  "(hf) or, for objective.rollout=vllm, objective.vllm.mode")
-ENGINES.register("hf", HFEngine, doc="transformers generate in this process")
-ENGINES.register("server", ServerEngine, doc="a vLLM OpenAI-compatible server, weights synced each step")
-ENGINES.register("colocate", ColocateEngine, doc="vllm.LLM in this process, weights loaded each step")
+           "ServerEngine", "TurnSampler", "engine_class", "engine_name", "make_engine", "padded"]
 
 
 def engine_name(objective: Any) -> str:
@@ -41,6 +38,12 @@ def engine_name(objective: Any) -> str:
     return objective.vllm.mode if objective.rollout == "vllm" else objective.rollout
 
 
+def engine_class(name: str) -> Any:
+    """The class :data:`ENGINES` names ``name`` by (``"package.module:Class"``, imported here)."""
+    module, _, cls = ENGINES.get(name).partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def make_engine(objective: Any, **kwargs: Any) -> Engine:
     """The engine :func:`engine_name` names; ``kwargs``: those its class takes (the others are ignored)."""
-    return ENGINES.get(engine_name(objective)).build(objective, **kwargs)
+    return engine_class(engine_name(objective)).build(objective, **kwargs)

@@ -163,6 +163,19 @@ class PromptCollator(_Padded):
         }
 
 
+def collator(kind: str, pad_id: int, packing: bool = False, share_prompt: bool = False) -> Any:
+    """The collator of rows of data ``kind`` (sft, pairs, unpaired, prompts): it takes a list of
+    rows (or of packs, with ``packing``) and returns the batch tensors; padding-free with
+    ``packing`` or ``share_prompt`` (pairs)."""
+    if kind == "prompts":
+        return PromptCollator(pad_id)
+    if packing or share_prompt:
+        return PackedCollator(pad_id, share_prompt)
+    if kind == "unpaired":
+        return UnpairedCollator(pad_id)
+    return SFTCollator(pad_id) if kind == "sft" else PairCollator(pad_id)
+
+
 STEP_TOTALS = {"sft": ("tokens",), "pairs": ("pairs", "chosen_tokens"), "unpaired": ("examples", "desirable"),
                "prompts": ("prompts",)}
 

@@ -21,9 +21,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from rolemrc.config import DataConfig, as_schema, source_group
-from rolemrc.data.collate import (STEP_TOTALS, PackedCollator, PairCollator, PromptCollator, SFTCollator, StepCollator,
-                                  UnpairedCollator,
-                                  row_totals)
+from rolemrc.data.collate import STEP_TOTALS, StepCollator, collator, row_totals
 from rolemrc.data.packing import pack_rows
 from rolemrc.data.readers import ReadReport, bad_records, read_examples
 from rolemrc.data.sampler import (ResumableLoader, ResumableSampler, SamplerPlace, StepBatchSampler, StepItems,
@@ -295,14 +293,7 @@ class ChatDataModule(L.LightningDataModule):
 
     def collator(self) -> Any:
         """Takes a list of rows (or of packs when packing) and returns the batch tensors."""
-        pad_id = self.chat.tokenizer.pad_token_id
-        if self.kind == "prompts":
-            return PromptCollator(pad_id)
-        if self.cfg.packing or self.share_prompt:
-            return PackedCollator(pad_id, self.share_prompt)
-        if self.kind == "unpaired":
-            return UnpairedCollator(pad_id)
-        return SFTCollator(pad_id) if self.kind == "sft" else PairCollator(pad_id)
+        return collator(self.kind, self.chat.tokenizer.pad_token_id, self.cfg.packing, self.share_prompt)
 
     def items(self, stage: str) -> Sequence[Any]:
         """What the loader of ``stage`` (train/val) indexes: rows, or packs of rows."""

@@ -101,15 +101,22 @@ class ChatFormat:
                 raise
             raise TemplateRenderError(f"the chat template cannot render it: {type(err).__name__}: {err}") from err
 
+    def _backend(self) -> Any:
+        """The fast tokenizer's backend where it gives the tokenizer's own ids (what the tokenizer's
+        call runs once it has switched truncation and padding off, without its per-call overhead:
+        ~15% of encoding a conversation), else None."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None \
+                or backend.encode_special_tokens != bool(getattr(self.tokenizer, "split_special_tokens", False)):
+            return None
+        return backend
+
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote BOS and special tokens into the text.
         if not text:
             return []
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and backend.truncation is None and backend.padding is None \
-                and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False)):
-            # What the call below runs once it has switched truncation and padding off, without its
-            # per-call overhead (~15% of encoding a conversation).
+        backend = self._backend()
+        if backend is not None:
             return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -118,10 +125,8 @@ class ChatFormat:
         encoder where :meth:`tokenize` takes its direct path: no per-call overhead and no character
         offsets computed (~25% less work). It runs on the tokenizer's thread pool unless
         ``TOKENIZERS_PARALLELISM=false``."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or not hasattr(backend, "encode_batch_fast") or backend.truncation is not None \
-                or backend.padding is not None \
-                or backend.encode_special_tokens != bool(getattr(self.tokenizer, "split_special_tokens", False)):
+        backend = self._backend()
+        if backend is None or not hasattr(backend, "encode_batch_fast"):
             return [self.tokenize(t) for t in texts]
         done = iter(backend.encode_batch_fast([t for t in texts if t], add_special_tokens=False))
         return [next(done).ids if t else [] for t in texts]

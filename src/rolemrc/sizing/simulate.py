@@ -66,7 +66,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from rolemrc import ASSETS
 from rolemrc.config import TrainStep, checkpointing_setting, plain, register, source_group
-from rolemrc.data.collate import STEP_TOTALS, PackedCollator, PairCollator, SFTCollator, UnpairedCollator, row_totals
+from rolemrc.data.collate import STEP_TOTALS, collator, row_totals
 from rolemrc.models.loading import eval_mode, load_model, load_tokenizer
 from rolemrc.models.precision import cast_trainable
 from rolemrc.models.sharding import shard_model
@@ -166,14 +166,9 @@ def _batch(step: TrainStep, module: Any, batch_size: int, vocab: int, length: in
     if own is not None:
         return own
     rows = _rows(step, batch_size, vocab, length)
-    pairs = step.entry.pairs
-    share = pairs and bool(step.objective.get("share_prompt", False))
-    if _unpaired(step):
-        batch = UnpairedCollator(0)(rows)
-    elif step.data.get("packing") or share:
-        batch = PackedCollator(0, share)(rows)
-    else:
-        batch = (PairCollator(0) if pairs else SFTCollator(0))(rows)
+    kind = "unpaired" if _unpaired(step) else "pairs" if step.entry.pairs else "sft"
+    share = kind == "pairs" and bool(step.objective.get("share_prompt", False))
+    batch = collator(kind, 0, bool(step.data.get("packing")), share)(rows)
     # Packed rows (and shared-prompt pairs) run as full causal rows: the per-piece kernels read the
     # piece boundaries back from the tensor (values fake tensors have not) and hold no more memory
     # than one causal row (model.packed_attention=mask, a [T x T] additive mask, would hold more).
@@ -182,7 +177,6 @@ def _batch(step: TrainStep, module: Any, batch_size: int, vocab: int, length: in
     # (checking it reads tensor values, which fake tensors have not).
     if "attention_mask" in batch and bool(batch["attention_mask"].all()):
         del batch["attention_mask"]
-    kind = "unpaired" if _unpaired(step) else "pairs" if pairs else "sft"
     for name, total in zip(STEP_TOTALS[kind], map(sum, zip(*(row_totals(r) for r in rows)))):
         batch[f"step_{name}"] = torch.tensor(float(total), dtype=torch.float64)
     return batch

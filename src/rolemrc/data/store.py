@@ -185,7 +185,7 @@ def encoder_version() -> str:
 class Spec:
     """Everything the rows of one datamodule depend on."""
 
-    kind: str  # sft | pairs
+    kind: str  # sft | pairs (prompts, unpaired: their rows' key, encoded_rows_key_parts)
     sources: list[SourceConfig]
     val_sources: list[SourceConfig]
     holdout: float
@@ -196,8 +196,8 @@ class Spec:
 
     @classmethod
     def of(cls, cfg: DataConfig, kind: str, seed: int) -> Spec:
-        sources = [source_config(s) for s in (cfg.sft if kind == "sft" else cfg.pairs)]
-        val_sources = [source_config(s) for s in (cfg.sft_val if kind == "sft" else cfg.pairs_val)]
+        sources = [source_config(s) for s in getattr(cfg, kind)]
+        val_sources = [source_config(s) for s in getattr(cfg, f"{kind}_val")]
         holdout = 0.0 if val_sources else float(cfg.val_fraction)
         return cls(kind, sources, val_sources, holdout, int(seed), int(cfg.max_length), int(cfg.max_prompt_length),
                    str(cfg.on_error))
@@ -905,27 +905,19 @@ ROW_FIELDS: dict[str, dict[str, str]] = {
 _ROW_KINDS = {"prompts": "promptrows", "unpaired": "unpairedrows"}  # data kind -> store kind
 
 
-def encoded_rows_key_parts(cfg: DataConfig, kind: str, seed: int, chat: ChatFormat) -> dict[str, Any]:
+def encoded_rows_key_parts(data: DataConfig, kind: str, seed: int, chat: ChatFormat) -> dict[str, Any]:
     """What a run's rows of data kind ``kind`` (``prompts``, ``unpaired``: rows the sft/pairs store
     does not make) depend on: the ``data.<kind>`` and ``data.<kind>_val`` sources' settings and
     files' identity (as the sft and pairs stores key theirs), the holdout, seed, the lengths they
     are cut to, ``on_error``, the tokenizer and template, the encoder's code (with the datamodule's,
     where these rows' encoders live)."""
-    sources = [source_config(s) for s in getattr(cfg, kind)]
-    val_sources = [source_config(s) for s in getattr(cfg, f"{kind}_val")]
-    lengths = {"max_prompt_length": int(cfg.max_prompt_length)}
-    if kind != "prompts":  # prompt rows are prompts only: max_length does not cut them
-        lengths["max_length"] = int(cfg.max_length)
+    parts = Spec.of(data, kind, seed).key_parts(chat)
     datamodule = Path(__file__).with_name("datamodule.py")
-    return {
-        "kind": _ROW_KINDS[kind],
-        "sources": [_source_identity(s) for s in sources],
-        "val_sources": [_source_identity(s) for s in val_sources],
-        "holdout": 0.0 if val_sources else float(cfg.val_fraction), "seed": int(seed),
-        **lengths, "on_error": str(cfg.on_error),
-        "tokenizer": tokenizer_identity(chat), "encoder": encoder_version(),
-        "datamodule": hashlib.sha256(datamodule.read_bytes()).hexdigest()[:16],
-    }
+    parts.update(kind=_ROW_KINDS[kind], max_prompt_length=int(data.max_prompt_length),
+                 datamodule=hashlib.sha256(datamodule.read_bytes()).hexdigest()[:16])
+    if kind == "prompts":  # prompt rows are prompts only: max_length does not cut them
+        del parts["max_length"]
+    return parts
 
 
 def _write_fields(folder: Path, stage: str, rows: Sequence[dict], fields: dict[str, str],

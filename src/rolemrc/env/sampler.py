@@ -19,11 +19,10 @@ import torch
 
 from rolemrc.env.base import EnvError, Environment
 from rolemrc.env.rollout import Conversation, roll
+from rolemrc.objectives import IGNORE_INDEX as IGNORE  # labels outside the role-player's tokens
 from rolemrc.rollout.engine import Engine
 from rolemrc.rollout.hf import left_padded
 from rolemrc.rollout.sampler import SamplingRNG
-
-IGNORE = -100  # labels outside the role-player's tokens (rolemrc.objectives.logprobs.IGNORE_INDEX)
 
 
 def seed_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -98,7 +97,6 @@ class ConversationSampler:
             return self._cut(engine.generate(prompts, 1, seeds))
 
         return self._roll(batch, turn)
-
 
     def lay_out(self, convs: Sequence[Conversation], batch: Mapping[str, Any], *, stop_ids: Sequence[int] = (),
                 mask_cut: bool = False) -> dict[str, torch.Tensor]:

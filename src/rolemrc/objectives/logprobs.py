@@ -203,11 +203,10 @@ class _LinearTargetLogProb(torch.autograd.Function):
                 tile = _tile_logits(h_tile, w_blk, b_blk)
                 local = targets[r0:r1] - v0
                 in_blk = (local >= 0) & (local < v1 - v0)
+                col = local.clamp(0, v1 - v0 - 1).unsqueeze(1)  # the target's column (in_blk: in this block)
                 if g_ent is None:
                     tile.sub_(lse[r0:r1].unsqueeze(1)).exp_()  # softmax, using the forward's logsumexp
-                    tile.scatter_add_(
-                        1, local.clamp(0, v1 - v0 - 1).unsqueeze(1), -in_blk.to(tile.dtype).unsqueeze(1)
-                    )
+                    tile.scatter_add_(1, col, -in_blk.to(tile.dtype).unsqueeze(1))
                     tile.mul_(neg_g[r0:r1].unsqueeze(1))  # tile is now grad_logits
                 else:  # g (onehot - p) + g_H (-p (log p + H)) = p (-g - g_H (log p + H)) + g onehot
                     tile.sub_(lse[r0:r1].unsqueeze(1))  # log p
@@ -215,10 +214,7 @@ class _LinearTargetLogProb(torch.autograd.Function):
                     weight_p.add_(neg_g[r0:r1].unsqueeze(1))
                     tile.exp_().mul_(weight_p)
                     del weight_p
-                    tile.scatter_add_(
-                        1, local.clamp(0, v1 - v0 - 1).unsqueeze(1),
-                        (-neg_g[r0:r1] * in_blk.to(tile.dtype)).unsqueeze(1),
-                    )
+                    tile.scatter_add_(1, col, (-neg_g[r0:r1] * in_blk.to(tile.dtype)).unsqueeze(1))
                 if need_h:
                     grad_h_acc[r0:r1].addmm_(tile, w_blk)
                 if need_w:

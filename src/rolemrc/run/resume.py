@@ -154,14 +154,12 @@ def find_run_to_continue(cfg: DictConfig, would_be: Path, args: Sequence[str]) -
     how = ("name the one to continue with hydra.run.dir=<folder> ckpt_path=last, or start a new run "
            "without ckpt_path=last")
     if len(matches) > 1:
-        raise ConfigError(
-            f"ckpt_path=last: {len(matches)} run folders of task_name={cfg.task_name} hold a checkpoint and this "
-            f"config: {', '.join(str(m) for m in matches)}; {how}")
+        raise ConfigError(f"ckpt_path=last: {len(matches)} run folders of task_name={cfg.task_name} hold a checkpoint "
+                          f"and this config: {', '.join(str(m) for m in matches)}; {how}")
     if changed:
         listed = "; ".join(f"{f} ({_shown(d)})" for f, d in changed)
-        raise ConfigError(
-            f"ckpt_path=last: the run folder(s) made by this command line were made with another config since "
-            f"changed (saved -> now): {listed}; {how}")
+        raise ConfigError(f"ckpt_path=last: the run folder(s) made by this command line were made with another "
+                          f"config since changed (saved -> now): {listed}; {how}")
     for folder, diff in near:
         log.warning("ckpt_path=last: %s holds a checkpoint of a config that differs in %s; not continued (to "
                     "continue it: hydra.run.dir=%s ckpt_path=last)", folder, _shown(diff), folder)

@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rolemrc.api import AnswerCache, Rejected
+from rolemrc.api import Rejected
 from rolemrc.config import plain
 from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.bench.ask import ask_judge
-from rolemrc.eval.generation import model_label
-from rolemrc.eval.judge import check_judge, judge_backend, judge_config, make_judge
+from rolemrc.eval.bench.ask import ask_suite_judge
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable
 
 log = logging.getLogger(__name__)
 
@@ -241,22 +240,6 @@ def check_scorer(judge: Any) -> None:
     check_judge(j)
 
 
-def score_all(ctx: Any, prompts: Sequence[list[dict[str, str]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One ``{"status", "score", "raw", "cached", "error"}`` per prompt, and run stats."""
-    j = ctx.judging
-    judge = make_judge(j.judge, cache_dir=j.cache_dir, model=ctx.model, tokenizer=ctx.tokenizer,
-                       model_id=model_label(ctx.replier), device=j.device)
-    assert judge is not None
-    try:
-        with AnswerCache(Path(j.cache_dir) / "characterllm_cache.sqlite") as cache:
-            answers, counts = ask_judge(judge.backend, cache, prompts, parse_score, check_score, "characterllm prompt")
-    finally:
-        judge.close()
-    stats = {"judge_model": judge.backend.model_id, "prompts": len(prompts), **counts}
-    return [{"status": a["status"], "score": a["value"], "raw": a["text"], "cached": a["cached"], "error": a["error"]}
-            for a in answers], stats
-
-
 def summarise(scores: Sequence[Score], settings: Sequence[str], dimensions: Sequence[str]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for s in settings:
@@ -283,12 +266,12 @@ def evaluate(settings: Any, ctx: Any) -> dict[str, Any]:
     pairs = [(iv, d) for iv in ivs for d in dims]
     prompts = [score_messages(iv, d, loaded["profiles"][iv.character]) for iv, d in pairs]
     log.info("CharacterLLM: %d interviews, %d judge prompts", len(ivs), len(prompts))
-    answers, stats = score_all(ctx, prompts)
-    scores = [Score(iv.setting, iv.character, iv.session, d, a["status"], a["score"], a["raw"], a["cached"], a["error"])
-              for (iv, d), a in zip(pairs, answers)]
+    answers, stats = ask_suite_judge(ctx, "characterllm_cache.sqlite", prompts, parse_score, check_score,
+                                     "characterllm prompt")
+    scores = [Score(iv.setting, iv.character, iv.session, d, a["status"], a["value"], a["text"], a["cached"],
+                    a["error"]) for (iv, d), a in zip(pairs, answers)]
     table = summarise(scores, list(c.settings), dims)
-    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(ctx.judging.judge).asks_again else ())
-    missing = {s: n for s in retryable if (n := sum(x.status == s for x in scores))}
+    missing = obtainable((x.status for x in scores), not judge_backend(ctx.judging.judge).asks_again)
     res: dict[str, Any] = {
         "settings": table,
         "dimensions": dims,

@@ -536,6 +536,13 @@ CACHE_FILE = "judge_cache.sqlite"
 # ---------------------------------------------------------------- the judge
 
 
+def obtainable(statuses: Iterable[str], final_unparseable: bool) -> dict[str, int]:
+    """Of answers by status, how many a rerun could still obtain: failed requests, a spent budget,
+    and unparseable answers unless they are final (a judge that does not ask again)."""
+    n = Counter(statuses)
+    return {s: n[s] for s in ("failed", "budget_exhausted") + (() if final_unparseable else ("unparseable",)) if n[s]}
+
+
 @dataclass
 class RunStats:
     """What the last :meth:`Judge.judge` call did."""
@@ -553,8 +560,7 @@ class RunStats:
 
     def missing(self, verdicts: Sequence[Verdict], final_unparseable: bool) -> dict[str, int]:
         """Judgements without a verdict that a rerun could still obtain, by status."""
-        bad = ("failed", "budget_exhausted") + (() if final_unparseable else ("unparseable",))
-        return {s: n for s in bad if (n := sum(v.status == s for v in verdicts))}
+        return obtainable((v.status for v in verdicts), final_unparseable)
 
 
 class Judge:

@@ -46,6 +46,7 @@ import logging
 import random
 import re
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,7 +57,9 @@ from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_judge, suite_judge
 from rolemrc.eval.generation import model_label
 from rolemrc.eval.metrics import ensure_punkt
-from rolemrc.eval.judge import JUDGE_BACKENDS, check_judge, judge_backend, judge_config, uses_evaluated_model
+from rolemrc.eval.judge import (
+    JUDGE_BACKENDS, check_judge, judge_backend, judge_config, obtainable, uses_evaluated_model,
+)
 from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
@@ -739,15 +742,16 @@ def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     if stalled:
         missing.append(f"{len(stalled)} of {len(scenes)} scenes stopped early (side model unanswered; first: "
                        f"{next(iter(stalled.items()))})")
-    bad = {s: n for d in DIMENSIONS for s, n in res["statuses"][d].items() if s != "ok"}
-    retry = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(judge_config(ctx.judging.judge)).asks_again else ())
-    judged_missing = sum(n for d in DIMENSIONS for s, n in res["statuses"][d].items() if s in retry)
+    counts = sum((Counter(res["statuses"][d]) for d in DIMENSIONS), Counter())
+    asks_again = judge_backend(judge_config(ctx.judging.judge)).asks_again
+    judged_missing = sum(obtainable(counts.elements(), not asks_again).values())
     if judged_missing:
         missing.append(f"CoSER judge: {judged_missing} of {res['judge']['prompts']} critiques missing")
     if missing:
         res["missing"] = "; ".join(missing)
-    answered = sum(n for d in DIMENSIONS for s, n in res["statuses"][d].items() if s in ("ok", "unparseable"))
-    if answered and all(res["scores"][d] is None for d in DIMENSIONS) and not judged_missing and bad:
+    answered = counts["ok"] + counts["unparseable"]
+    none = all(res["scores"][d] is None for d in DIMENSIONS)
+    if answered and none and not judged_missing and counts.total() > counts["ok"]:
         res["unscored"] = (f"CoSER judge: none of the {answered} answers held the JSON critique, so there is no score: "
                            "check judge.model and judge.max_tokens (raw answers in metrics.json, coser.cases)")
     return res

@@ -52,7 +52,7 @@ from rolemrc.api import Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
-from rolemrc.eval.judge import check_judge, judge_backend, judge_config
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable
 from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
@@ -451,11 +451,8 @@ def summarise(rows: list[dict[str, Any]], loaded: Mapping[str, Any], tasks: Sequ
         "scores_off_scale": sum(not (s == 0 or SCALE[0] <= s <= SCALE[1]) for j in judged for s in j["scores"]),
         "replies_missing": replies_missing,
     }
-    retry = {}
-    for s in ("failed", "budget_exhausted") + (("unparseable",) if asks_again else ()):
-        n = sum(r["examples_status"] == s for r in rows) + sum(j["status"] == s for r in rows for j in r["judges"])
-        if n:
-            retry[s] = n
+    retry = obtainable([r["examples_status"] for r in rows] + [j["status"] for r in rows for j in r["judges"]],
+                       not asks_again)
     res: dict[str, Any] = {"tasks": list(tasks), "score_examples": mode, "overall": overall, "personas": personas,
                            "counts": counts, "judge": stats, "groups": rows, "scale": list(SCALE)}
     if retry:

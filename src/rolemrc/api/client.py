@@ -24,7 +24,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
@@ -256,10 +256,8 @@ class ApiClient:
                 meta["prompt_tokens"], meta["completion_tokens"] = u.prompt_tokens, u.completion_tokens
             return content
 
-        out = await self._request(lambda: self.client.chat.completions.create(**body), extract, check, tag, est_tokens)
-        for k, v in meta.items():
-            setattr(out, k, v)
-        return out
+        return replace(await self._request(lambda: self.client.chat.completions.create(**body), extract, check, tag,
+                                           est_tokens), **meta)  # meta: filled by extract
 
     async def embeddings(self, body: dict[str, Any], *, tag: str, n_inputs: int, est_tokens: int = 0) -> Outcome:
         """``POST /embeddings``; ``value`` is the list of vectors (ok only with one per input)."""
@@ -274,10 +272,8 @@ class ApiClient:
                 meta["prompt_tokens"] = u.prompt_tokens
             return [list(r.embedding) for r in rows]
 
-        out = await self._request(lambda: self.client.embeddings.create(**body), extract, None, tag, est_tokens)
-        for k, v in meta.items():
-            setattr(out, k, v)
-        return out
+        return replace(await self._request(lambda: self.client.embeddings.create(**body), extract, None, tag,
+                                           est_tokens), **meta)
 
     async def completions(self, body: dict[str, Any], *, tag: str,
                           check: Callable[[list[Any]], Any] | None = None) -> Outcome:

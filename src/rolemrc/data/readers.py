@@ -142,8 +142,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"{path}: not a readable Parquet file ({reason}); truncated or damaged? "
                         "Write it again, or remove it from the data sources") from None
-    for i, row in enumerate(rows, start=1):
-        yield i, row
+    yield from enumerate(rows, start=1)
 
 
 def source_config(source: SourceConfig | Mapping[str, Any]) -> SourceConfig:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -423,13 +424,8 @@ class _Builder:
             start, n_bad = len(self.status), 0
 
             def chunks() -> Iterator[tuple[int, list]]:
-                buf: list = []
-                for item in iter_source(source):
-                    buf.append(item)
-                    if len(buf) == CHUNK:
-                        yield first_index + k, buf
-                        buf = []
-                if buf:
+                items = iter_source(source)
+                while buf := list(itertools.islice(items, CHUNK)):
                     yield first_index + k, buf
 
             for results in _run(pool, chunks(), self.num_proc):

@@ -260,12 +260,11 @@ def _encode_chunk(task: tuple[int, list[tuple[str, int, Any]]]) -> list[tuple]:
         out.append(None)
     encoded = encode_examples(chat, kind, [ex for _, _, _, ex in parsed], _WORK["max_length"],
                               _WORK["max_prompt_length"])
-    row = _sft_row if kind == "sft" else _pair_row
     for (k, file, line, ex), enc in zip(parsed, encoded, strict=True):
         if isinstance(enc, TemplateRenderError):
             out[k] = ("tpl", file, line, str(enc))
-        else:  # pairs: their margin (NaN: none) after the arrays
-            out[k] = ("ok", file, line, *row(enc), *((_margin(ex),) if kind == "pairs" else ()))
+        else:
+            out[k] = ("ok", file, line, *(_sft_row(enc) if kind == "sft" else _pair_row(enc, ex)))
     return out  # type: ignore[return-value]
 
 
@@ -277,16 +276,13 @@ def _sft_row(enc: Any) -> tuple:
             int(mask.sum()))
 
 
-def _margin(example: Any) -> float:
-    """A pair's margin as stored (NaN: the record gave none)."""
-    return float("nan") if example.margin is None else float(example.margin)
-
-
-def _pair_row(enc: Any) -> tuple:
-    """(a side empty, truncation flags, prompt, chosen and rejected ids)."""
+def _pair_row(enc: Any, example: Any) -> tuple:
+    """(a side empty, truncation flags, prompt, chosen and rejected ids, the margin as stored: NaN
+    where the record gave none)."""
     flags = int(enc.prompt_truncated) | (int(enc.response_truncated) << 1)
     return (not enc.chosen_ids or not enc.rejected_ids, flags, np.asarray(enc.prompt_ids, np.int32).tobytes(),
-            np.asarray(enc.chosen_ids, np.int32).tobytes(), np.asarray(enc.rejected_ids, np.int32).tobytes())
+            np.asarray(enc.chosen_ids, np.int32).tobytes(), np.asarray(enc.rejected_ids, np.int32).tobytes(),
+            float("nan") if example.margin is None else float(example.margin))
 
 
 def nothing_to_train(kind: str, report: dict, cfg: Any) -> str:
@@ -410,7 +406,7 @@ class _Builder:
             for name, blob in zip(("prompt", "chosen", "rejected"), blobs):
                 self.arrays[name].append(blob)
                 self.offsets[name].append(self.arrays[name].n)
-            self.margins.append(blobs[3] if len(blobs) > 3 else float("nan"))
+            self.margins.append(blobs[3])
             self.trained.append(0)
             self.labelled.append(0)
 

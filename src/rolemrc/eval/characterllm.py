@@ -44,6 +44,7 @@ from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
 from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable
+from rolemrc.eval.report import fmt
 
 log = logging.getLogger(__name__)
 
@@ -301,10 +302,6 @@ def evaluate(settings: Any, ctx: Any) -> dict[str, Any]:
     return res
 
 
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 def render(res: dict[str, Any]) -> str:
     dims = res["dimensions"]
     lines = [f"## CharacterLLM (RoleMRC paper Table 5; judge: {res['judge']['judge_model']})", "",
@@ -314,7 +311,7 @@ def render(res: dict[str, Any]) -> str:
              "|---|" + "---|" * (len(dims) + 1)]
     names = {"single": "Single", "turns": "Turns"}
     for s, row in res["settings"].items():
-        lines.append(f"| {names[s]} | " + " | ".join(_f(row[d]["mean"]) for d in dims) + f" | {_f(row['mean'])} |")
+        lines.append(f"| {names[s]} | " + " | ".join(fmt(row[d]["mean"]) for d in dims) + f" | {fmt(row['mean'])} |")
     lines += ["", "| setting | dimension | scored | unparseable | failed | budget exhausted |", "|---|---|---|---|---|---|"]
     for s, row in res["settings"].items():
         for d in dims:

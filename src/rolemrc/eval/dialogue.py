@@ -57,7 +57,7 @@ from rolemrc.eval.generation import (
 from rolemrc.eval.judge import (
     JudgeIncomplete, JudgeItem, Verdict, aggregate, judge_backend, parse_verdict, uses_evaluated_model,
 )
-from rolemrc.eval.report import _pct, log_to_loggers, print_console, write_report
+from rolemrc.eval.report import log_to_loggers, pct, print_console, write_report
 from rolemrc.eval.verifiers import verify
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.source import resolve_model_sources
@@ -513,13 +513,13 @@ def table(rows: Sequence[dict[str, Any]], overall: Mapping[str, Any] | None) -> 
     columns = ["turn", "replies", *(f"{Dimension[d].title} ({d})" for d in dims), *(["rule kept (verifier)"] * rule)]
 
     def cell(s: Any) -> str:
-        return "–" if s is None else f"{_pct(s.accuracy)} ({s.n_ok})"
+        return "–" if s is None else f"{pct(s.accuracy)} ({s.n_ok})"
 
     body = [[r["turn"], r["replies"], *(cell(r["judge"].get(d)) for d in dims),
-             *([f"{_pct(r['rule'])} ({r['rule_n']})" if r["rule"] is not None else "–"] * rule)] for r in rows]
+             *([f"{pct(r['rule'])} ({r['rule_n']})" if r["rule"] is not None else "–"] * rule)] for r in rows]
     if overall is not None and rows:
         body.append(["all", sum(r["replies"] for r in rows), *(cell(overall.get(d)) for d in dims),
-                     *([_pct(_mean_rule(rows))] * rule)])
+                     *([pct(_mean_rule(rows))] * rule)])
     return columns, body
 
 
@@ -583,7 +583,7 @@ def render(env_name: str, max_turns: int, records: Sequence[Record], columns: li
         lines += ["", cell + "a turn's replies are fewer when conversations ended earlier." + rule, ""]
     if consistency is not None:
         lines += [f"Role consistency across the turns (judge, one verdict per conversation): "
-                  f"{_pct(consistency['accuracy'])} of {consistency['n_ok']} conversations with a verdict "
+                  f"{pct(consistency['accuracy'])} of {consistency['n_ok']} conversations with a verdict "
                   f"({consistency['n_unparseable']} unparseable, {consistency['n_failed']} failed, "
                   f"{consistency['n_budget_exhausted']} not sent; none of them scored).", ""]
     lines += [f"Plot: {plot_note}" if plot_note else f"Plot: {PLOT_FILE}", ""]

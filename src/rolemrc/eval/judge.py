@@ -760,7 +760,7 @@ class OpenAIBackend:
             body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
             # Paper protocol: an empty answer is an answer (scored 0 by the authors), not a fault to retry.
             out = await client.chat(body, tag=f"{tag} {i}", check=send_check, empty_ok=self.protocol.paper)
-            if out.ok and send_check is None and not _passes(check, out.text):
+            if out.ok and send_check is None and not passes(check, out.text):
                 self.counts["rejected"] += 1
                 ans = Answer("unparseable", text=out.text, attempts=out.attempts,
                              error="unparseable: the answer does not parse (not asked again)")
@@ -782,7 +782,8 @@ class OpenAIBackend:
             await client.close()
 
 
-def _passes(check: Callable[[str], Any], text: str | None) -> bool:
+def passes(check: Callable[[str], Any], text: str | None) -> bool:
+    """Whether ``check`` accepts ``text`` (raises no ValueError, e.g. :class:`rolemrc.api.Rejected`)."""
     try:
         check(text or "")
     except ValueError:

@@ -39,6 +39,7 @@ from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
 from rolemrc.eval.judge import OpenAIBackend, cache_key, judge_backend, judge_config
+from rolemrc.eval.report import pct
 from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
@@ -347,13 +348,9 @@ def table(pairs: Sequence[Pair]) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.2f}%"
-
-
 def _row(label: str, t: dict[str, Any]) -> str:
-    return (f"| {label} | {t['n']} | {t['wins']} | {t['ties']} | {t['losses']} | {_pct(t['win_rate'])} | "
-            f"{_pct(t['tie_rate'])} | {_pct(t['loss_rate'])} | {_pct(t['win_rate_ties_half'])} | {t['flips']} | "
+    return (f"| {label} | {t['n']} | {t['wins']} | {t['ties']} | {t['losses']} | {pct(t['win_rate'])} | "
+            f"{pct(t['tie_rate'])} | {pct(t['loss_rate'])} | {pct(t['win_rate_ties_half'])} | {t['flips']} | "
             f"{t['n_unparseable']} | {t['n_failed']} | {t['n_budget_exhausted']} |")
 
 

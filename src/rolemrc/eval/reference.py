@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from rolemrc import asset
 from rolemrc.errors import ConfigError
+from rolemrc.eval.report import fmt
 from rolemrc.fileio import read_mapping
 
 
@@ -138,10 +139,6 @@ def select(tables: Sequence[Table], names: Sequence[str]) -> list[tuple[Table, l
     return out
 
 
-def _fmt(x: float | None, digits: int) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def evaluated(t: Table, scalars: Mapping[str, float]) -> bool:
     """This run has figures of the benchmark: a column's scalar, or any ``<benchmark>/...`` scalar."""
     return any(c.scalar in scalars for c in t.columns if c.scalar) or any(k.startswith(f"{t.benchmark}/")
@@ -162,9 +159,9 @@ def section(picked: Sequence[tuple[Table, list[Row]]], scalars: Mapping[str, flo
             continue
         lines += [f"### {t.title}", "", "| model | " + " | ".join(c.label for c in t.columns) + " |",
                   "|---|" + "---|" * len(t.columns),
-                  "| this run | " + " | ".join(_fmt(mine.get(c.key), t.digits) for c in t.columns) + " |"]
+                  "| this run | " + " | ".join(fmt(mine.get(c.key), t.digits) for c in t.columns) + " |"]
         for r in rows:
-            lines.append(f"| {r.model} | " + " | ".join(_fmt(r.figures.get(c.key), t.digits) for c in t.columns) + " |")
+            lines.append(f"| {r.model} | " + " | ".join(fmt(r.figures.get(c.key), t.digits) for c in t.columns) + " |")
         lines.append("")
         lines += [f"- {r.model}: {r.source}" + (f" ({r.note})" if r.note else "") for r in rows]
         if t.note:

@@ -30,11 +30,13 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def _fmt(x: float | None, digits: int = 4) -> str:
+def fmt(x: float | None, digits: int = 2) -> str:
+    """A figure of a report's table: ``digits`` decimals, ``n/a`` for none."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
+    """A share as a percentage with two decimals, ``n/a`` for none."""
     return "n/a" if x is None else f"{100 * x:.2f}%"
 
 
@@ -57,9 +59,9 @@ def judge_table(judge: Mapping[str, DimensionSummary]) -> list[str]:
     ]
     for short, s in judge.items():
         title = Dimension[short].title if short in Dimension.__members__ else short
-        col = f" {_fmt(s.paper_score)} ({s.n_paper_requests} requests) |" if paper else ""
+        col = f" {fmt(s.paper_score, 4)} ({s.n_paper_requests} requests) |" if paper else ""
         lines.append(
-            f"| {title} ({short}) |{col} {_pct(s.accuracy)} | {_pct(s.accuracy_unparseable_as_0)} | {s.n_ok} | "
+            f"| {title} ({short}) |{col} {pct(s.accuracy)} | {pct(s.accuracy_unparseable_as_0)} | {s.n_ok} | "
             f"{s.n_unparseable} | {s.n_failed} | {s.n_budget_exhausted} |"
         )
     return lines
@@ -70,7 +72,7 @@ def metrics_table(metrics: MetricsResult) -> list[str]:
     lines = ["| metric | mean ± std | n |", "|---|---|---|"]
     for name, s in metrics.summary().items():
         n = f"{s['n']}" + (f" ({s['n_undefined']} undefined, left out)" if s.get("n_undefined") else "")
-        lines.append(f"| {DISPLAY_NAMES.get(name, name)} | {_fmt(s['mean'])} ± {_fmt(s['std'])} | {n} |")
+        lines.append(f"| {DISPLAY_NAMES.get(name, name)} | {fmt(s['mean'], 4)} ± {fmt(s['std'], 4)} | {n} |")
     return lines
 
 
@@ -138,7 +140,7 @@ def render_summary(
         c = agreement.confusion
         lines += ["## NI rule verifier vs judge", ""]
         lines.append(
-            f"Agreement {_pct(agreement.rate)} over {agreement.n} items with both a rule and a usable "
+            f"Agreement {pct(agreement.rate)} over {agreement.n} items with both a rule and a usable "
             f"judge verdict ({agreement.n_without_verdict} rule items without one)."
         )
         lines += [

@@ -44,6 +44,7 @@ from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
 from rolemrc.eval.bench.files import field_of, read_json_list
 from rolemrc.eval.judge import check_judge, judge_backend, judge_config
+from rolemrc.eval.report import fmt
 from rolemrc.fileio import read_mapping, template_fields
 
 log = logging.getLogger(__name__)
@@ -391,10 +392,6 @@ def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     return res
 
 
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def render(res: dict[str, Any]) -> str:
     langs = list(res["languages"])
     lines = [f"## CharacterBench (judge: {res['judge']['judge_model']})", "",
@@ -406,9 +403,9 @@ def render(res: dict[str, Any]) -> str:
         cells = []
         for x in langs:
             d = res["languages"][x]["dimensions"][dim]
-            cells += [_f(d["score"]), _f(d["score_strict"]), f"{d['n_unparseable']}/{d['n']}"]
+            cells += [fmt(d["score"], 3), fmt(d["score_strict"], 3), f"{d['n_unparseable']}/{d['n']}"]
         lines.append(f"| {dim} | " + " | ".join(cells) + " |")
-    lines.append("| **average** | " + " | ".join(f"{_f(res['languages'][x]['average'])} | |" for x in langs) + " |")
+    lines.append("| **average** | " + " | ".join(f"{fmt(res['languages'][x]['average'], 3)} | |" for x in langs) + " |")
     notes = [f"{res[k]} {w}" for k, w in (("rows_left_out", "rows left out as the authors' process.py leaves them out "
                                                              "(speakers it cannot place; metrics.json says why)"),
                                           ("replies_missing", "sessions without a reply"),

@@ -40,6 +40,7 @@ from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.files import field_of, read_json, read_json_list
 from rolemrc.eval.bench.reward import RewardJudge
+from rolemrc.eval.report import fmt
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +200,6 @@ def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
             "reward_model": rm.model_id}
 
 
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def render(res: dict[str, Any]) -> str:
     lines = [f"## CharacterEval (reward model: {res['reward_model']})", "",
              f"{res['scored_examples']} of {res['examples']} examples scored ({res['scores']} scores, 1-5, higher is "
@@ -211,10 +208,10 @@ def render(res: dict[str, Any]) -> str:
     for d, ms in DIMENSIONS.items():
         for m in ms:
             if m in res["metrics"]:
-                lines.append(f"| {d} | {m} | {_f(res['metrics'][m]['mean'])} | {res['metrics'][m]['n']} |")
+                lines.append(f"| {d} | {m} | {fmt(res['metrics'][m]['mean'], 3)} | {res['metrics'][m]['n']} |")
         if d in res["dimensions"]:
-            lines.append(f"| {d} | **mean** | {_f(res['dimensions'][d])} | |")
-    lines += [f"| overall | **mean** | {_f(res['overall'])} | |", ""]
+            lines.append(f"| {d} | **mean** | {fmt(res['dimensions'][d], 3)} | |")
+    lines += [f"| overall | **mean** | {fmt(res['overall'], 3)} | |", ""]
     if res["replies_missing"]:
         lines += [f"{res['replies_missing']} examples have no reply (generation.on_missing=skip): not scored.", ""]
     return "\n".join(lines)

@@ -60,6 +60,7 @@ from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
     JUDGE_BACKENDS, check_judge, judge_backend, judge_config, obtainable, uses_evaluated_model,
 )
+from rolemrc.eval.report import fmt
 from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
@@ -757,10 +758,6 @@ def evaluate(c: Any, ctx: Any) -> dict[str, Any]:
     return res
 
 
-def _f(x: float | None, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def render(res: dict[str, Any]) -> str:
     sc = res["scores"]
     head = "| | " + " | ".join(DIMENSIONS) + " | average | BLEU | ROUGE-L |"
@@ -768,8 +765,8 @@ def render(res: dict[str, Any]) -> str:
              "Judged scores 0-100 (the authors' flaw deduction), mean over scenes; average = mean of the four; "
              "BLEU and ROUGE-L (0-1) of the simulation against the original dialogue.", "",
              head, "|---|" + "---|" * (len(DIMENSIONS) + 3),
-             "| this model | " + " | ".join(_f(sc[d]) for d in DIMENSIONS) + f" | {_f(sc['avg'])} | "
-             f"{_f(sc['bleu'], 4)} | {_f(sc['rouge_l'], 4)} |"]
+             "| this model | " + " | ".join(fmt(sc[d]) for d in DIMENSIONS) + f" | {fmt(sc['avg'])} | "
+             f"{fmt(sc['bleu'], 4)} | {fmt(sc['rouge_l'], 4)} |"]
     n = len(res["cases"])
     lines += ["", f"{n} of {res['scenes']} scenes scored ({'simulated here' if res['simulated'] else 'simulations read from generation.path'}"
               f"; {len(res['stalled'])} stopped early, {res['not_in_file']} without a simulation in the file; "

@@ -52,7 +52,8 @@ from rolemrc.api import Rejected
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
-from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable
+from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable, passes
+from rolemrc.eval.report import fmt
 from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
@@ -299,17 +300,9 @@ def _ask(ctx: Any, judge: tuple[str, Any], prompts: Sequence[list[dict[str, str]
     config)``), through ``<judge cache>/personagym_cache.sqlite`` (answers that pass ``valid``
     only); and the judge's stats."""
     where, jcfg = judge
-    answers, st = ask_suite_judge(ctx, "personagym_cache.sqlite", prompts, lambda t: t if _passes(valid, t) else None,
+    answers, st = ask_suite_judge(ctx, "personagym_cache.sqlite", prompts, lambda t: t if passes(valid, t) else None,
                                   valid, tag, judge=jcfg, where=where)
     return answers, {"model": st.pop("judge_model"), **st}
-
-
-def _passes(valid: Callable[[str], Any], text: str | None) -> bool:
-    try:
-        valid(text or "")
-    except ValueError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- the run
@@ -472,10 +465,6 @@ def summarise(rows: list[dict[str, Any]], loaded: Mapping[str, Any], tasks: Sequ
     return res
 
 
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 def render(res: dict[str, Any]) -> str:
     tasks = res["tasks"]
     models = ", ".join(j["model"] for j in res["judge"].get("judges", []))
@@ -483,13 +472,13 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"## PersonaGym (PersonaScore, {res['scale'][0]}-{res['scale'][1]}; judges: {models})", "",
              "| | " + " | ".join(TASKS[t][1] for t in tasks) + " | PersonaScore |",
              "|---|" + "---|" * (len(tasks) + 1),
-             "| this run | " + " | ".join(_f(res["overall"][t]) for t in tasks) + f" | {_f(res['overall']['PersonaScore'])} |",
+             "| this run | " + " | ".join(fmt(res["overall"][t]) for t in tasks) + f" | {fmt(res['overall']['PersonaScore'])} |",
              ""]
     if len(res["personas"]) <= 20:
         lines += ["| persona | " + " | ".join(TASKS[t][1] for t in tasks) + " | PersonaScore |",
                   "|---|" + "---|" * (len(tasks) + 1)]
         for p, row in res["personas"].items():
-            lines.append(f"| {p} | " + " | ".join(_f(row["tasks"][t]) for t in tasks) + f" | {_f(row['PersonaScore'])} |")
+            lines.append(f"| {p} | " + " | ".join(fmt(row["tasks"][t]) for t in tasks) + f" | {fmt(row['PersonaScore'])} |")
         lines.append("")
     c = res["counts"]
     lines += [

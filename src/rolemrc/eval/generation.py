@@ -824,12 +824,6 @@ def generation_label(r: Replier) -> str:
     return label + "; replies scored as generated (not stripped)"
 
 
-def check_backend(r: Replier, judge: Any) -> None:
-    """What can be checked before anything slow: the backend's name and what it needs (``judge``:
-    the ``judge`` group)."""
-    generation_backend(r).check(r, judge)
-
-
 def check_generation(r: Replier, judge: Any) -> GenerationBackend:
     """The checks in the order of relevance, before anything slow: the model (a missing or empty
     folder is the error to read), the backend (vllm installed, the API key's variable, the replies
@@ -841,13 +835,6 @@ def check_generation(r: Replier, judge: Any) -> GenerationBackend:
     backend.check(r, judge)
     check_judge(judge_config(judge))
     return backend
-
-
-def generate_remote(r: Replier, items: Sequence[TestItem], ids: Sequence[str],
-                    replies: ReplyFile | None = None) -> GenerationRun:
-    """Replies from a served model (``openai``) or a file (``file``), resumable/recorded in
-    ``<r.out_dir>/generations.jsonl`` like the local backends."""
-    return generation_backend(r).generate_remote(r, items, ids, replies)
 
 
 def load_eval_model(r: Replier, tokenizer: Any) -> Any:
@@ -899,12 +886,6 @@ def prepare_generation(r: Replier, items: Sequence[TestItem], ids: Sequence[str]
         "stop_ids": stops,
     })
     return gen_items, stops
-
-
-def generate(r: Replier, gen_items: Sequence[GenItem], stops: Sequence[int], tokenizer: Any,
-             model: Any | None) -> GenerationRun:
-    """Replies for every item from a local backend, resuming from ``<r.out_dir>/generations.jsonl``."""
-    return generation_backend(r).generate_local(r, gen_items, stops, tokenizer, model)
 
 
 def _normalised(g: Any, run: GenerationRun) -> GenerationRun:

@@ -23,8 +23,8 @@ from rolemrc.parts import build_chat, build_loggers
 from rolemrc.data.schemas import TestItem
 from rolemrc.data.test_items import load_test_items  # noqa: F401 - re-exported for callers of eval.run
 from rolemrc.eval.generation import (
-    GenerationStore, build_judge, check_generation, generate, generate_remote, generation_label, item_id,
-    load_eval_model, model_label, prepare_generation,
+    GenerationStore, build_judge, check_generation, generation_label, item_id, load_eval_model, model_label,
+    prepare_generation,
 )
 from rolemrc.eval import dialogue, pairwise, reference
 from rolemrc.eval.judge import (
@@ -155,9 +155,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             model = load_eval_model(r, tokenizer)
         elif backend.loads_model:  # a finished folder: metrics and the judge from what is there
             log.info("generation: every reply is in %s: the model is not loaded", out_dir / "generations.jsonl")
-        gen = generate(r, gen_items, stops, tokenizer, model)
+        gen = backend.generate_local(r, gen_items, stops, tokenizer, model)
     else:
-        gen = generate_remote(r, items, ids)
+        gen = backend.generate_remote(r, items, ids)
     n_items = len(items)
     if gen.missing:  # generation.on_missing=skip: items without a reply are left out (counted)
         gone = set(gen.missing)

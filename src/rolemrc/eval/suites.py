@@ -36,8 +36,8 @@ from rolemrc.eval import characterllm, general, reference, rolebench
 from rolemrc.eval.bench import characterbench, charactereval, coser, personagym
 from rolemrc.eval.characterllm import check_scorer
 from rolemrc.eval.generation import (
-    GENERATION_BACKENDS, check_backend, count_unmatched, generate, generate_remote, generation_backend,
-    generation_label, item_id, load_eval_model, model_label, prepare_generation, read_replies,
+    GENERATION_BACKENDS, count_unmatched, generation_backend, generation_label, item_id, load_eval_model, model_label,
+    prepare_generation, read_replies,
 )
 from rolemrc.eval.judge import JudgeIncomplete, finish_judged
 from rolemrc.eval.report import log_to_loggers, print_console, write_report
@@ -169,12 +169,12 @@ class ModelContext:
         if not self.backend.local:
             if not self.backend.generates and self._replies is None:
                 self._replies = read_replies(sub.generation.path, sub.generation.reply_field)
-            run = generate_remote(sub, items, ids, self._replies)
+            run = self.backend.generate_remote(sub, items, ids, self._replies)
             self.requests += run.requests
             self.missing += len(run.missing)
         else:
             gen_items, stops = prepare_generation(sub, items, ids, self.tokenizer, self.chat)
-            run = generate(sub, gen_items, stops, self.tokenizer, self.model)
+            run = self.backend.generate_local(sub, gen_items, stops, self.tokenizer, self.model)
         self.generated += run.n_new
         self.resumed += run.n_resumed
         self.cut += run.n_cut
@@ -198,7 +198,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     settings = {name: s.settings(cfg) if s.settings else OmegaConf.select(cfg, s.key) for name, s in suites.items()}
     for name, suite in suites.items():
         suite.check(settings[name], ctx)
-    check_backend(r, ctx.judging.judge)
+    ctx.backend.check(r, ctx.judging.judge)  # what the backend needs (vllm, the API key, the replies file)
     refs = reference.picked(cfg)  # report.reference: the published rows named, before anything slow
     out_dir = ctx.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from rolemrc import ASSETS
@@ -209,7 +210,7 @@ def _devices(devices: Any) -> int:
 def table() -> str:
     """The table of docs/memory.md: 8B full fine-tunes with FSDP, LoRA/QLoRA on one GPU (80 GB)."""
     rows = ["| run | GPUs | act. ckpt | CPU offload | est. GB/GPU | fits 80 GB |", "|---|---|---|---|---|---|"]
-    llama = arch_of(_Model("meta-llama/Llama-3.1-8B"))
+    llama = arch_of(SimpleNamespace(path="meta-llama/Llama-3.1-8B"))
     sft_tokens, dpo_tokens = 8 * 4200, 2 * 4 * 3000  # paper micro-batches
     for name, tokens, dpo in (("SFT 8B full", sft_tokens, False), ("DPO 8B full (+ref copy)", dpo_tokens, True)):
         for gpus in (4, 8):
@@ -223,12 +224,6 @@ def table() -> str:
             gb = estimate_gb(llama, gpus=1, fsdp=False, tokens_per_device=tokens, checkpointing=ckpt, **kw)
             rows.append(f"| {name}, {tokens} tokens/batch | 1 | yes | no | {gb:.0f} | {'yes' if gb <= 72 else 'no'} |")
     return "\n".join(rows)
-
-
-@dataclass
-class _Model:
-    path: str
-    init: Any = None
 
 
 def log_estimate(step: TrainStep) -> str:

@@ -302,12 +302,6 @@ def _configure(module: Any, mesh: Any) -> None:
             shard_model(m, {"data_parallel": mesh}, module.sharding, module.policy.master)
 
 
-def _materialise(module: Any) -> None:
-    """Meta tensors -> tensors on the CPU (storage-less fake ones under ``FakeTensorMode``)."""
-    for m in module.models_to_shard():
-        m.to_empty(device="cpu")
-
-
 def _optimizer(module: Any) -> torch.optim.Optimizer:
     o = module.optim
     params = [p for p in module.model.parameters() if p.requires_grad]
@@ -466,10 +460,9 @@ def run_step(step: TrainStep, *, checkpointing: bool, batch_size: int, world: in
     counts = {**_mask_counts(module, warm), **_mask_counts(module, batch)}
     _configure(module, mesh)
     if fake:
-        stack = contextlib.ExitStack()
-        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty reads the meta tensors
-        with stack:
-            _materialise(module)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # to_empty reads the meta tensors
+            for m in module.models_to_shard():  # meta tensors -> storage-less fake ones on the CPU
+                m.to_empty(device="cpu")
             warm = {k: mode.from_tensor(v) for k, v in warm.items()}
             batch = {k: mode.from_tensor(v) for k, v in batch.items()}
             with _KnownMasks(counts) as known:

@@ -83,11 +83,8 @@ class Fault(Exception):
     def __init__(self, kind: str, detail: str, *, retryable: bool = True, retry_after: float | None = None,
                  fatal: bool = False, text: str | None = None) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-        self.retryable = retryable
-        self.retry_after = retry_after
-        self.fatal = fatal
+        self.kind, self.detail = kind, detail
+        self.retryable, self.retry_after, self.fatal = retryable, retry_after, fatal
         self.text = text  # the content, for a rejected answer
 
 
@@ -109,11 +106,9 @@ class Budget:
 
     def __init__(self, max_requests: int | None = None, max_tokens: int | None = None,
                  names: tuple[str, str] = ("max_requests", "max_tokens")) -> None:
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
+        self.max_requests, self.max_tokens = max_requests, max_tokens
         self.names = names  # the config keys, for the message
-        self.sent = 0
-        self.tokens = 0
+        self.sent = self.tokens = 0
 
     def take(self, est_tokens: int = 0, what: str = "") -> None:
         # No await between the check and the increment: atomic within one event loop.
@@ -216,11 +211,8 @@ class ApiClient:
 
         if max_attempts < 1 or concurrency < 1:
             raise ValueError(f"{what}: max_attempts and concurrency must be >= 1")
-        self.what = what
-        self.base_url = base_url
-        self.max_attempts = max_attempts
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.what, self.base_url, self.max_attempts = what, base_url, max_attempts
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.budget = budget if budget is not None else Budget()
         self.counts: Counter[str] = counts if counts is not None else Counter()
         self.halted: str | None = None  # why later requests are not sent (a fatal 4xx)

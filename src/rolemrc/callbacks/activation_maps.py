@@ -101,18 +101,10 @@ class ActivationMaps(L.Callback):
             raise ValueError(f"activation_maps.top_fraction must be in (0, 1], got {top_fraction}")
         if rank_by not in RANK_BY:
             raise ValueError(f"activation_maps.rank_by must be one of {RANK_BY}, got {rank_by!r}")
-        self.every_n_val = every_n_val
-        self.n_items = n_items
-        self.site = site
-        self.top_fraction = top_fraction
-        self.rank_by = rank_by
-        self.batch_size = batch_size
-        self.max_prompt_length = max_prompt_length
-        self.compare_to_start = compare_to_start
-        self.test = test
-        self.out_dir = out_dir
-        self.max_columns = max_columns
-        self.image_key = image_key
+        self.every_n_val, self.n_items, self.compare_to_start, self.test = every_n_val, n_items, compare_to_start, test
+        self.site, self.top_fraction, self.rank_by = site, top_fraction, rank_by
+        self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
+        self.out_dir, self.max_columns, self.image_key = out_dir, max_columns, image_key
         self.rounds = 0  # validation rounds seen
         self.start: FrequencyMaps | None = None  # maps when training started (checkpointed)
         self._items: list[Any] = []

@@ -49,13 +49,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Suite:
-    """A benchmark evaluate.py runs when the config key ``key`` is set. ``settings(cfg)``, called at
-    the door, picks what it reads of the config (default: the group at ``key``; see :func:`reading`);
-    its functions get only that and a :class:`ModelContext` (``ctx``): ``module`` has
-    ``evaluate(settings, ctx)``, ``render(result)`` and ``scalars(result)``; a result's ``missing`` (a
-    sentence) marks it incomplete. ``check(settings, ctx)`` refuses what cannot run before anything
-    slow; ``meta(settings, resolved)`` adds report fields (default: ``data``, the data group's name);
-    ``finish(result, out_dir)`` runs after the report is printed and returns an error to raise (or None)."""
+    """A benchmark evaluate.py runs when the config key ``key`` is set. ``settings(cfg)`` (at the door;
+    default: the group at ``key``, see :func:`reading`) picks what it reads; its functions get only
+    that and a :class:`ModelContext` ``ctx``: ``module`` has ``evaluate(settings, ctx)``,
+    ``render(result)``, ``scalars(result)`` (a result's ``missing`` sentence marks it incomplete);
+    ``check(settings, ctx)`` refuses what cannot run before anything slow; ``meta(settings, resolved)``
+    adds report fields (default: ``data``, the data group's name); ``finish(result, out_dir)`` runs
+    after the report is printed and returns an error to raise (or None)."""
 
     key: str
     module: Any
@@ -131,17 +131,8 @@ class ModelContext:
         self.backend = generation_backend(replier)
         self._chat: Any = None
         self._model: Any = None
-        self.generated = 0
-        self.resumed = 0
-        self.cut = 0
-        self.requests = 0
-        self.missing = 0
-        self._replies: Any = None
-
-    @property
-    def replies_file(self) -> Any:
-        """The replies file read (``generation.backend=file``), None before or without one."""
-        return self._replies
+        self.generated = self.resumed = self.cut = self.requests = self.missing = 0
+        self.replies_file: Any = None  # the replies file read (generation.backend=file), None before or without one
 
     @property
     def chat(self) -> Any:
@@ -167,9 +158,9 @@ class ModelContext:
         Path(sub.out_dir).mkdir(parents=True, exist_ok=True)
         ids = [item_id(i, it.task, it.question) for i, it in enumerate(items)]
         if not self.backend.local:
-            if not self.backend.generates and self._replies is None:
-                self._replies = read_replies(sub.generation.path, sub.generation.reply_field)
-            run = self.backend.generate_remote(sub, items, ids, self._replies)
+            if not self.backend.generates and self.replies_file is None:
+                self.replies_file = read_replies(sub.generation.path, sub.generation.reply_field)
+            run = self.backend.generate_remote(sub, items, ids, self.replies_file)
             self.requests += run.requests
             self.missing += len(run.missing)
         else:

@@ -89,7 +89,9 @@ def test_personagym_file_replies_two_judges_missing_counted_and_rerun(
         assert ea["Expected Action"] == pytest.approx(3.0) and ea["Toxicity"] is None and ea["PersonaScore"] is None
         # The grading request: the judges' system message, then the rubrics as a Python list, each filled
         # with persona, question, reply and the released code's score example (the i-th character).
-        body = next(b for b in graded if "Expected Action] reply 1" in b["messages"][1]["content"])
+        # (the judges' requests arrive in any order: the pastry chef's group is picked by its persona)
+        body = next(b for b in graded if "Expected Action] reply 1" in b["messages"][1]["content"]
+                    and "Persona: A 27-year-old pastry chef" in b["messages"][1]["content"])
         assert body["messages"][0] == {"role": "system", "content": (SAMPLE / "prompts/rubric_grading/sys_prompt.txt").read_text()}
         rubrics = ast.literal_eval(body["messages"][1]["content"].split("Rubrics:\n", 1)[1].strip())
         assert len(rubrics) == 2 and "Persona: A 27-year-old pastry chef" in rubrics[0]

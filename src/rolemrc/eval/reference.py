@@ -172,13 +172,14 @@ def section(picked: Sequence[tuple[Table, list[Row]]], scalars: Mapping[str, flo
     return "\n".join(lines)
 
 
-def picked(cfg: Any) -> list[tuple[Table, list[Row]]]:
+def picked(report: Any) -> list[tuple[Table, list[Row]]]:
     """The rows ``report.reference`` names (``report.reference_files`` added to the shipped
-    tables); [] when it names none. Called before anything slow, so a bad name fails first."""
-    names = list(getattr(getattr(cfg, "report", None), "reference", None) or [])
+    tables; ``report``: the ``report`` group, or None); [] when it names none. Called before
+    anything slow, so a bad name fails first."""
+    names = list(getattr(report, "reference", None) or [])
     if not names:
         return []
-    return select(load_tables([str(f) for f in cfg.report.reference_files or []]), names)
+    return select(load_tables([str(f) for f in report.reference_files or []]), names)
 
 
 COLUMNS = ["benchmark", "model", "figure", "value", "source"]

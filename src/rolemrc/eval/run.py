@@ -124,7 +124,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # Checks in the order of relevance, all before anything slow: the model, the backend and the
     # judge (check_generation), then the test data, METEOR's data and BERTScore's encoder.
     backend = check_generation(r, judging.judge)
-    refs = reference.picked(cfg)  # report.reference: the published rows named
+    refs = reference.picked(cfg.get("report"))  # report.reference: the published rows named
     if compare_pairs:
         pairwise.check(cfg.pairwise, judging.judge)  # a judge, B's replies files, the prompt template
     out_dir = Path(cfg.out_dir)

@@ -190,7 +190,7 @@ def run_suites(cfg: DictConfig) -> dict[str, Any]:
     for name, suite in suites.items():
         suite.check(settings[name], ctx)
     ctx.backend.check(r, ctx.judging.judge)  # what the backend needs (vllm, the API key, the replies file)
-    refs = reference.picked(cfg)  # report.reference: the published rows named, before anything slow
+    refs = reference.picked(cfg.get("report"))  # report.reference: the published rows named, before anything slow
     out_dir = ctx.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {}

@@ -10,7 +10,7 @@ offline like ``model.path`` (a local folder; a hub id only from the local cache 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,19 @@ def _torch_dtype(name: str, where: str) -> torch.dtype | str:
     return dtype
 
 
+def _loaded(source: str | Path | Any, key: str, what: str, load: Callable[[str], Any]) -> Any:
+    """``load`` of a folder or hub id (checked as ``model.path`` is), or ``source`` itself (an object
+    already loaded); a load that fails (no weights, not a classifier, custom code refused) is a
+    :class:`ModelSourceError` naming ``key`` and ``what`` it should have been."""
+    if not isinstance(source, (str, Path)):
+        return source
+    check_source(str(source), key)
+    try:
+        return load(str(source))
+    except (OSError, ValueError) as err:
+        raise ModelSourceError(f"{key}={source}: cannot load {what} ({str(err).splitlines()[0]})") from err
+
+
 class RewardModelReward:
     """A reward from ``AutoModelForSequenceClassification`` at ``path``: the logit of ``label``
     (an index or an ``id2label`` name; needed only when the model has several labels) for each
@@ -47,28 +60,13 @@ class RewardModelReward:
         self.batch_size = int(batch_size)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = _torch_dtype(dtype, where)
-        if isinstance(path, (str, Path)):
-            check_source(str(path), f"{where}.path")
-            try:
-                self.model = AutoModelForSequenceClassification.from_pretrained(
-                    str(path), dtype=torch_dtype, trust_remote_code=trust_remote_code)
-            except (OSError, ValueError) as err:  # no weights / not a classifier / custom code refused
-                raise ModelSourceError(f"{where}.path={path}: cannot load it as a sequence-classification model "
-                                       f"({str(err).splitlines()[0]})") from err
-            self.name = str(path)
-        else:
-            self.model, self.name = path, type(path).__name__
-        tok_source = path if tokenizer is None else tokenizer
-        if isinstance(tok_source, (str, Path)):
-            key = f"{where}.path" if tokenizer is None else f"{where}.tokenizer"
-            check_source(str(tok_source), key)
-            try:
-                self.tokenizer = AutoTokenizer.from_pretrained(str(tok_source), trust_remote_code=trust_remote_code)
-            except (OSError, ValueError) as err:
-                raise ModelSourceError(f"{key}={tok_source}: cannot load a tokenizer from it "
-                                       f"({str(err).splitlines()[0]})") from err
-        else:
-            self.tokenizer = tok_source
+        self.model = _loaded(path, f"{where}.path", "it as a sequence-classification model",
+                             lambda p: AutoModelForSequenceClassification.from_pretrained(
+                                 p, dtype=torch_dtype, trust_remote_code=trust_remote_code))
+        self.name = str(path) if isinstance(path, (str, Path)) else type(path).__name__
+        self.tokenizer = _loaded(path if tokenizer is None else tokenizer,
+                                 f"{where}.path" if tokenizer is None else f"{where}.tokenizer", "a tokenizer from it",
+                                 lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code))
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{where}: the tokenizer of {self.name} has no chat template to render the conversations "
                              f"with; give {where}.tokenizer (a tokenizer folder with one)")

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rolemrc.config import plain
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.data.store import open_or_build_prompts
@@ -51,7 +52,4 @@ def generation_prompts(data: Any, items: list[TestItem], chat: ChatFormat) -> li
     questions = [it.question for it in items]
     if not data.get("cache", True):
         return [chat.encode_prompt(q) for q in questions]
-    sources = data.get("test")
-    store = open_or_build_prompts(questions, chat, data.get("cache_dir"),
-                                  OmegaConf.to_container(sources, resolve=True) if OmegaConf.is_config(sources) else sources)
-    return store.prompts()
+    return open_or_build_prompts(questions, chat, data.get("cache_dir"), plain(data.get("test"))).prompts()

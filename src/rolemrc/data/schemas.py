@@ -152,11 +152,10 @@ def check_turn_order(messages: list[Message], name: str, last: str | None) -> No
 
 def parse_conversation(record: Any) -> Conversation:
     """RoleMRC SFT shape ``{"conversations": [...]}``, or the common ``{"messages": [...]}``."""
-    key = "conversations" if isinstance(record, dict) and "conversations" in record else None
-    if key is None and isinstance(record, dict) and "messages" in record:
-        key = "messages"
-    messages = normalise_messages(_field(record, key or "conversations"), key or "conversations")
-    check_turn_order(messages, key or "conversations", last=None)
+    messages_only = isinstance(record, dict) and "messages" in record and "conversations" not in record
+    key = "messages" if messages_only else "conversations"
+    messages = normalise_messages(_field(record, key), key)
+    check_turn_order(messages, key, last=None)
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError(f"{key}: no Assistant turn, nothing to train on")
     task = record.get("task")

@@ -43,8 +43,8 @@ from rolemrc.data.roles import RoleProfile, RoleSystem, render_system
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
-from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable
-from rolemrc.eval.report import fmt
+from rolemrc.eval.judge import STATUSES, check_judge, judge_backend, judge_config, obtainable
+from rolemrc.eval.report import fmt, status_table
 
 log = logging.getLogger(__name__)
 
@@ -312,12 +312,9 @@ def render(res: dict[str, Any]) -> str:
     names = {"single": "Single", "turns": "Turns"}
     for s, row in res["settings"].items():
         lines.append(f"| {names[s]} | " + " | ".join(fmt(row[d]["mean"]) for d in dims) + f" | {fmt(row['mean'])} |")
-    lines += ["", "| setting | dimension | scored | unparseable | failed | budget exhausted |", "|---|---|---|---|---|---|"]
-    for s, row in res["settings"].items():
-        for d in dims:
-            r = row[d]
-            lines.append(f"| {names[s]} | {CRITERIA[d][0]} | {r['n_ok']} | {r['n_unparseable']} | {r['n_failed']} | "
-                         f"{r['n_budget_exhausted']} |")
+    counts = (([names[s], CRITERIA[d][0]], {k: row[d][f"n_{k}"] for k in STATUSES})
+              for s, row in res["settings"].items() for d in dims)
+    lines += ["", *status_table(["setting", "dimension"], counts)]
     lines += ["", "Answers without a score and failed requests are counted above, never scored.", ""]
     return "\n".join(lines)
 

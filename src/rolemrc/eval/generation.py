@@ -36,20 +36,20 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
 
 from rolemrc.api import (
-    AnswerCache, ApiClient, Budget, FAULT_KINDS, MissingApiKey, Rejected, api_key, fault_summary, request_key,
+    AnswerCache, ApiClient, Budget, FAULT_KINDS, Rejected, fault_summary, request_key,
 )
 from rolemrc.config import Judging, Replier, plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
-from rolemrc.eval.judge import check_judge, judge_config, make_judge, uses_evaluated_model
+from rolemrc.eval.judge import check_api_key, check_judge, judge_config, make_judge, role_of, uses_evaluated_model
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import check_source, count_parameters, load_model
 from rolemrc.models.source import check_model_path
 from rolemrc.probing.restraint import load_restraint
 from rolemrc.registry import Registry
 from rolemrc.rollout.engine import Sampling
-from rolemrc.rollout.hf import greedy_generate_ids, stop_token_ids
+from rolemrc.rollout.hf import greedy_generate_ids, pad_id_of, stop_token_ids
 from rolemrc.rollout.vllm import build_llm, llm_generate, require_vllm
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def generate_hf(
     if len(todo) < len(items):
         log.info("generation: %d of %d items already in %s, %d to go", len(items) - len(todo), len(items),
                  store.path, len(todo))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id_of(tokenizer)
     stops = set(stop_ids)
 
     def write(indices: list[int], new_ids: list[list[int]]) -> None:
@@ -314,13 +314,7 @@ class GenerationIncomplete(UserError, RuntimeError):
 
 def chat_messages(question: Sequence[Mapping[str, str]]) -> list[Message]:
     """A test conversation as OpenAI chat messages (roles system/user/assistant)."""
-    out = []
-    for m in question:
-        role = str(m["role"]).strip().lower()
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"unknown message role {m['role']!r}")
-        out.append({"role": role, "content": str(m["content"])})
-    return out
+    return [{"role": role_of(m["role"]), "content": str(m["content"])} for m in question]
 
 
 @dataclass
@@ -347,10 +341,7 @@ def check_openai(g: Any) -> None:
     """Before anything slow: the model name and the API key's variable."""
     if not g.model:
         raise ConfigError("generation.backend=openai needs generation.model (the served model name)")
-    try:
-        api_key(g.api_key_env, "generation")
-    except MissingApiKey as e:
-        raise MissingApiKey(f"{e} (generation.api_key_env={g.api_key_env})") from None
+    check_api_key(g.api_key_env, "generation")
 
 
 def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cache_dir: str | Path | None = None,
@@ -392,7 +383,6 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
                 log.info("generation: asking %s for %d replies (%d from the cache)", g.model, len(ask), len(hits))
 
             async def main() -> None:
-                nonlocal requests
                 client = ApiClient(
                     "generation", base_url=g.base_url, api_key_env=g.api_key_env, concurrency=g.concurrency,
                     timeout_s=g.timeout_s, max_attempts=g.max_attempts, backoff_s=g.backoff_s,

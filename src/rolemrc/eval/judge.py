@@ -39,7 +39,7 @@ import logging
 import re
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -72,7 +72,7 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
-def _role(raw: str) -> str:
+def role_of(raw: str) -> str:
     # RoleMRC files capitalise roles; parsed TestItems lowercase them. Accept both.
     role = str(raw).strip().lower()
     if role not in ("system", "user", "assistant"):
@@ -117,7 +117,7 @@ def judge_items(
     out: list[JudgeItem] = []
     for item_id, item, reply in zip(ids, test_items, replies, strict=True):
         task = _get(item, "task")
-        messages = tuple((_role(_get(m, "role")), str(_get(m, "content"))) for m in _get(item, "question"))
+        messages = tuple((role_of(_get(m, "role")), str(_get(m, "content"))) for m in _get(item, "question"))
         for dim in dimensions_of(task):
             out.append(JudgeItem(item_id, task, dim, messages, reply, _get(item, "reference")))
     return out
@@ -195,11 +195,12 @@ CRITERIA: dict[tuple[Dimension, str | None], tuple[str, str]] = {
 _ROLE_TITLES = {"system": "SYSTEM MESSAGE", "user": "USER", "assistant": "ASSISTANT (the role)"}
 
 
-def criterion_of(item: JudgeItem) -> tuple[str, str]:
-    """(title, instructions) for the item's dimension and the task's expectation."""
+def criterion_of(item: JudgeItem, table: Mapping[tuple[Dimension, str | None], Any] = CRITERIA) -> Any:
+    """``table``'s entry for the item's dimension and the task's expectation: (title, instructions)
+    from :data:`CRITERIA`, the rubric from :data:`PAPER_CRITERIA`."""
     expectation = expectation_of(item.task) if item.dimension in (Dimension.KB, Dimension.MT, Dimension.PI) else None
     try:
-        return CRITERIA[(item.dimension, expectation)]
+        return table[(item.dimension, expectation)]
     except KeyError:
         raise ValueError(f"no judge criterion for {item.dimension.short} with expectation {expectation!r}") from None
 
@@ -374,11 +375,7 @@ def templated_messages(templates: Mapping[str, str]) -> Callable[[JudgeItem, boo
 
 def paper_messages(item: JudgeItem, show_reference: bool = False) -> list[Message]:
     """One user message asking for the score only (the paper's protocol, rolemrc's wording)."""
-    expectation = expectation_of(item.task) if item.dimension in (Dimension.KB, Dimension.MT, Dimension.PI) else None
-    try:
-        rubric = PAPER_CRITERIA[(item.dimension, expectation)]
-    except KeyError:
-        raise ValueError(f"no judge criterion for {item.dimension.short} with expectation {expectation!r}") from None
+    rubric = criterion_of(item, PAPER_CRITERIA)
     convo = paper_conversation(item).rstrip("\n")
     parts = [
         "A language model plays a character in the conversation below.",
@@ -446,8 +443,6 @@ PROTOCOLS.register("paper", Protocol("paper", paper_messages, parse_score, retry
 
 def protocol_of(name: str, where: str = "judge", templates: str | Path | None = None) -> Protocol:
     """The protocol ``name``; ``templates`` (``judge.templates``, paper protocol only): the user's prompts."""
-    from dataclasses import replace
-
     proto = PROTOCOLS.get(name, where=f"{where}.protocol")
     if templates is None:
         return proto
@@ -702,8 +697,7 @@ class OpenAIBackend:
     """
 
     def __init__(self, config: JudgeConfig) -> None:
-        if not config.model:
-            raise ValueError("judge.backend=openai needs judge.model (the served model name)")
+        self.check_config(config)
         api_key(config.api_key_env, "judge")  # fail now, naming the variable, not after generation
         self.config = config
         self.model_id = config.model
@@ -726,20 +720,15 @@ class OpenAIBackend:
     @classmethod
     def check_env(cls, cfg: JudgeConfig, where: str = "judge") -> None:
         """The API key's variable is in the environment."""
-        try:
-            api_key(cfg.api_key_env, where)
-        except MissingApiKey as e:
-            raise MissingApiKey(f"{e} ({where}.api_key_env={cfg.api_key_env})") from None
+        check_api_key(cfg.api_key_env, where)
 
     @classmethod
     def build(cls, cfg: JudgeConfig, *, where: str = "judge", **_: Any) -> "OpenAIBackend":
         return cls(cfg)
 
     def sampling(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"temperature": self.config.temperature, "max_tokens": self.config.max_tokens}
-        if self.protocol.name != "verdict":  # verdict-protocol cache keys stay as they were
-            out["protocol"] = self.protocol.name
-        return out
+        return with_protocol({"temperature": self.config.temperature, "max_tokens": self.config.max_tokens},
+                             self.protocol)
 
     async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None, *,
                          check: Callable[[str], Any] | None = None, tag: str = "prompt") -> list[Answer]:
@@ -766,12 +755,10 @@ class OpenAIBackend:
                              error="unparseable: the answer does not parse (not asked again)")
             elif out.ok:
                 ans = Answer("ok", text=out.text, attempts=out.attempts)
-            elif out.status == "budget_exhausted":
-                ans = Answer("budget_exhausted", text=out.text, attempts=out.attempts, error=out.error)
-            elif out.kind == "rejected":
-                ans = Answer("unparseable", text=out.text, attempts=out.attempts, error=out.error)
             else:
-                ans = Answer("failed", text=out.text, attempts=out.attempts, error=out.error)
+                status = ("budget_exhausted" if out.status == "budget_exhausted"
+                          else "unparseable" if out.kind == "rejected" else "failed")
+                ans = Answer(status, text=out.text, attempts=out.attempts, error=out.error)
             if on_answer is not None:
                 on_answer(i, ans)
             return ans
@@ -780,6 +767,20 @@ class OpenAIBackend:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:
             await client.close()
+
+
+def with_protocol(sampling: dict[str, Any], protocol: Protocol) -> dict[str, Any]:
+    """A backend's sampling settings (a cache key part), the protocol added unless it is ``verdict``
+    (the verdict protocol's cache keys stay as they were)."""
+    return sampling if protocol.name == "verdict" else {**sampling, "protocol": protocol.name}
+
+
+def check_api_key(env: str | None, where: str) -> None:
+    """The API key's variable ``env`` is set; a :class:`MissingApiKey` naming ``<where>.api_key_env``."""
+    try:
+        api_key(env, where)
+    except MissingApiKey as e:
+        raise MissingApiKey(f"{e} ({where}.api_key_env={env})") from None
 
 
 def passes(check: Callable[[str], Any], text: str | None) -> bool:
@@ -849,10 +850,7 @@ class HFBackend:
         return cls(model, tok, model_id=path, **kw)
 
     def sampling(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"do_sample": False, "max_new_tokens": self.max_new_tokens}
-        if self.protocol.name != "verdict":
-            out["protocol"] = self.protocol.name
-        return out
+        return with_protocol({"do_sample": False, "max_new_tokens": self.max_new_tokens}, self.protocol)
 
     async def answer_all(self, prompts: Sequence[list[Message]], on_answer: OnAnswer | None = None) -> list[Answer]:
         out = []

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from rolemrc.eval.judge import DimensionSummary, Verdict, aggregate
+from rolemrc.eval.judge import STATUSES, DimensionSummary, Verdict, aggregate
 from rolemrc.eval.metrics import DISPLAY_NAMES, MetricsResult
 from rolemrc.eval.verifiers import Agreement
 from rolemrc.tasks import Dimension
@@ -65,6 +65,14 @@ def judge_table(judge: Mapping[str, DimensionSummary]) -> list[str]:
             f"{s.n_unparseable} | {s.n_failed} | {s.n_budget_exhausted} |"
         )
     return lines
+
+
+def status_table(columns: Sequence[str], rows: Iterable[tuple[Sequence[str], Mapping[str, int]]]) -> list[str]:
+    """A judged suite's answers by status (markdown lines): the ``columns`` named, then scored,
+    unparseable, failed and budget exhausted, from each row's counts by status (a missing one 0)."""
+    lines = ["| " + " | ".join(columns) + " | scored | unparseable | failed | budget exhausted |",
+             "|" + "---|" * (len(columns) + 4)]
+    return lines + ["| " + " | ".join([*cells, *(str(n.get(s, 0)) for s in STATUSES)]) + " |" for cells, n in rows]
 
 
 def metrics_table(metrics: MetricsResult) -> list[str]:

@@ -18,7 +18,7 @@ from rolemrc.objectives.grpo import GroupAdvantages, group_advantages, nanstd, n
 from rolemrc.objectives.rloo import rloo_advantages
 from rolemrc.rewards import RewardSet, disagreement_rate
 from rolemrc.rewards.combine import RewardScores
-from rolemrc.rewards.turns import DialogueScores, score_dialogues
+from rolemrc.rewards.turns import DialogueScores, extra_metrics, score_dialogues
 from rolemrc.rollout import RolloutError
 
 
@@ -128,11 +128,6 @@ class LeaveOneOutScorer(Scorer):
 
         rewards = scores.rewards.to(device).double()
         return self.over_ranks(advantages, rewards, kl) if o.normalize_advantages else advantages(rewards, kl)
-
-
-def extra_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A reward set's metrics besides the means and stds (judge ``missing`` counts, disagreement rates)."""
-    return {k: v for k, v in metrics.items() if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))}
 
 
 def rollout_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:

@@ -55,7 +55,8 @@ def aggregate(values: Tensor, how: str) -> float:
     raise ValueError(f"env.turn_rewards must be one of {', '.join(TURN_AGGREGATIONS)}, got {how!r}")
 
 
-def _extra(metrics: Mapping[str, float]) -> dict[str, float]:
+def extra_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """A reward set's metrics besides the means and stds (judge ``missing`` counts, disagreement rates)."""
     return {k: v for k, v in metrics.items() if k.startswith("rewards/") and not k.endswith(("/mean", "/std"))}
 
 
@@ -81,7 +82,7 @@ def score_dialogues(rewards: RewardSet, dialogues: Sequence[Sequence[Mapping[str
     per_turn = [name for name in names if name not in whole]
     if per_turn and replies:
         got = rewards.subset(per_turn)(prompts, replies, {c: [v[i] for i in owner] for c, v in columns.items()})
-        metrics.update(_extra(got.metrics))
+        metrics.update(extra_metrics(got.metrics))
         owners = torch.tensor(owner)
         for col, name in enumerate(per_turn):
             turn_values[:, names.index(name)] = got.per_reward[:, col]
@@ -91,7 +92,7 @@ def score_dialogues(rewards: RewardSet, dialogues: Sequence[Sequence[Mapping[str
         last = [max(j for j, m in enumerate(messages) if m["role"] == "assistant") for messages in dialogues]
         got = rewards.subset(list(whole))([[dict(m) for m in d[:j]] for d, j in zip(dialogues, last, strict=True)],
                                           [d[j]["content"] for d, j in zip(dialogues, last, strict=True)], columns)
-        metrics.update(_extra(got.metrics))
+        metrics.update(extra_metrics(got.metrics))
         for col, name in enumerate(whole):
             per[:, names.index(name)] = got.per_reward[:, col]
     total = rewards.combine(per, names)

@@ -60,7 +60,7 @@ from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
     JUDGE_BACKENDS, check_judge, judge_backend, judge_config, obtainable, uses_evaluated_model,
 )
-from rolemrc.eval.report import fmt
+from rolemrc.eval.report import fmt, status_table
 from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
@@ -771,11 +771,7 @@ def render(res: dict[str, Any]) -> str:
     lines += ["", f"{n} of {res['scenes']} scenes scored ({'simulated here' if res['simulated'] else 'simulations read from generation.path'}"
               f"; {len(res['stalled'])} stopped early, {res['not_in_file']} without a simulation in the file; "
               f"{res['nsp_fallbacks']} next-speaker answers replaced by a random pick).", "",
-              "| dimension | scored | unparseable | failed | budget exhausted |", "|---|---|---|---|---|"]
-    for d in DIMENSIONS:
-        st = res["statuses"][d]
-        lines.append(f"| {d} | {st.get('ok', 0)} | {st.get('unparseable', 0)} | {st.get('failed', 0)} | "
-                     f"{st.get('budget_exhausted', 0)} |")
+              *status_table(["dimension"], (([d], res["statuses"][d]) for d in DIMENSIONS))]
     lines += ["", "Answers without a critique and failed requests are counted above, never scored.", ""]
     return "\n".join(lines)
 

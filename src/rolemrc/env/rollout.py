@@ -127,22 +127,15 @@ def roll(episodes: Sequence[Episode], chat: ChatFormat, generate: Callable[[list
             reply = tok.decode(out[:-1] if stopped else out, skip_special_tokens=True)
             before = c.messages
             c.messages = before + [{"role": "assistant", "content": reply}]
-            if cut:
-                c.reason = "length_cap"
-            elif not stopped:
-                c.reason = "truncated"
-            elif out[-1] != eot_id:
-                c.reason = "stop"
+            c.reason = "length_cap" if cut else "truncated" if not stopped else "stop" if out[-1] != eot_id else ""
+            if not c.reason and chat.encode_response(before, reply) != out:
+                c.noncanonical += 1
+            if not c.reason and turn == max_turns - 1:
+                c.reason = "turn_cap"
             if c.reason:
                 c.turn_info.append({})
-                continue
-            if chat.encode_response(before, reply) != out:
-                c.noncanonical += 1
-            if turn == max_turns - 1:
-                c.turn_info.append({})
-                c.reason = "turn_cap"
-                continue
-            asked.append((i, before, reply))
+            else:
+                asked.append((i, before, reply))
         for c, new in user_turns(episodes, asked, convs):
             piece = chat.tokenize(text_after_reply(chat, c.messages, new))
             if max_tokens is not None and len(c.ids) + len(piece) >= max_tokens:

@@ -50,9 +50,9 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import OmegaConf
 from torch import nn
 
-from rolemrc.config import JudgeConfig, plain
+from rolemrc.config import plain
 from rolemrc.eval.generation import item_id
-from rolemrc.rollout.hf import greedy_generate_ids, stop_token_ids
+from rolemrc.rollout.hf import greedy_generate_ids, pad_id_of, stop_token_ids
 from rolemrc.eval.judge import (
     STATUSES,
     DimensionSummary,
@@ -75,11 +75,6 @@ from rolemrc.tasks import TASKS, balanced_subset
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS: tuple[str, ...] = ("bleu", "rouge1", "rougeL")  # cheap: no model, no corpus download
-
-
-def is_live(judge: JudgeConfig) -> bool:
-    """The model being trained judges itself (``backend: hf`` with ``model: null``)."""
-    return uses_evaluated_model(judge)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -239,14 +234,13 @@ class JudgeScores(L.Callback):
         start = time.perf_counter()
         step = trainer.global_step
         tokenizer = self._chat.tokenizer
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         with generation_mode(trainer, model):
             new_ids = greedy_generate_ids(
-                model, self._prompts, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens, pad_id=pad_id,
+                model, self._prompts, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens, pad_id=pad_id_of(tokenizer),
                 stop_ids=self._stops, synced_gpus=True if everywhere else None,
             )
         replies = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in new_ids]
-        if everywhere and is_live(self.judge):
+        if everywhere and uses_evaluated_model(self.judge):  # the model being trained judges itself
             # Tiny numeric differences between ranks must not give them different judge prompts.
             replies = trainer.strategy.broadcast(replies, src=0)
         verdicts = self.run_judge(trainer, pl_module, replies, everywhere, step)
@@ -278,12 +272,12 @@ class JudgeScores(L.Callback):
         that takes no part)."""
         if judge_backend(self.judge) is None:
             return None
-        if not (is_live(self.judge) and everywhere) and not trainer.is_global_zero:
+        if not (uses_evaluated_model(self.judge) and everywhere) and not trainer.is_global_zero:
             return None
         judged = [k for k, it in enumerate(self._items) if it.task in TASKS]  # RoleBench items are not judged
         jitems = judge_items([self._items[k] for k in judged], [replies[k] for k in judged],
                              [self._ids[k] for k in judged])
-        if not is_live(self.judge):
+        if not uses_evaluated_model(self.judge):
             return self.external_judge(pl_module).judge(jitems)
         model = pl_module.model
         # The weights change every round: the step in the model id keeps answers apart, and no

@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
-from rolemrc.api import AnswerCache, ApiClient, Budget, FAULT_KINDS, Rejected, fault_summary, request_key
+from rolemrc.api import FAULT_KINDS, AnswerCache, Budget, Rejected, fault_summary, request_key
 from rolemrc.config import Judging, Replier, check_data_dir, plain, typed
 from rolemrc.data.readers import read_examples
 from rolemrc.data.schemas import DataError, Message, RecordError, check_turn_order, normalise_messages
@@ -52,10 +52,10 @@ from rolemrc.eval import pairwise
 from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.generation import (
     VLLM_MISSING, GenerationIncomplete, GenerationStore, build_judge, check_generation, check_openai, check_settings,
-    generation_backend, generation_label, item_id, load_eval_model, model_label, reply_paths, restraint_hook,
+    generation_backend, generation_label, item_id, load_eval_model, model_label, nonempty, reply_paths, restraint_hook,
 )
 from rolemrc.eval.judge import (
-    JudgeIncomplete, JudgeItem, Verdict, aggregate, judge_backend, parse_verdict, uses_evaluated_model,
+    JudgeIncomplete, JudgeItem, Verdict, aggregate, endpoint_client, judge_backend, parse_verdict, uses_evaluated_model,
 )
 from rolemrc.eval.report import log_to_loggers, pct, print_console, write_report
 from rolemrc.eval.verifiers import verify
@@ -244,12 +244,6 @@ def _reply_json(text: str) -> Reply:
     return Reply(str(raw["text"]), bool(raw.get("cut")), raw.get("tokens"))
 
 
-def _nonempty(text: str) -> str:
-    if not text or not text.strip():
-        raise Rejected("empty_reply", "the reply is empty")
-    return text
-
-
 def openai_reply(g: Any, cache: AnswerCache, counts: Counter[str], sent: list[int]) -> Callable[
         [list[list[Message]]], list[Reply | Fault]]:
     """The served model's greedy replies (temperature 0) to conversations, through ``cache``
@@ -267,13 +261,11 @@ def openai_reply(g: Any, cache: AnswerCache, counts: Counter[str], sent: list[in
                 out[i] = _reply_json(hit)
 
         async def main() -> None:
-            client = ApiClient("generation", base_url=g.base_url, api_key_env=g.api_key_env, concurrency=g.concurrency,
-                               timeout_s=g.timeout_s, max_attempts=g.max_attempts, backoff_s=g.backoff_s,
-                               max_backoff_s=g.max_backoff_s, budget=budget, counts=counts)
+            client = endpoint_client("generation", g, counts, budget)
 
             async def one(i: int) -> None:
                 o = await client.chat({"model": g.model, "messages": batch[i], **sampling}, tag=f"conversation {i}",
-                                      check=_nonempty)
+                                      check=nonempty)
                 sent[0] += o.attempts
                 if not o.ok:
                     out[i] = Fault(o.error or o.status)
@@ -643,31 +635,27 @@ def run_dialogues(cfg: Any) -> dict[str, Any]:
                            results=DIALOGUES_FILE)
             if backend.loads_model and (todo or (uses_evaluated_model(judging.judge) and r.model.path is None)):
                 model = load_eval_model(r, tokenizer)
-            if todo:
-                generate = hf_generate(r, model, tokenizer, stops) if backend.loads_model else vllm_generate(r, stops)
-                env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed,
-                               device=cfg.generation.device)
-                per = cfg.generation.batch_size if backend.loads_model else max(cfg.generation.batch_size, VLLM_CHUNK)
-                max_tokens = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.data.get("max_length")
-                try:
-                    failed = play_local(todo, env, chat, generate, stops, store, per, cfg.env.max_turns, max_tokens)
-                finally:
-                    env.close()
-                played.n_new = len(todo) - len(failed)
         else:
             check_openai(cfg.generation)
             check_settings(out_dir, {"mode": "dialogue", "env": env_settings, "model": model_label(r),
                                      "backend": "openai", "temperature": 0.0,
                                      "max_tokens": cfg.generation.max_new_tokens, "base_url": cfg.generation.base_url},
                            results=DIALOGUES_FILE)
-            if todo:
-                env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed,
-                               device=cfg.generation.device)
-                try:
+        if todo:
+            env = make_env(typed(cfg.env), cache_dir=out_dir / "env_cache", seed=cfg.seed, device=cfg.generation.device)
+            try:
+                if backend.local:
+                    generate = (hf_generate(r, model, tokenizer, stops) if backend.loads_model
+                                else vllm_generate(r, stops))
+                    per = (cfg.generation.batch_size if backend.loads_model
+                           else max(cfg.generation.batch_size, VLLM_CHUNK))
+                    max_tokens = cfg.env.max_tokens if cfg.env.max_tokens is not None else cfg.data.get("max_length")
+                    failed = play_local(todo, env, chat, generate, stops, store, per, cfg.env.max_turns, max_tokens)
+                else:
                     played.requests, played.faults, failed = play_openai(r, cfg.env, todo, env, store)
-                finally:
-                    env.close()
-                played.n_new = len(todo) - len(failed)
+            finally:
+                env.close()
+            played.n_new = len(todo) - len(failed)
         done = store.load()
         played.records = [done[s.id] for s in seeds if s.id in done]
     else:  # generation.backend=file: whole conversations from generation.path

@@ -35,14 +35,14 @@ from pathlib import Path
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
 
-from rolemrc.api import (
-    AnswerCache, ApiClient, Budget, FAULT_KINDS, Rejected, fault_summary, request_key,
-)
+from rolemrc.api import FAULT_KINDS, AnswerCache, Rejected, fault_summary, request_key
 from rolemrc.config import Judging, Replier, plain, typed
 from rolemrc.data.schemas import DataError
 from rolemrc.data.test_items import generation_prompts
 from rolemrc.errors import ConfigError, InputNotFound, UserError
-from rolemrc.eval.judge import check_api_key, check_judge, judge_config, make_judge, role_of, uses_evaluated_model
+from rolemrc.eval.judge import (
+    check_api_key, check_judge, endpoint_client, judge_config, make_judge, role_of, uses_evaluated_model,
+)
 from rolemrc.fileio import atomic_write_text
 from rolemrc.models.loading import check_source, count_parameters, load_model
 from rolemrc.models.source import check_model_path
@@ -326,7 +326,8 @@ class ChatItem:
     messages: list[Message]
 
 
-def _nonempty(text: str) -> str:
+def nonempty(text: str) -> str:
+    """``text`` unless it is empty or blank (a :class:`rolemrc.api.Rejected`: an API reply to ask again)."""
     if not text or not text.strip():
         raise Rejected("empty_reply", "the reply is empty")
     return text
@@ -372,7 +373,7 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
         try:
             hits = []
             for it in todo:
-                text = cache.get(keys[it.id], valid=_nonempty)
+                text = cache.get(keys[it.id], valid=nonempty)
                 if text is not None:
                     hits.append(Generation(it.id, it.task, text, None, None))
             store.append(hits)
@@ -383,18 +384,13 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
                 log.info("generation: asking %s for %d replies (%d from the cache)", g.model, len(ask), len(hits))
 
             async def main() -> None:
-                client = ApiClient(
-                    "generation", base_url=g.base_url, api_key_env=g.api_key_env, concurrency=g.concurrency,
-                    timeout_s=g.timeout_s, max_attempts=g.max_attempts, backoff_s=g.backoff_s,
-                    max_backoff_s=g.max_backoff_s, budget=Budget(g.max_requests, names=("generation.max_requests", "")),
-                    counts=counts,
-                )
+                client = endpoint_client("generation", g, counts)
                 bar = tqdm(total=len(ask), desc="generate (api)", unit="item", disable=not progress)
 
                 async def one(it: ChatItem) -> None:
                     nonlocal requests
                     body = {"model": g.model, "messages": it.messages, **sampling}
-                    out = await client.chat(body, tag=f"item {it.id}", check=_nonempty)
+                    out = await client.chat(body, tag=f"item {it.id}", check=nonempty)
                     requests += out.attempts
                     bar.update(1)
                     if not out.ok:

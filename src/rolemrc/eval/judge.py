@@ -739,11 +739,7 @@ class OpenAIBackend:
             check = self.protocol.check
         # Not retried (paper protocol): the answer comes back unchecked and is parsed here.
         send_check = check if self.retries_unparseable else None
-        client = ApiClient(
-            "judge", base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency, timeout_s=c.timeout_s,
-            max_attempts=c.max_attempts, backoff_s=c.backoff_s, max_backoff_s=c.max_backoff_s,
-            budget=Budget(c.max_requests, names=("judge.max_requests", "")), counts=self.counts,
-        )
+        client = endpoint_client("judge", c, self.counts)
 
         async def one(i: int, messages: list[Message]) -> Answer:
             body = {"model": c.model, "messages": messages, "temperature": c.temperature, "max_tokens": c.max_tokens}
@@ -767,6 +763,16 @@ class OpenAIBackend:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
         finally:
             await client.close()
+
+
+def endpoint_client(what: str, c: Any, counts: Counter[str], budget: Budget | None = None) -> ApiClient:
+    """An :class:`ApiClient` for the endpoint settings ``c`` (the judge or generation group: base_url,
+    api_key_env, concurrency, timeout_s, max_attempts, backoff_s, max_backoff_s), counting its faults
+    in ``counts``; its budget ``c.max_requests`` (named ``<what>.max_requests``) unless one is given."""
+    return ApiClient(what, base_url=c.base_url, api_key_env=c.api_key_env, concurrency=c.concurrency,
+                     timeout_s=c.timeout_s, max_attempts=c.max_attempts, backoff_s=c.backoff_s,
+                     max_backoff_s=c.max_backoff_s, counts=counts,
+                     budget=budget or Budget(c.max_requests, names=(f"{what}.max_requests", "")))
 
 
 def with_protocol(sampling: dict[str, Any], protocol: Protocol) -> dict[str, Any]:

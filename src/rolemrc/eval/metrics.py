@@ -326,10 +326,6 @@ def rouge_setting(use_stemmer: bool = True, target: RougeTarget = "reply",
     }
 
 
-def rouge_info(use_stemmer: bool = True, target: RougeTarget = "reply") -> dict[str, Any]:
-    return rouge_setting(use_stemmer, target)
-
-
 def rouge_scores(
     predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES,
     use_stemmer: bool = True, target: RougeTarget = "reply",

@@ -24,7 +24,6 @@ scored; rates are over the pairs with an outcome. Every answer with a winner lin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -38,7 +37,8 @@ from rolemrc.config import Judging
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
-from rolemrc.eval.judge import OpenAIBackend, cache_key, judge_backend, judge_config
+from rolemrc.eval.bench.ask import ask_judge
+from rolemrc.eval.judge import judge_backend, judge_config, obtainable
 from rolemrc.eval.report import pct
 from rolemrc.fileio import template_fields
 
@@ -201,42 +201,6 @@ def combine(a_first: str | None, b_first: str | None) -> tuple[str | None, bool]
     return "tie", {a_first, b_first} == {"A", "B"}
 
 
-def _ask(judge: Any, cache: AnswerCache, prompts: Sequence[list[dict[str, str]]]) -> list[dict[str, Any]]:
-    """One ``{"status", "text", "cached", "error", "attempts"}`` per prompt, through the cache."""
-    backend = judge.backend
-    sampling = backend.sampling()
-    keys = [cache_key(backend.model_id, p, {**sampling, "mode": "pairwise"}) for p in prompts]
-    out: list[dict[str, Any] | None] = [None] * len(prompts)
-    todo: dict[str, list[int]] = {}
-    for i, k in enumerate(keys):
-        text = cache.get(k, valid=check_winner)
-        if text is not None:
-            out[i] = {"status": "ok", "text": text, "cached": True, "error": None, "attempts": 0}
-        else:
-            todo.setdefault(k, []).append(i)
-    todo_keys = list(todo)
-
-    def record(j: int, status: str, text: str | None, attempts: int, error: str | None) -> None:
-        k = todo_keys[j]
-        if status == "ok" and parse_winner(text) is None:
-            status, error = "unparseable", error or "the answer has no 'WINNER: 1|2|tie' line"
-        if status == "ok":
-            cache.put(k, text or "", backend.model_id)
-        for i in todo[k]:
-            out[i] = {"status": status, "text": text, "cached": False, "error": error, "attempts": attempts}
-
-    asks = [prompts[idx[0]] for idx in todo.values()]
-    if asks and isinstance(backend, OpenAIBackend):
-        asyncio.run(backend.answer_all(asks, lambda j, a: record(j, a.status, a.text, a.attempts, a.error),
-                                       check=check_winner, tag="pairwise prompt"))
-    elif asks:
-        # A local judge answers greedily; its backend checks for the five-dimension verdict line, so
-        # only a failure is taken from its status and the text is read here.
-        for j, a in enumerate(asyncio.run(backend.answer_all(asks))):
-            record(j, "failed" if a.status == "failed" else "ok", a.text, a.attempts, a.error)
-    return [x for x in out if x is not None]
-
-
 def _prefers(winner: str | None, a_shown_first: bool) -> str | None:
     if winner is None:
         return None
@@ -280,7 +244,8 @@ def judge_pairs(p: Any, judging: Judging, judge: Any, items: Sequence[TestItem],
     log.info("pairwise: %d items x %d opponent(s): %d comparisons, %d judge prompts", len(items), len(names),
              len(jobs), len(prompts))
     with AnswerCache(cache_dir / CACHE_FILE) as cache:
-        answers = _ask(judge, cache, prompts)
+        answers, _ = ask_judge(judge.backend, cache, prompts, parse_winner, check_winner, "pairwise prompt",
+                               mode="pairwise", no_value="the answer has no 'WINNER: 1|2|tie' line")
 
     pairs: list[Pair] = []
     for n, (name, k, _) in enumerate(jobs):
@@ -311,8 +276,7 @@ def judge_pairs(p: Any, judging: Judging, judge: Any, items: Sequence[TestItem],
             "overall": table(mine),
             "by_task": {t: table([x for x in mine if x.task == t]) for t in sorted({x.task for x in mine})},
         }
-    retryable = ("failed", "budget_exhausted") + (("unparseable",) if judge_backend(judging.judge).asks_again else ())
-    lacking = {s: n for s in retryable if (n := sum(x.status == s for x in pairs))}
+    lacking = obtainable((x.status for x in pairs), not judge_backend(judging.judge).asks_again)
     if lacking:
         res["missing"] = (f"pairwise judge: {len(pairs) - sum(lacking.values())} of {len(pairs)} comparisons decided, "
                           f"missing {', '.join(f'{n} {s}' for s, n in lacking.items())}")

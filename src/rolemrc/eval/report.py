@@ -35,6 +35,12 @@ def fmt(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def mean(xs: Sequence[float | None]) -> float | None:
+    """The mean of the values that are not None; None when there is none."""
+    got = [x for x in xs if x is not None]
+    return sum(got) / len(got) if got else None
+
+
 def pct(x: float | None) -> str:
     """A share as a percentage with two decimals, ``n/a`` for none."""
     return "n/a" if x is None else f"{100 * x:.2f}%"

@@ -31,7 +31,7 @@ from rolemrc.eval.judge import (
     JudgeIncomplete, aggregate, judge_backend, judge_items, uses_evaluated_model,
 )
 from rolemrc.eval.metrics import (
-    BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_info, rouge_l, rouge_scores,
+    BertScoreConfig, MetricsResult, check_metrics, compute_metrics, rouge_l, rouge_scores, rouge_setting,
 )
 from rolemrc.eval.report import log_to_loggers, print_console, write_report  # noqa: F401 - print_console re-exported
 from rolemrc.eval.suites import run_suites, wants_suites
@@ -60,11 +60,9 @@ def reference_metrics(m: Any, items: Sequence[TestItem], replies: Sequence[str],
     else ``metrics.names``."""
     if rolebench:
         # Best ROUGE-L over the row's reference answers (RoleBench rows carry several).
-        per = []
-        for it, reply in zip(items, replies, strict=True):
-            refs = it.extra.get("references") or [it.reference]
-            per.append(rouge_scores([reply], [refs], ("rougeL",), m.rouge_use_stemmer, m.rouge_target)["rougeL"][0])
-        return MetricsResult({"rougeL": per}, {"rouge": rouge_info(m.rouge_use_stemmer, m.rouge_target)})
+        several = [it.extra.get("references") or [it.reference] for it in items]
+        per = rouge_scores(replies, several, ("rougeL",), m.rouge_use_stemmer, m.rouge_target)["rougeL"]
+        return MetricsResult({"rougeL": per}, {"rouge": rouge_setting(m.rouge_use_stemmer, m.rouge_target)})
     refs = [it.reference for it in items]
     if m.rouge_only:
         return rouge_l(replies, refs, m.rouge_use_stemmer, m.rouge_target)

@@ -16,16 +16,19 @@ Message = dict[str, str]
 
 
 def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]], parse: Callable[[str | None], Any],
-              check: Callable[[str], Any], tag: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+              check: Callable[[str], Any], tag: str, mode: str | None = None,
+              no_value: str | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One ``{"status", "text", "value", "cached", "error", "attempts"}`` per prompt, and ``{"cache_hits", "requests"}``.
 
     A cached answer is served when ``check`` accepts it; identical prompts are asked once. ``value``
     is ``parse(text)``; an answer it cannot read is ``unparseable`` (the openai backend first asks
     again, ``check`` raising :class:`rolemrc.api.Rejected`; a greedy hf judge would answer the
-    same). Only answers with a value are cached; failed requests keep their status and error."""
+    same). Only answers with a value are cached; failed requests keep their status and error.
+    ``mode``: added to the cache key's sampling settings; ``no_value``: the error of an unparseable
+    answer that carries none."""
     stats = {"cache_hits": 0, "requests": 0}
     results: list[dict[str, Any] | None] = [None] * len(prompts)
-    sampling = backend.sampling()
+    sampling = {**backend.sampling(), "mode": mode} if mode else backend.sampling()
     todo: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         k = cache_key(backend.model_id, p, sampling)
@@ -42,6 +45,8 @@ def ask_judge(backend: Any, cache: AnswerCache, prompts: Sequence[list[Message]]
         value = parse(text) if status in ("ok", "unparseable") else None
         if status in ("ok", "unparseable"):
             status = "ok" if value is not None else "unparseable"
+            if value is None and no_value:
+                error = error or no_value
         if status == "ok":
             cache.put(keys[j], text or "", backend.model_id)
         stats["requests"] += attempts

@@ -40,7 +40,7 @@ from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.files import field_of, read_json, read_json_list
 from rolemrc.eval.bench.reward import RewardJudge
-from rolemrc.eval.report import fmt
+from rolemrc.eval.report import fmt, mean
 
 log = logging.getLogger(__name__)
 
@@ -153,16 +153,12 @@ def check(c: Any, ctx: Any) -> None:
     RewardJudge.check(c.reward_model, "data.charactereval.reward_model")
 
 
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    metrics = {m: {"mean": _mean(s := [r["score"] for r in records if r["metric"] == m]), "n": len(s)}
+    metrics = {m: {"mean": mean(s := [r["score"] for r in records if r["metric"] == m]), "n": len(s)}
                for m in METRICS if any(r["metric"] == m for r in records)}
-    dims = {d: _mean([metrics[m]["mean"] for m in ms if m in metrics]) for d, ms in DIMENSIONS.items()}
+    dims = {d: mean([metrics[m]["mean"] for m in ms if m in metrics]) for d, ms in DIMENSIONS.items()}
     return {"metrics": metrics, "dimensions": {d: v for d, v in dims.items() if v is not None},
-            "overall": _mean([v["mean"] for v in metrics.values()])}
+            "overall": mean([v["mean"] for v in metrics.values()])}
 
 
 def evaluate(c: Any, ctx: Any) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from rolemrc.eval.metrics import ensure_punkt
 from rolemrc.eval.judge import (
     JUDGE_BACKENDS, check_judge, judge_backend, judge_config, obtainable, uses_evaluated_model,
 )
-from rolemrc.eval.report import fmt, status_table
+from rolemrc.eval.report import fmt, mean, status_table
 from rolemrc.fileio import read_mapping
 
 log = logging.getLogger(__name__)
@@ -665,10 +665,6 @@ def judge_all(ctx: Any, prompts: Sequence[tuple[str, list[dict[str, str]]]]) -> 
     return results, {"judge_model": backend.model_id, **stats}
 
 
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def score(c: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict[str, str]] | None]) -> dict[str, Any]:
     """Per-scene BLEU, ROUGE-L and the four judged scores; the means as the authors aggregate them."""
     t = load_templates(c.templates, simulate=False)
@@ -701,12 +697,12 @@ def score(c: Any, ctx: Any, scenes: Sequence[Scene], sims: dict[str, list[dict[s
         got = [case["critique"][d].get("score") for d in DIMENSIONS]
         case["score"] = sum(got) / len(got) if all(g is not None for g in got) else None
     means: dict[str, float | None] = {
-        d: _mean([c["critique"][d]["score"] for c in cases.values() if c["critique"][d].get("score") is not None])
+        d: mean([c["critique"][d]["score"] for c in cases.values() if c["critique"][d].get("score") is not None])
         for d in DIMENSIONS}
     dims = [means[d] for d in DIMENSIONS]
     means["avg"] = sum(dims) / len(dims) if all(v is not None for v in dims) else None  # type: ignore[arg-type]
-    means["bleu"] = _mean([c["bleu"] for c in cases.values()])
-    means["rouge_l"] = _mean([c["rouge_l"] for c in cases.values() if c["rouge_l"] is not None])
+    means["bleu"] = mean([c["bleu"] for c in cases.values()])
+    means["rouge_l"] = mean([c["rouge_l"] for c in cases.values() if c["rouge_l"] is not None])
     return {"scores": means, "cases": cases, "judge": stats, "statuses": status_counts}
 
 

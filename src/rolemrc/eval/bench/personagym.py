@@ -46,14 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from omegaconf import OmegaConf
-
 from rolemrc.api import Rejected
+from rolemrc.config import plain
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.bench.ask import ask_suite_judge
 from rolemrc.eval.judge import check_judge, judge_backend, judge_config, obtainable, passes
-from rolemrc.eval.report import fmt
+from rolemrc.eval.report import fmt, mean
 from rolemrc.fileio import template_fields
 
 log = logging.getLogger(__name__)
@@ -238,22 +237,17 @@ def nonzero_mean(scores: Sequence[int]) -> float:
     return sum(scores) / n if n else float(sum(scores))
 
 
-def _mean(xs: Sequence[float | None]) -> float | None:
-    got = [x for x in xs if x is not None]
-    return sum(got) / len(got) if got else None
-
-
 # ---------------------------------------------------------------- judges
 
 
 def _judge_cfgs(c: Any, judge: Any) -> list[tuple[str, Any]]:
     """(where, judge config) of each judge: ``data.personagym.judges`` entries over ``judge``."""
-    base = OmegaConf.to_container(judge, resolve=True) if OmegaConf.is_config(judge) else dict(judge)
+    base = plain(judge)
     entries = list(c.judges or []) or [{}]
     out = []
     for k, entry in enumerate(entries):
         where = f"data.personagym.judges[{k}]" if c.judges else "judge"
-        over = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else entry
+        over = plain(entry)
         if not isinstance(over, Mapping):
             raise ConfigError(f"{where}: expected a mapping of judge keys (model, base_url, ...), got {over!r}")
         out.append((where, judge_config({**base, **over}, where)))
@@ -265,9 +259,7 @@ def _examples_cfg(c: Any, judge: Any, judges: list[tuple[str, Any]]) -> tuple[st
         return None
     if c.examples_judge is None:
         return judges[0]
-    base = OmegaConf.to_container(judge, resolve=True)
-    over = OmegaConf.to_container(c.examples_judge, resolve=True) if OmegaConf.is_config(c.examples_judge) \
-        else dict(c.examples_judge)
+    base, over = plain(judge), plain(c.examples_judge)
     return "data.personagym.examples_judge", judge_config({**base, **over}, "data.personagym.examples_judge")
 
 
@@ -426,12 +418,12 @@ def summarise(rows: list[dict[str, Any]], loaded: Mapping[str, Any], tasks: Sequ
     model can answer differently, ``asks_again``)."""
     personas: dict[str, Any] = {}
     for p in loaded:
-        per = {t: _mean([r["score"] for r in rows if r["persona"] == p and r["task"] == t and r["score"] is not None])
+        per = {t: mean([r["score"] for r in rows if r["persona"] == p and r["task"] == t and r["score"] is not None])
                for t in tasks}
         complete = all(v is not None for v in per.values())
-        personas[p] = {"tasks": per, "PersonaScore": _mean(list(per.values())) if complete else None}
-    overall = {t: _mean([personas[p]["tasks"][t] for p in personas]) for t in tasks}
-    overall["PersonaScore"] = _mean([personas[p]["PersonaScore"] for p in personas])
+        personas[p] = {"tasks": per, "PersonaScore": mean(list(per.values())) if complete else None}
+    overall = {t: mean([personas[p]["tasks"][t] for p in personas]) for t in tasks}
+    overall["PersonaScore"] = mean([personas[p]["PersonaScore"] for p in personas])
     judged = [j for r in rows for j in r["judges"] if j["status"] == "ok"]
     counts = {
         "groups": len(rows),

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
@@ -413,7 +413,7 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
                 asyncio.run(main())
         finally:
             cache.close()
-    faults = {k: n for k, n in counts.items() if k in _fault_kinds()}
+    faults = {k: n for k, n in counts.items() if k in FAULT_KINDS}
     if failed:
         first = ", ".join(f"{it.id} ({why})" for it, why in failed[:3])
         raise GenerationIncomplete(
@@ -423,10 +423,6 @@ def generate_openai(g: Any, items: Sequence[ChatItem], out_dir: str | Path, cach
         )
     return GenerationRun([done[it.id] for it in items], n_new=len(todo), n_resumed=len(items) - len(todo),
                          requests=requests, faults=faults)
-
-
-def _fault_kinds() -> tuple[str, ...]:
-    return FAULT_KINDS
 
 
 # ---------------------------------------------------------------- file backend
@@ -579,12 +575,7 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
     got = match_replies(replies, items, ids)
     missing = [k for k, r in enumerate(got) if r is None]
     if missing and g.on_missing == "error":
-        first = "; ".join(f"{ids[k]} ({items[k].question[-1]['content'].strip()[:60]!r})" for k in missing[:3])
-        raise GenerationIncomplete(
-            f"generation.path: {len(missing)} of {len(items)} test items have no reply in "
-            f"{', '.join(replies.paths)} (first: {first}); give every item a reply (matched by id, else by "
-            "question), or set generation.on_missing=skip to leave them out (counted in the report)"
-        )
+        raise no_reply_error("generation", missing, items, ids, ", ".join(replies.paths), "them out")
     if missing:
         log.warning("generation.path: %d of %d test items have no reply and are left out (generation.on_missing=skip)",
                     len(missing), len(items))
@@ -596,6 +587,18 @@ def file_replies(g: Any, items: Sequence[TestItem], ids: Sequence[str], out_dir:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(out_dir) / "generations.jsonl", "".join(x.to_json() + "\n" for x in gens))
     return GenerationRun(gens, n_new=0, n_resumed=0, missing=missing, unmatched=unmatched)
+
+
+def no_reply_error(group: str, missing: Sequence[int], items: Sequence[TestItem], ids: Sequence[str], files: str,
+                   left_out: str) -> GenerationIncomplete:
+    """The error for test items without a reply in ``files`` (``group``: ``generation`` or
+    ``pairwise``, whose ``on_missing=skip`` leaves ``left_out``), naming the first few."""
+    first = "; ".join(f"{ids[k]} ({items[k].question[-1]['content'].strip()[:60]!r})" for k in missing[:3])
+    key = "generation.path" if group == "generation" else f"{group}.against"
+    return GenerationIncomplete(
+        f"{key}: {len(missing)} of {len(items)} test items have no reply in {files} (first: {first}); give every "
+        f"item a reply (matched by id, else by question), or set {group}.on_missing=skip to leave {left_out} "
+        "(counted in the report)")
 
 
 def count_unmatched(replies: ReplyFile) -> int:
@@ -840,8 +843,6 @@ def load_eval_model(r: Replier, tokenizer: Any) -> Any:
 def build_judge(judging: Judging, replier: Replier, model: Any | None, tokenizer: Any) -> Any:
     """A :class:`rolemrc.eval.judge.Judge` for ``judging.judge`` (``make_judge``), None for ``judge=none``;
     ``replier``: the evaluated model, which ``judge=hf`` with ``judge.model=null`` judges with."""
-    from dataclasses import replace
-
     j = judge_config(judging.judge)
     if uses_evaluated_model(j) and model is None and replier.model.path is not None:
         j = replace(j, model=replier.model.path)  # generated with vllm: the evaluated model judges, loaded here

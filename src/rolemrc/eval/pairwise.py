@@ -36,7 +36,7 @@ from rolemrc.api import AnswerCache, Rejected
 from rolemrc.config import Judging
 from rolemrc.data.schemas import TestItem
 from rolemrc.errors import ConfigError, InputNotFound
-from rolemrc.eval.generation import GenerationIncomplete, match_replies, read_replies
+from rolemrc.eval.generation import match_replies, no_reply_error, read_replies
 from rolemrc.eval.bench.ask import ask_judge
 from rolemrc.eval.judge import judge_backend, judge_config, obtainable
 from rolemrc.eval.report import pct
@@ -228,11 +228,7 @@ def judge_pairs(p: Any, judging: Judging, judge: Any, items: Sequence[TestItem],
         got = match_replies(rf, items, ids)
         missing = [k for k, r in enumerate(got) if r is None]
         if missing and p.on_missing == "error":
-            first = "; ".join(f"{ids[k]} ({items[k].question[-1]['content'].strip()[:60]!r})" for k in missing[:3])
-            raise GenerationIncomplete(
-                f"pairwise.against: {len(missing)} of {len(items)} test items have no reply in {path} (first: "
-                f"{first}); give every item a reply (matched by id, else by question), or set "
-                "pairwise.on_missing=skip to leave them out of this comparison (counted in the report)")
+            raise no_reply_error("pairwise", missing, items, ids, path, "them out of this comparison")
         no_reply[name] = len(missing)
         unmatched[name] = len(rf.unmatched())
         jobs += [(name, k, r) for k, r in enumerate(got) if r is not None]

@@ -86,9 +86,7 @@ class Context:
         recs = self.missing.get(stage, [])
         write_jsonl(self.stage(stage).file("missing.jsonl"), recs)
         if recs:
-            why: dict[str, int] = {}
-            for r in recs:
-                why[str(r["reason"])] = why.get(str(r["reason"]), 0) + 1
+            why = Counter(str(r["reason"]) for r in recs)
             self.console.print(escape(
                 f"{stage}: {len(recs)} record(s) without a usable answer after retries "
                 f"({', '.join(f'{k} {v}' for k, v in why.items())}): "

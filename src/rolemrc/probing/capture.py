@@ -24,6 +24,7 @@ from torch import nn
 
 from rolemrc.models.family import SITES, check_site, decoder, decoder_layers, family_of, site_module
 from rolemrc.models.loading import eval_mode
+from rolemrc.rollout.hf import left_padded as padded_rows
 
 __all__ = ["SITES", "LastTokenCapture", "capture_activations", "check_site", "decoder_layers", "encode_prompts",
            "iter_activations", "left_padded", "replace_site_tensor", "site_module", "site_tensor"]
@@ -100,14 +101,9 @@ def left_padded(prompts: Sequence[list[int]], pad_id: int, device: torch.device 
 
     Position ids count real tokens only, so a padded row sees the same positions as alone.
     """
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        if not p:
-            raise ValueError("empty prompt: nothing to forward")
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+    if not all(prompts):
+        raise ValueError("empty prompt: nothing to forward")
+    ids, mask = padded_rows(prompts, pad_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device)}
 

@@ -26,6 +26,14 @@ from rolemrc.tasks import Dimension
 _TITLES = {d.short: f"{d.short}: {d.title}" for d in Dimension} | {"ALL": "ALL: every test case"}
 
 
+def _save(fig: Figure, path: str | Path) -> Path:
+    """``fig`` written to ``path`` (PNG, its folder made); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def pool_columns(values: np.ndarray, max_columns: int) -> tuple[np.ndarray, int]:
     """[L, H] -> ([L, ceil(H / s)], s): groups of ``s`` adjacent neurons shown as one column,
     holding the group's entry of largest magnitude (sign kept)."""
@@ -79,10 +87,7 @@ def plot_maps(
     fig.suptitle(title)
     fig.colorbar(image, ax=axes[:, 0].tolist(), fraction=0.02, pad=0.01, extend=extend,
                  label="freq B - freq A" if diverging else "share of test cases in the top set")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_layer_change(changes: Mapping[str, np.ndarray], path: str | Path, title: str) -> Path:
@@ -102,7 +107,4 @@ def plot_layer_change(changes: Mapping[str, np.ndarray], path: str | Path, title
     ax.set_ylabel("mean |freq B - freq A| over neurons")
     ax.set_title(title)
     ax.legend(fontsize=8, ncol=len(groups), loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)

@@ -97,16 +97,12 @@ def pick_metric(result: dict[str, Any], metric: str | None, task: str) -> tuple[
     return keys[0], float(result[keys[0]])
 
 
-def _settings(b: Any, specs: list[tuple[str, Any, str | None]], label: str) -> dict[str, Any]:
-    return {"model": label, "tasks": [s for _, s, _ in specs], "limit": b.limit, "num_fewshot": b.num_fewshot,
-            "max_length": b.max_length}
-
-
 def run_model(b: Any, specs: list[tuple[str, Any, str | None]], model: Any, tokenizer: Any, label: str,
               out: Path, limit: int | None, seed: int) -> dict[str, Any]:
     """lm-eval on one model: ``{task: {"metric", "value", "all": {...}}}`` (cached in ``out``);
     ``limit``: the run's, when ``benchmarks.limit`` is null."""
-    settings = _settings(b, specs, label)
+    settings = {"model": label, "tasks": [s for _, s, _ in specs], "limit": b.limit, "num_fewshot": b.num_fewshot,
+                "max_length": b.max_length}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     if out.is_file():
         old = json.loads(out.read_text(encoding="utf-8"))

@@ -300,10 +300,10 @@ def bleu_scores(predictions: Sequence[str], references: Sequence[str | Sequence[
 
 
 @lru_cache(maxsize=8)
-def _rouge_scorer(types: tuple[str, ...], use_stemmer: bool) -> Any:
+def _rouge_scorer(types: tuple[str, ...], use_stemmer: bool, tokenizer: Any = None) -> Any:
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(list(types), use_stemmer=use_stemmer, split_summaries=False)
+    return rouge_scorer.RougeScorer(list(types), use_stemmer=use_stemmer, split_summaries=False, tokenizer=tokenizer)
 
 
 def rouge_setting(use_stemmer: bool = True, target: RougeTarget = "reply",
@@ -328,7 +328,7 @@ def rouge_setting(use_stemmer: bool = True, target: RougeTarget = "reply",
 
 def rouge_scores(
     predictions: Sequence[str], references: Sequence[str | Sequence[str]], types: Sequence[str] = ROUGE_TYPES,
-    use_stemmer: bool = True, target: RougeTarget = "reply",
+    use_stemmer: bool = True, target: RougeTarget = "reply", tokenizer: Any = None,
 ) -> dict[str, list[float]]:
     """F-measure per sample for each ROUGE type, as RoleMRC's evaluation script computes it:
     ``RougeScorer(types, use_stemmer=True).score(reply, reference)`` (``target="reply"``: the
@@ -336,10 +336,11 @@ def rouge_scores(
     HF evaluate's "rouge" (``score(reference, reply)``, no stemming).
 
     Several references: per type, the best F-measure over them (``score_multi``'s rule).
+    ``tokenizer``: rouge_score's tokenizer in place of its default one (then no stemming).
     """
     if target not in ("reply", "reference"):
         raise ValueError(f"metrics.rouge_target must be reply or reference, got {target!r}")
-    scorer = _rouge_scorer(tuple(types), use_stemmer)
+    scorer = _rouge_scorer(tuple(types), use_stemmer, tokenizer)
     out: dict[str, list[float]] = {t: [] for t in types}
     for p, r in zip(predictions, references, strict=True):
         refs = [r] if isinstance(r, str) else _ref_list(r)

@@ -49,6 +49,7 @@ from rolemrc.data.roles import RoleSystem
 from rolemrc.data.schemas import DataError, TestItem
 from rolemrc.errors import ConfigError, InputNotFound
 from rolemrc.eval.metrics import rouge_scores, rouge_setting
+from rolemrc.eval.report import mean
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +86,11 @@ def chinese_rouge(predictions: Sequence[str], references: Sequence[Sequence[str]
                   types: Sequence[str] = ROUGE, target: str = "reply") -> dict[str, list[float]]:
     """F-measure per sample with rouge_score and a character (or whitespace) tokenizer; several
     references: the best per type; ``target`` as in :func:`rolemrc.eval.metrics.rouge_scores`."""
-    from rouge_score import rouge_scorer
-
     if mode not in CHINESE_TOKENIZATION:
         raise ConfigError(f"data.rolebench.chinese_tokenizer must be one of {sorted(CHINESE_TOKENIZATION)}, got {mode!r}")
     tok = CharTokenizer() if mode == "char" else WhitespaceTokenizer()
-    scorer = rouge_scorer.RougeScorer(list(types), tokenizer=tok)
-    out: dict[str, list[float]] = {t: [] for t in types}
-    for p, refs in zip(predictions, references, strict=True):
-        scored = [scorer.score(p, r) if target == "reply" else scorer.score(r, p) for r in refs]
-        for t in types:
-            out[t].append(max(float(x[t].fmeasure) for x in scored))
-    return out
+    return rouge_scores(predictions, [list(r) for r in references], types, False, target,  # type: ignore[arg-type]
+                        tokenizer=tok)
 
 
 def rouge(lang: str, predictions: Sequence[str], references: Sequence[Sequence[str]], zh_mode: str,
@@ -186,10 +180,6 @@ def load_items(data: Any, limit: int | None, need_prompts: bool = True) -> tuple
     return out, raw_absent
 
 
-def _summ(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char",
           raw_enabled: dict[str, bool] | None = None, use_stemmer: bool = True,
           target: str = "reply") -> dict[str, Any]:
@@ -222,9 +212,9 @@ def score(items: Sequence[RBItem], replies: Sequence[str], zh_mode: str = "char"
         row: dict[str, Any] = {}
         for kind in SETS:
             s = buckets.get((split, kind))
-            row[kind] = ({**{t: _summ(s[t]) for t in ROUGE}, "n": len(s["rougeL"])} if s else None)
+            row[kind] = ({**{t: mean(s[t]) for t in ROUGE}, "n": len(s["rougeL"])} if s else None)
         vals = [row[k]["rougeL"] for k in SETS if row[k] is not None]
-        row["avg_rougeL"] = _summ(vals)
+        row["avg_rougeL"] = mean(vals)
         if raw_missing.get(split):
             row["raw_missing"] = raw_missing[split]
         splits[split] = row

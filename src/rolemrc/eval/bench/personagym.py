@@ -117,10 +117,6 @@ def load_templates(root: Path, tasks: Sequence[str], need_examples: bool) -> Tem
     return Templates(rubrics, got["grading"], got["system"], got["example"], got["examples"])  # type: ignore[arg-type]
 
 
-def _json_error(path: Path, e: json.JSONDecodeError) -> DataError:
-    return DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})")
-
-
 def _line_of(text: str, key: str) -> int:
     at = text.find(json.dumps(key))
     return text.count("\n", 0, at) + 1 if at >= 0 else 1
@@ -135,7 +131,7 @@ def load_questions(path: Path, tasks: Sequence[str]) -> dict[str, list[str]]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _json_error(path, e) from None
+        raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(doc, dict):
         raise DataError(f"{path}:1: expected a JSON object {{task: [questions]}} with the tasks {', '.join(TASKS)}")
     for key, value in doc.items():

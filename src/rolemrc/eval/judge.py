@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from rolemrc.api import (
     FAULT_KINDS, AnswerCache, ApiClient, Budget, MissingApiKey, Rejected, api_key, fault_summary, request_key,
 )
-from rolemrc.config import JudgeConfig
+from rolemrc.config import JudgeConfig, plain
 from rolemrc.errors import ConfigError, UserError
 from rolemrc.fileio import read_mapping, template_fields
 from rolemrc.registry import Registry
@@ -936,9 +936,7 @@ def judge_config(cfg: Any, where: str = "judge") -> JudgeConfig:
     if isinstance(cfg, JudgeConfig):
         out = cfg
     else:
-        from omegaconf import DictConfig, OmegaConf
-
-        raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+        raw = dict(plain(cfg) or {})
         names = {f.name for f in fields(JudgeConfig)}
         unknown = sorted(set(raw) - names)
         if unknown:

@@ -108,10 +108,8 @@ class Usage:
 
     def add_counts(self, counts: Counter[str]) -> None:
         """Fold in an :class:`~rolemrc.api.ApiClient`'s counts."""
-        self.sent += counts["sent"]
-        self.retries += counts["retries"]
-        self.rate_limited += counts["rate_limited"]
-        self.failed += counts["failed"]
+        for k in ("sent", "retries", "rate_limited", "failed"):
+            setattr(self, k, getattr(self, k) + counts[k])
         for k in FAULT_KINDS:
             if counts[k]:
                 self.faults[k] = self.faults.get(k, 0) + counts[k]

@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Protocol as TypingProtocol
 
 from tqdm.auto import tqdm
 
@@ -501,7 +502,7 @@ class Answer:
 OnAnswer = Callable[[int, Answer], None]
 
 
-class Backend(Protocol):
+class Backend(TypingProtocol):
     """A judge model. ``model_id`` and ``sampling()`` go into the cache key; ``counts`` are the
     faults seen (by kind, see :data:`rolemrc.api.FAULT_KINDS`); ``retries_unparseable`` says
     whether asking again can change an answer without a verdict (an API judge: yes; greedy: no).

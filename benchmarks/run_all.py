@@ -134,39 +134,42 @@ def run_contender(kind: str, contender: str, work: Path, log_dir: Path, tag: str
     return result
 
 
-def run_memory(work: Path, log_dir: Path, args: argparse.Namespace) -> dict:
-    out = work / "results" / "logprob_memory.json"
-    cmd = [sys.executable, str(HERE / "logprob_memory.py"), "--hidden", str(args.memory_hidden),
-           "--tokens", str(args.memory_tokens), "--dtypes", args.memory_dtypes, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def run_script(script: str, args: list[str], work: Path, log_dir: Path, what: str,
+               env_extra: dict[str, str] | None = None) -> dict:
+    """``benchmarks/<script>.py args --out <work>/results/<script>.json`` in its own process, its log in
+    ``<log_dir>/<script>.log``: the JSON it writes with the command that made it and its wall time,
+    or ``{"error": ...}`` when it fails."""
+    out = work / "results" / f"{script}.json"
+    cmd = [sys.executable, str(HERE / f"{script}.py"), *args, "--out", str(out)]
+    env = {**os.environ, **(env_extra or {}), "PYTHONPATH": str(ROOT / "src")}
+    log = log_dir / f"{script}.log"
     start = time.perf_counter()
-    with (log_dir / "logprob_memory.log").open("w") as fh:
+    with log.open("w") as fh:
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode != 0:
-        print(f"  logprob memory FAILED; log {log_dir / 'logprob_memory.log'}", flush=True)
+        print(f"  {what} FAILED; log {log}", flush=True)
         return {"error": f"exit {proc.returncode}"}
     result = json.loads(out.read_text())
-    result["command"] = "python " + " ".join(["benchmarks/logprob_memory.py", *cmd[2:]])
+    result["command"] = "python " + " ".join([f"benchmarks/{script}.py", *cmd[2:]])
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    print(f"  logprob memory: {result['ratios_ours_over_full']} ({result['wall_s']:.0f} s)", flush=True)
+    return result
+
+
+def run_memory(work: Path, log_dir: Path, args: argparse.Namespace) -> dict:
+    result = run_script("logprob_memory", ["--hidden", str(args.memory_hidden), "--tokens", str(args.memory_tokens),
+                                           "--dtypes", args.memory_dtypes], work, log_dir, "logprob memory")
+    if "error" not in result:
+        print(f"  logprob memory: {result['ratios_ours_over_full']} ({result['wall_s']:.0f} s)", flush=True)
     return result
 
 
 def run_rollout(work: Path, log_dir: Path, args: argparse.Namespace) -> dict:
     """benchmarks/rollout_throughput.py in its own process: single-turn against multi-turn rollouts."""
-    out = work / "results" / "rollout_throughput.json"
-    cmd = [sys.executable, str(HERE / "rollout_throughput.py"), "--repeats", str(args.rollout_repeats), "--out", str(out)]
-    if args.smoke:
-        cmd += ["--generations", "1", "--reply-tokens", "4"]
-    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT / "src")}
-    with (log_dir / "rollout_throughput.log").open("w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-    if proc.returncode != 0:
-        print(f"  rollout throughput FAILED; log {log_dir / 'rollout_throughput.log'}", flush=True)
-        return {"error": f"exit {proc.returncode}"}
-    result = json.loads(out.read_text())
-    result["command"] = "python " + " ".join(["benchmarks/rollout_throughput.py", *cmd[2:]])
-    print("  " + "\n  ".join(result["table"]), flush=True)
+    extra = ["--generations", "1", "--reply-tokens", "4"] if args.smoke else []
+    result = run_script("rollout_throughput", ["--repeats", str(args.rollout_repeats), *extra], work, log_dir,
+                        "rollout throughput", MALLOC_ENV)
+    if "error" not in result:
+        print("  " + "\n  ".join(result["table"]), flush=True)
     return result
 
 
